@@ -1,0 +1,14 @@
+"""flce: an exact, fast fused linear cross-entropy (Triton on the GPU, PyTorch on the CPU)."""
+
+from flce.function import fused_linear_cross_entropy, triton_usable
+from flce.module import FusedLinearCrossEntropyLoss
+from flce.options import LossOptions
+from flce.reference import linear_cross_entropy
+
+__all__ = [
+    "FusedLinearCrossEntropyLoss",
+    "LossOptions",
+    "fused_linear_cross_entropy",
+    "linear_cross_entropy",
+    "triton_usable",
+]

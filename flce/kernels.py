@@ -1,0 +1,172 @@
+"""Triton kernels for one chunk of tokens: log-sum-exp, loss and the logits gradient, per row.
+
+The chunk loop in `ops.py` runs the GEMMs through cuBLAS; these kernels do the memory-bound part
+between them. One program handles one row (token) of the [C, V] logits chunk and walks the
+vocabulary in blocks of BLOCK_V:
+
+  pass 1  online max / sum-exp (and the sum of z for label smoothing)   -> lse, loss
+  pass 2  dz_j = w * dz/da_j, written in place over the logits           -> the chunk becomes dlogits
+
+Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
+inside pass 2 (never by patching a rounded value afterwards). Pass 2 re-reads a row that pass 1
+just read, so for rows of a few hundred KiB it mostly comes from L2.
+
+Math (a = raw logit, s = logit_scale, c = softcap, ls = label_smoothing, zl = z_loss):
+  z = c * tanh(s * a / c)  (or z = s * a)           lse = log sum_j exp(z_j)
+  loss = (1 - ls) (lse - z_y) + ls (lse - mean_j z_j) + zl lse^2
+  dloss/dz_j = p_j (1 + 2 zl lse) - ls / V - (1 - ls) [j == y]
+  dz/da = s (1 - (z / c)^2)  (or s)
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(t):
+    # No libdevice: the kernels must also run under TRITON_INTERPRET=1 on the CPU. The exp form
+    # cancels for small |t|, where the odd Taylor series is exact to fp32 rounding.
+    big = 1.0 - 2.0 / (tl.exp(2.0 * t) + 1.0)
+    t2 = t * t
+    small = t * (1.0 + t2 * (-1.0 / 3.0 + t2 * (2.0 / 15.0 + t2 * (-17.0 / 315.0))))
+    return tl.where(tl.abs(t) < 0.125, small, big)
+
+
+@triton.jit
+def _scaled(a, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    z = a * logit_scale
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def flce_rows_kernel(
+    logits_ptr,        # [C, V] raw logits in, dlogits out (when COMPUTE_GRAD)
+    stride_row,
+    target_ptr,        # [C] int
+    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens)
+    lse_ptr,           # [C] fp32 out (or in, when LSE_GIVEN)
+    weight_ptr,        # fp32 gradient weight: one scalar (weight_stride 0) or one per row
+    weight_stride,
+    V,
+    ignore_index,
+    logit_scale,
+    softcap,
+    label_smoothing,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    LSE_GIVEN: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    y = tl.load(target_ptr + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+
+    if y == ignore_index:
+        # Ignored rows still write every output: the chunk buffer is reused and feeds the GEMMs.
+        tl.store(loss_ptr + row, 0.0)
+        if not LSE_GIVEN:
+            tl.store(lse_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            zero = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
+            for start in range(0, V, BLOCK_V):
+                tl.store(row_ptr + start + cols, zero, mask=start + cols < V)
+        return
+
+    # A target outside [0, V) poisons its row with NaN (loss and gradient) instead of reading
+    # out of bounds: loud downstream, and no host sync to check it here.
+    in_range = (y >= 0) & (y < V)
+    y_safe = tl.where(in_range, y, 0)
+    z_y = _scaled(tl.load(row_ptr + y_safe).to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
+
+    if LSE_GIVEN:
+        lse = tl.load(lse_ptr + row)
+        sum_z = 0.0
+        if HAS_SMOOTHING:
+            sum_z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for start in range(0, V, BLOCK_V):
+                mask = start + cols < V
+                a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+                z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
+                sum_z_vec += tl.where(mask, z, 0.0)
+            sum_z = tl.sum(sum_z_vec, axis=0)
+    else:
+        # Per-lane running max and sum-exp; lanes are merged once at the end.
+        m_vec = tl.full([BLOCK_V], -1.0e30, dtype=tl.float32)
+        s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+        sum_z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for start in range(0, V, BLOCK_V):
+            mask = start + cols < V
+            a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
+            z_m = tl.where(mask, z, -float("inf"))
+            m_new = tl.maximum(m_vec, z_m)
+            s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(z_m - m_new)
+            m_vec = m_new
+            if HAS_SMOOTHING:
+                sum_z_vec += tl.where(mask, z, 0.0)
+        m = tl.max(m_vec, axis=0)
+        s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
+        lse = m + tl.log(s)
+        sum_z = tl.sum(sum_z_vec, axis=0)
+        tl.store(lse_ptr + row, lse)
+
+    loss = lse - z_y
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / V)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    loss = tl.where(in_range, loss, float("nan"))
+    tl.store(loss_ptr + row, loss)
+
+    if COMPUTE_GRAD:
+        w = tl.load(weight_ptr + row * weight_stride).to(tl.float32)
+        w = tl.where(in_range, w, float("nan"))
+        p_coef = 1.0
+        if HAS_Z_LOSS:
+            p_coef = 1.0 + 2.0 * z_loss * lse
+        uniform = 0.0
+        if HAS_SMOOTHING:
+            uniform = label_smoothing / V
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            mask = offs < V
+            a = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
+            g = tl.exp(z - lse) * p_coef - uniform
+            g = tl.where(offs == y, g - (1.0 - label_smoothing), g)
+            g = g * (w * logit_scale)
+            if HAS_SOFTCAP:
+                r = z / softcap
+                g = g * (1.0 - r * r)
+            tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, compute_grad,
+                block_v=None, num_warps=None):
+    """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows`."""
+    C, V = logits.shape
+    if C == 0:
+        return
+    if block_v is None:
+        block_v = min(triton.next_power_of_2(V), 4096)
+    if num_warps is None:
+        num_warps = 8 if block_v >= 2048 else 4
+    flce_rows_kernel[(C,)](
+        logits, logits.stride(0), target, loss_out, lse_out,
+        weight, 0 if weight.dim() == 0 else weight.stride(0),
+        V, opts.ignore_index, float(opts.logit_scale), float(opts.softcap or 1.0),
+        float(opts.label_smoothing), float(opts.z_loss),
+        HAS_SOFTCAP=opts.softcap is not None,
+        HAS_SMOOTHING=opts.label_smoothing > 0,
+        HAS_Z_LOSS=opts.z_loss > 0,
+        LSE_GIVEN=lse_given,
+        COMPUTE_GRAD=compute_grad,
+        BLOCK_V=block_v,
+        num_warps=num_warps,
+    )

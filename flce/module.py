@@ -1,0 +1,46 @@
+"""FusedLinearCrossEntropyLoss: the loss as an nn.Module, argument order of fla's module."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from flce.function import IMPLS, fused_linear_cross_entropy
+from flce.options import LossOptions
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """`forward(x, target, weight, bias=None, normalizer=None)` -> loss; options fixed at init."""
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        logit_scale: float = 1.0,
+        z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        reduction: str = "mean",
+        chunk_size: Optional[int] = None,
+        accum_dtype: torch.dtype = torch.float32,
+        impl: str = "auto",
+    ):
+        super().__init__()
+        self.options = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap,
+                                   reduction)  # validates early, not at the first step
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+        self.chunk_size = chunk_size
+        self.accum_dtype = accum_dtype
+        self.impl = impl
+
+    def forward(self, x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                normalizer=None) -> Tensor:
+        o = self.options
+        return fused_linear_cross_entropy(
+            x, target, weight, bias, ignore_index=o.ignore_index,
+            label_smoothing=o.label_smoothing, logit_scale=o.logit_scale, z_loss=o.z_loss,
+            softcap=o.softcap, reduction=o.reduction, normalizer=normalizer,
+            chunk_size=self.chunk_size, accum_dtype=self.accum_dtype, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        return f"{self.options}, chunk_size={self.chunk_size}, impl={self.impl!r}"

@@ -1,0 +1,114 @@
+"""The chunk loop and the autograd op.
+
+For reductions "mean" and "sum" the gradients are formed during the forward pass: per chunk of
+tokens, logits = x_c @ W.T (+ b) go into one reused [C, V] buffer, the row kernel turns them into
+dlogits in place, and dx_c = dlogits @ W, dW += dlogits.T @ x_c, db += sum(dlogits) follow. That
+is 6·N·H·V FLOPs, nothing recomputed; backward only multiplies the stored gradients by the
+upstream scalar while casting them to the parameter dtypes (one rounding, as in the unfused loss).
+
+For reduction "none" the upstream gradient differs per token and is unknown in forward, so forward
+keeps lse and backward recomputes each chunk's logits with the token weights (8·N·H·V FLOPs).
+
+dW is accumulated across chunks in fp32 (cuBLAS `out_dtype=float32` on CUDA: no extra pass) and
+cast to the parameter dtype once; accum_dtype=param dtype trades that for memory (a lean mode).
+The loss weight 1/normalizer stays a device tensor: nothing here synchronises with the host.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flce.options import LossOptions
+from flce.reference import chunk_rows
+
+DEFAULT_CHUNK_TOKENS = 4096
+DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+def pick_chunk_size(n_tokens: int, vocab: int, elem_bytes: int, chunk_size: Optional[int]) -> int:
+    """Tokens per chunk: the given size, else as many as fit DEFAULT_CHUNK_BYTES of logits (at most
+    DEFAULT_CHUNK_TOKENS), then evened out so the last chunk is not a sliver."""
+    if chunk_size is None:
+        chunk_size = max(256, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_BYTES // (vocab * elem_bytes)))
+    n_chunks = max(1, -(-n_tokens // chunk_size))
+    even = -(-n_tokens // n_chunks)
+    return max(1, min(chunk_size, -(-even // 8) * 8))
+
+
+def _row_fn(use_triton: bool):
+    if use_triton:
+        from flce.kernels import launch_rows
+        return launch_rows
+    return chunk_rows
+
+
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out = a @ b, or out += a @ b, with out possibly fp32 while a, b are bf16/fp16."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif out.is_cuda:  # cuBLAS writes fp32 straight from its fp32 accumulators
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+    else:
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 row_weight: Tensor, lse: Tensor, lse_given: bool, opts: LossOptions,
+                 chunk_size: Optional[int], accum_dtype: torch.dtype, use_triton: bool,
+                 need_dx: bool, need_dw: bool, need_db: bool, cast_grads: bool):
+    """One sweep over the tokens. Returns (per-token loss, dx, dW, db); unneeded grads are None.
+
+    With cast_grads the gradients come back in the dtypes of x, weight and bias. Without, dx, db
+    and dW stay in the fp32 accumulators (dW in accum_dtype) so that a later upstream-gradient
+    multiply rounds to the parameter dtype only once.
+
+    row_weight: fp32, 0-dim (one weight for every token) or [N]; it scales the gradients only.
+    lse: [N] fp32 (float64 for float64 inputs), read when lse_given, else written; its dtype is
+    the dtype of the per-token statistics.
+    """
+    N, H = x.shape
+    V = weight.shape[0]
+    rows = _row_fn(use_triton)
+    compute_grad = need_dx or need_dw or need_db
+    stat_dtype = lse.dtype
+    accum_dtype = torch.promote_types(accum_dtype, weight.dtype)
+    loss = torch.empty(N, device=x.device, dtype=stat_dtype)
+    dx_dtype = x.dtype if cast_grads else stat_dtype
+    dx = torch.empty(N, H, device=x.device, dtype=dx_dtype) if need_dx else None
+    dw_acc = torch.zeros(V, H, device=x.device, dtype=accum_dtype) if need_dw else None
+    db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
+    C = pick_chunk_size(N, V, x.element_size(), chunk_size)
+    buf = torch.empty(min(C, N), V, device=x.device, dtype=x.dtype)
+    w_t = weight.t()
+    for start in range(0, N, C):
+        end = min(start + C, N)
+        x_c, logits = x[start:end], buf[: end - start]
+        if bias is None:
+            torch.mm(x_c, w_t, out=logits)
+        else:
+            torch.addmm(bias, x_c, w_t, out=logits)
+        rw = row_weight if row_weight.dim() == 0 else row_weight[start:end]
+        rows(logits, target[start:end], loss[start:end], lse[start:end], rw, opts,
+             lse_given, compute_grad)
+        if need_dx:
+            _matmul_into(dx[start:end], logits, weight, accumulate=False)
+        if need_dw:
+            _matmul_into(dw_acc, logits.t(), x_c, accumulate=start > 0)
+        if need_db:
+            db_acc += logits.sum(0, dtype=stat_dtype)
+    del buf
+    if not cast_grads:
+        return loss, dx, dw_acc, db_acc
+    dw = None if dw_acc is None else dw_acc.to(weight.dtype)
+    del dw_acc
+    db = None if db_acc is None else db_acc.to(bias.dtype)
+    return loss, dx, dw, db

@@ -1,0 +1,31 @@
+"""The loss options, checked once when they are given."""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    logit_scale: float = 1.0
+    z_loss: float = 0.0
+    softcap: Optional[float] = None
+    reduction: str = "mean"
+
+    def __post_init__(self):
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction={self.reduction!r}: expected one of {REDUCTIONS}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={self.label_smoothing}: must be in [0, 1)")
+        if not (math.isfinite(self.logit_scale) and self.logit_scale > 0):
+            raise ValueError(f"logit_scale={self.logit_scale}: must be a finite number > 0")
+        if not (math.isfinite(self.z_loss) and self.z_loss >= 0):
+            raise ValueError(f"z_loss={self.z_loss}: must be a finite number >= 0")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap={self.softcap}: must be None or a finite number > 0")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index={self.ignore_index!r}: must be an int")

@@ -1,0 +1,100 @@
+"""The loss in plain PyTorch: the per-chunk row math of the CPU path, and the unfused baseline.
+
+`chunk_rows` is the PyTorch twin of `kernels.flce_rows_kernel`: same inputs, same outputs, same
+fp32 math, so the chunk loop in `ops.py` can run either. `linear_cross_entropy` is the unfused
+baseline (full logits, fp32 loss, autograd) that the fused loss is compared against.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flce.options import LossOptions
+
+
+def scaled_logits(a: Tensor, opts: LossOptions) -> Tensor:
+    """z = softcap(logit_scale * a), in fp32 (float64 stays float64)."""
+    z = a.to(torch.promote_types(a.dtype, torch.float32)) * opts.logit_scale
+    if opts.softcap is not None:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    return z
+
+
+def per_token_loss(z: Tensor, target: Tensor, lse: Tensor, opts: LossOptions) -> Tensor:
+    """Loss per row of fp32 logits z [N, V]; rows whose target is ignore_index get 0."""
+    keep = target != opts.ignore_index
+    y = torch.where(keep, target, torch.zeros_like(target))
+    loss = lse - z.gather(1, y[:, None]).squeeze(1)
+    if opts.label_smoothing:
+        loss = (1 - opts.label_smoothing) * loss + opts.label_smoothing * (lse - z.mean(1))
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse * lse
+    return torch.where(keep, loss, torch.zeros_like(loss))
+
+
+def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor,
+               weight: Tensor, opts: LossOptions, lse_given: bool, compute_grad: bool) -> None:
+    """Fill loss_out/lse_out for a chunk and, if compute_grad, overwrite logits with dlogits.
+
+    weight is the fp32 gradient weight per row ([C]) or for all rows (a 0-dim tensor).
+    Targets outside [0, V) raise (an index error from gather) rather than read garbage.
+    """
+    V = logits.shape[1]
+    z = scaled_logits(logits, opts)
+    lse = lse_out if lse_given else torch.logsumexp(z, dim=1)
+    keep = target != opts.ignore_index
+    bad = keep & ((target < 0) | (target >= V))
+    if bad.any():  # CPU path only: a host check is free here
+        raise IndexError(f"target id {int(target[bad][0])} is outside [0, {V}) "
+                         f"and is not ignore_index={opts.ignore_index}")
+    loss_out.copy_(per_token_loss(z, target, lse, opts))
+    if not lse_given:
+        lse_out.copy_(torch.where(keep, lse, torch.zeros_like(lse)))
+    if not compute_grad:
+        return
+    ls = opts.label_smoothing
+    g = torch.exp(z - lse[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / V
+    y = torch.where(keep, target, torch.zeros_like(target))
+    g.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -(1 - ls)))
+    g *= (weight.expand(lse.shape) * opts.logit_scale)[:, None]
+    if opts.softcap is not None:
+        g *= 1 - (z / opts.softcap) ** 2
+    logits.copy_(torch.where(keep[:, None], g, torch.zeros_like(g)))
+
+
+def linear_cross_entropy(
+    x: Tensor,
+    target: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    normalizer=None,
+) -> Tensor:
+    """The unfused baseline: full logits in the input dtype, the loss in fp32, plain autograd."""
+    opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
+    shape = target.shape
+    x = x.reshape(-1, x.shape[-1])
+    target = target.reshape(-1)
+    z = scaled_logits(F.linear(x, weight, bias), opts)
+    lse = torch.logsumexp(z, dim=1)
+    loss = per_token_loss(z, target, lse, opts)
+    return reduce_loss(loss, target, opts, normalizer, shape)
+
+
+def reduce_loss(loss: Tensor, target: Tensor, opts: LossOptions, normalizer, shape) -> Tensor:
+    if opts.reduction == "none":
+        return loss.reshape(shape)
+    total = loss.sum()
+    if normalizer is not None:
+        return total / normalizer
+    if opts.reduction == "mean":
+        return total / (target != opts.ignore_index).sum().clamp(min=1)
+    return total

@@ -1,0 +1,55 @@
+"""The loss inside torch.compile, and no host-device synchronisation on the GPU."""
+
+import pytest
+import torch
+from torch import nn
+
+import flce
+from flce_cases import IMPL_DEVICES, cuda_only, make_inputs, rel_err
+
+
+class TinyHead(nn.Module):
+    def __init__(self, H, V, impl):
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.out = nn.Linear(H, V)
+        self.loss = flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, impl=impl)
+
+    def forward(self, x, target):
+        h = torch.tanh(self.proj(x))
+        return self.loss(h, target, self.out.weight, self.out.bias)
+
+
+@IMPL_DEVICES
+def test_inside_torch_compile(impl, device):
+    torch.manual_seed(0)
+    model = TinyHead(16, 40, impl).to(device)
+    x = torch.randn(2, 24, 16, device=device)
+    target = torch.randint(0, 40, (2, 24), device=device)
+    target[0, :5] = -100
+    eager = model(x, target)
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    loss = compiled(x, target)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert rel_err(loss, eager) <= 1e-6
+    assert all(rel_err(g, ge) <= 1e-5 for g, ge in zip(grads, eager_grads))
+
+
+@cuda_only
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_host_sync_on_cuda(reduction):
+    x, t, w, b = make_inputs(300, 64, 1000, "cuda", torch.bfloat16)
+    count = (t != -100).sum()
+    flce.fused_linear_cross_entropy(x, t, w, b, reduction=reduction).sum().backward()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for normalizer in ((None, count) if reduction != "none" else (None,)):
+            loss = flce.fused_linear_cross_entropy(x, t, w, b, reduction=reduction,
+                                                   normalizer=normalizer, chunk_size=128,
+                                                   label_smoothing=0.1, z_loss=1e-4, softcap=20.0)
+            loss.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad).all()

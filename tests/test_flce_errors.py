@@ -1,0 +1,61 @@
+"""Bad input gets an error that names the problem."""
+
+import pytest
+import torch
+
+import flce
+
+
+def _inputs(N=6, H=4, V=9):
+    return (torch.randn(N, H, requires_grad=True), torch.randint(0, V, (N,)),
+            torch.randn(V, H, requires_grad=True), torch.randn(V))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: a.update(x=torch.randn(6, 5)), ValueError, "weight must be"),
+    (lambda a: a.update(x=torch.randn(6)), ValueError, "x must be"),
+    (lambda a: a.update(target=torch.randint(0, 9, (5,))), ValueError, "target shape"),
+    (lambda a: a.update(target=torch.rand(6)), TypeError, "integer class ids"),
+    (lambda a: a.update(bias=torch.randn(8)), ValueError, "bias must be"),
+    (lambda a: a.update(weight=torch.randn(9, 4, dtype=torch.float64)), TypeError, "weight dtype"),
+    (lambda a: a.update(target=torch.randint(0, 9, (6,), device="meta")), ValueError, "one device"),
+    (lambda a: a.update(reduction="avg"), ValueError, "reduction='avg'"),
+    (lambda a: a.update(label_smoothing=1.0), ValueError, "label_smoothing"),
+    (lambda a: a.update(label_smoothing=-0.1), ValueError, "label_smoothing"),
+    (lambda a: a.update(softcap=0.0), ValueError, "softcap"),
+    (lambda a: a.update(z_loss=-1.0), ValueError, "z_loss"),
+    (lambda a: a.update(impl="cuda"), ValueError, "impl='cuda'"),
+    (lambda a: a.update(chunk_size=0), ValueError, "chunk_size"),
+    (lambda a: a.update(normalizer=torch.ones(2)), ValueError, "normalizer must be a scalar"),
+    (lambda a: a.update(normalizer=0), ValueError, "normalizer=0"),
+    (lambda a: a.update(reduction="none", normalizer=3), ValueError, "normalizer applies"),
+    (lambda a: a.update(accum_dtype=torch.int32), ValueError, "accum_dtype"),
+])
+def test_bad_input(change, error, match):
+    x, target, weight, bias = _inputs()
+    args = dict(x=x, target=target, weight=weight, bias=bias)
+    change(args)
+    kwargs = {k: args.pop(k) for k in list(args) if k not in ("x", "target", "weight", "bias")}
+    with pytest.raises(error, match=match):
+        flce.fused_linear_cross_entropy(args["x"], args["target"], args["weight"], args["bias"],
+                                        **kwargs)
+
+
+def test_module_checks_options_at_construction():
+    with pytest.raises(ValueError, match="reduction"):
+        flce.FusedLinearCrossEntropyLoss(reduction="max")
+
+
+def test_out_of_range_target_on_cpu_raises():
+    x, target, weight, bias = _inputs()
+    target[2] = 9
+    with pytest.raises(IndexError, match="target id 9 is outside \\[0, 9\\)"):
+        flce.fused_linear_cross_entropy(x, target, weight, bias, impl="torch")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU-only machine")
+def test_triton_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, target, weight, bias = _inputs()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        flce.fused_linear_cross_entropy(x, target, weight, bias, impl="triton")

@@ -1,0 +1,200 @@
+"""Loss and gradients of the fused loss against float64, for every option and odd shapes."""
+
+import pytest
+import torch
+
+import flce
+from flce_cases import (IMPL_DEVICES, float64_reference, loss_and_grads, make_inputs, rel_err,
+                        skip_if_interpreted_bf16)
+
+OPTIONS = [
+    {},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-3},
+    {"logit_scale": 0.6},
+    {"softcap": 3.0},
+    {"label_smoothing": 0.25, "z_loss": 1e-2, "logit_scale": 1.7, "softcap": 4.0, "ignore_index": 5},
+]
+REDUCTIONS = ["mean", "sum", "none"]
+# (N, H, V, chunk_size): N not a multiple of the chunk, N = 1, V = 3, V not a power of two, V < H
+SHAPES = [(67, 24, 101, 16), (1, 8, 3, None), (40, 64, 5, 7), (33, 16, 257, None)]
+
+
+def _check(impl, device, dtype, N, H, V, chunk, bias, tol=1e-5, **kw):
+    x, t, w, b = make_inputs(N, H, V, device, dtype, bias=bias)
+    if "ignore_index" in kw:
+        t[t == -100] = kw["ignore_index"]
+    ref_loss, ref_grads = None, None
+    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b,
+                                     chunk_size=chunk, impl=impl, **kw)
+    ref_loss, ref_grads = float64_reference(x, t, w, b, up, **kw)
+    assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape
+    assert torch.isfinite(loss).all()
+    assert rel_err(loss, ref_loss) <= tol, kw
+    for name, g, r in zip("x W b".split(), grads, ref_grads):
+        assert g.dtype == dtype
+        assert rel_err(g, r) <= tol, (name, rel_err(g, r), kw)
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_options_fp32(impl, device, options, reduction):
+    _check(impl, device, torch.float32, 67, 24, 101, 16, bias=True, reduction=reduction, **options)
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("N,H,V,chunk", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_odd_shapes_fp32(impl, device, N, H, V, chunk, bias):
+    _check(impl, device, torch.float32, N, H, V, chunk, bias, reduction="mean", label_smoothing=0.1)
+    _check(impl, device, torch.float32, N, H, V, chunk, bias, reduction="none", z_loss=1e-3)
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("options", [{}, OPTIONS[-1]], ids=["plain", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_bf16_no_worse_than_unfused(impl, device, options, reduction):
+    """bf16: error against float64 within the unfused bf16 path's own error on the same inputs.
+
+    Single draws scatter by +-20% around each other (where the rounded dlogits fall on the bf16
+    grid), so the ratio is averaged over a few fresh draws and a single draw gets some slack."""
+    skip_if_interpreted_bf16(impl, device)
+    kw = dict(reduction=reduction, **options)
+    ratios = []
+    for _ in range(3):
+        x, t, w, b = make_inputs(256, 64, 300, device, torch.bfloat16)
+        if "ignore_index" in kw:
+            t[t == -100] = kw["ignore_index"]
+        loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b,
+                                         chunk_size=64, impl=impl, **kw)
+        base_loss, base_grads, _ = loss_and_grads(flce.linear_cross_entropy, x, t, w, b, up, **kw)
+        ref_loss, ref_grads = float64_reference(x, t, w, b, up, **kw)
+        assert rel_err(loss, ref_loss) <= 1.05 * rel_err(base_loss, ref_loss) + 1e-6
+        ratios.append([rel_err(g, r) / rel_err(gb, r)
+                       for g, gb, r in zip(grads, base_grads, ref_grads)])
+    ratios = torch.tensor(ratios)
+    assert ratios.mean() <= 1.1 and ratios.max() <= 1.35, ratios
+
+
+@IMPL_DEVICES
+def test_dw_accumulates_in_fp32(impl, device):
+    """Pitfall 1: dW summed over many token chunks; bf16 accumulation visibly loses precision."""
+    skip_if_interpreted_bf16(impl, device)
+    x, t, w, b = make_inputs(2048, 32, 64, device, torch.bfloat16, ignore_frac=0.0, seed=3)
+    up = torch.tensor(1.0, dtype=torch.float64)
+    errs = {}
+    for accum in (torch.float32, torch.bfloat16):
+        _, (dx, dw, db), _ = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up,
+                                            chunk_size=16, impl=impl, accum_dtype=accum)
+        _, (rdx, rdw, rdb) = float64_reference(x, t, w, b, up)
+        errs[accum] = rel_err(dw, rdw)
+    _, (_, base_dw, _), _ = loss_and_grads(flce.linear_cross_entropy, x, t, w, b, up)
+    assert errs[torch.float32] <= 1.1 * rel_err(base_dw, rdw) + 1e-4
+    assert errs[torch.float32] * 3 < errs[torch.bfloat16], errs
+
+
+@IMPL_DEVICES
+def test_confident_target_gradient(impl, device):
+    """Pitfall 2: p_y close to 1, where p_y - 1 must come from fp32 lse, not a rounded p_y."""
+    x, t, w, b = make_inputs(48, 16, 40, device, torch.float32, bias=False, ignore_frac=0.0)
+    with torch.no_grad():  # make the target logit dominate: p_y ~ 1 - 1e-6
+        w[t.clamp(min=0)] += x * 3.0 / x.norm(dim=1, keepdim=True) ** 2 * 5
+    for kw in ({}, {"label_smoothing": 0.05}):
+        _, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, None, impl=impl, **kw)
+        _, ref = float64_reference(x, t, w, None, up, **kw)
+        assert all(rel_err(g, r) <= 1e-4 for g, r in zip(grads, ref))
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_ignored_gives_zero(impl, device, reduction):
+    x, t, w, b = make_inputs(20, 8, 30, device, torch.float32)
+    t.fill_(-100)
+    loss, grads, _ = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b,
+                                    impl=impl, reduction=reduction, z_loss=1e-3)
+    assert torch.equal(loss.detach().cpu(), torch.zeros_like(loss).cpu())
+    assert all(torch.equal(g.cpu(), torch.zeros_like(g).cpu()) for g in grads)
+
+
+@IMPL_DEVICES
+def test_large_logits(impl, device):
+    """Logits around 1e4: lse needs the running max subtracted. Near-ties between such logits
+    make even the fp32 unfused gradients ~1e-5 off, so the gradients are held to its error."""
+    x, t, w, b = make_inputs(30, 16, 50, device, torch.float32, scale=3000.0)
+    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl)
+    _, base, _ = loss_and_grads(flce.linear_cross_entropy, x, t, w, b, up)
+    ref_loss, ref = float64_reference(x, t, w, b, up)
+    assert torch.isfinite(loss) and rel_err(loss, ref_loss) <= 1e-5
+    for g, gb, r in zip(grads, base, ref):
+        assert torch.isfinite(g).all() and rel_err(g, r) <= 1.1 * rel_err(gb, r) + 1e-6
+
+
+@IMPL_DEVICES
+def test_chunk_size_independence(impl, device):
+    x, t, w, b = make_inputs(50, 16, 70, device, torch.float32)
+    up = torch.tensor(0.7, dtype=torch.float64)
+    results = [loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up, chunk_size=c,
+                              impl=impl, label_smoothing=0.1) for c in (1, 7, 16, 50, 4096)]
+    loss0, grads0, _ = results[0]
+    for loss, grads, _ in results[1:]:
+        assert rel_err(loss, loss0) <= 1e-6
+        assert all(rel_err(g, g0) <= 1e-6 for g, g0 in zip(grads, grads0))
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradient_accumulation_and_upstream_scale(impl, device, reduction):
+    """Two forward/backward calls into .grad with upstream gradients != 1, as the unfused loss."""
+    x, t, w, b = make_inputs(40, 16, 30, device, torch.float32)
+    refs = [a.detach().cpu().double().requires_grad_() for a in (x, w, b)]
+    for scale in (0.37, -2.5):
+        for fn, (xi, wi, bi), tt in ((flce.fused_linear_cross_entropy, (x, w, b), t),
+                                     (flce.linear_cross_entropy, refs, t.cpu())):
+            kw = {"impl": impl} if fn is flce.fused_linear_cross_entropy else {}
+            loss = fn(xi, tt, wi, bi, reduction=reduction, label_smoothing=0.1, **kw)
+            (loss.sum() * scale).backward()
+    for a, r in zip((x, w, b), refs):
+        assert rel_err(a.grad, r.grad) <= 1e-5
+
+
+@IMPL_DEVICES
+def test_normalizer_gives_global_mean_across_micro_batches(impl, device):
+    """sum / global count over two micro-batches equals the mean over the whole batch."""
+    x, t, w, b = make_inputs(60, 16, 30, device, torch.float32)
+    count = (t != -100).sum()
+    total = sum(flce.fused_linear_cross_entropy(x[i:i + 30], t[i:i + 30], w, b, normalizer=count,
+                                                impl=impl) for i in (0, 30))
+    total.backward()
+    refs = [a.detach().cpu().double().requires_grad_() for a in (x, w, b)]
+    ref = flce.linear_cross_entropy(refs[0], t.cpu(), refs[1], refs[2])
+    ref.backward()
+    assert rel_err(total, ref) <= 1e-6
+    assert all(rel_err(a.grad, r.grad) <= 1e-5 for a, r in zip((x, w, b), refs))
+    as_number = flce.fused_linear_cross_entropy(x, t, w, b, normalizer=float(count), impl=impl)
+    assert rel_err(as_number, ref) <= 1e-6
+
+
+@IMPL_DEVICES
+def test_module_3d_input_and_partial_grads(impl, device):
+    x, t, w, b = make_inputs(24, 16, 30, device, torch.float32)
+    loss_fn = flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1, impl=impl)
+    x3, t3 = x.detach().reshape(4, 6, 16).requires_grad_(), t.reshape(4, 6)
+    w.requires_grad_(False)  # a frozen head: only dx and db are formed
+    loss = loss_fn(x3, t3, w, b)
+    loss.backward()
+    ref = flce.linear_cross_entropy(x3.detach().double().cpu().requires_grad_(), t3.cpu(),
+                                    w.double().cpu(), b.detach().double().cpu(), label_smoothing=0.1)
+    assert rel_err(loss, ref) <= 1e-6 and x3.grad.shape == (4, 6, 16) and w.grad is None
+    with torch.no_grad():
+        assert rel_err(loss_fn(x3, t3, w, b), ref) <= 1e-6
+
+
+@IMPL_DEVICES
+def test_deterministic(impl, device):
+    x, t, w, b = make_inputs(64, 32, 100, device, torch.float32)
+    up = torch.tensor(1.0, dtype=torch.float64)
+    runs = [loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up, impl=impl,
+                           chunk_size=16) for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(g0, g1) for g0, g1 in zip(runs[0][1], runs[1][1]))
