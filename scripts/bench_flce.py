@@ -1,0 +1,225 @@
+"""Benchmark the fused loss against its peers and the bare-GEMM floor on one GPU.
+
+Times forward+backward of lm_head + cross-entropy (median of CUDA-event timings) and the peak
+memory above the inputs, for: this FLCE (default and memory-lean settings), the unfused loss eager
+and under torch.compile, Liger-Kernel and Cut-Cross-Entropy when importable, and the three bare
+GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into benchmarks/.
+
+    python scripts/bench_flce.py                      # the three standard shapes
+    python scripts/bench_flce.py --sweep              # plus chunk-size / accumulation variants
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flce  # noqa: E402
+
+SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
+MiB = 1 << 20
+
+
+def lean_chunk(N, H, V):
+    """Memory-lean chunk: a logits buffer no larger than x itself (as Liger sizes its chunks)."""
+    return max(64, (N * H // V) // 64 * 64)
+
+
+def methods(N, H, V, sweep):
+    m = {
+        "flce": lambda x, t, w: flce.fused_linear_cross_entropy(x, t, w),
+        "flce_lean": lambda x, t, w: flce.fused_linear_cross_entropy(
+            x, t, w, accum_dtype=w.dtype, chunk_size=lean_chunk(N, H, V)),
+        "unfused_eager": lambda x, t, w: flce.linear_cross_entropy(x, t, w),
+        "unfused_compile": torch.compile(lambda x, t, w: flce.linear_cross_entropy(x, t, w)),
+    }
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import \
+            LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss()
+        m["liger"] = lambda x, t, w: liger(w, x, t)
+    except ImportError as e:
+        print(f"liger-kernel not importable ({e}); skipped")
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+        m["cce"] = lambda x, t, w: cce(x, w, t)
+    except ImportError as e:
+        print(f"cut-cross-entropy not importable ({e}); skipped")
+    if sweep:
+        for c in (1024, 2048, 4096, 8192, 16384):
+            for acc in (torch.float32, torch.bfloat16):
+                name = f"flce_c{c}_{'fp32' if acc == torch.float32 else 'bf16'}"
+                m[name] = (lambda c, acc: lambda x, t, w: flce.fused_linear_cross_entropy(
+                    x, t, w, chunk_size=c, accum_dtype=acc))(c, acc)
+    return m
+
+
+def cuda_time(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_extra_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / MiB
+
+
+def make_inputs(N, H, V, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(N, H, device="cuda", dtype=dtype, generator=g)
+    w = (torch.randn(V, H, device="cuda", dtype=dtype, generator=g) / H ** 0.5)
+    t = torch.randint(0, V, (N,), device="cuda", generator=g)
+    t[torch.rand(N, device="cuda", generator=g) < 0.1] = -100
+    return x.requires_grad_(), t, w.requires_grad_()
+
+
+def fwd_bwd(f, x, t, w):
+    def run():
+        x.grad = w.grad = None
+        f(x, t, w).backward()
+    return run
+
+
+def gemm_floor(x, w):
+    N, V = x.shape[0], w.shape[0]
+    logits = torch.empty(N, V, device="cuda", dtype=x.dtype)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+
+    def run():
+        torch.mm(x, w.t(), out=logits)
+        torch.mm(logits, w, out=dx)
+        torch.mm(logits.t(), x, out=dw)
+    return run, (logits, dx, dw)
+
+
+def errors_vs_float64(fns, N, H, V, dtype):
+    """Relative error of loss, dx, dW against float64 at [N, H] x [V, H] (fresh inputs)."""
+    x, t, w = make_inputs(N, H, V, dtype, seed=1)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = flce.linear_cross_entropy(xr, t, wr)
+    ref.backward()
+    out = {}
+    for name, f in fns.items():
+        x.grad = w.grad = None
+        loss = f(x, t, w)
+        loss.backward()
+        rel = lambda a, r: ((a.double() - r).norm() / r.norm()).item()
+        out[name] = {"loss": rel(loss.detach(), ref.detach()), "dx": rel(x.grad, xr.grad),
+                     "dW": rel(w.grad, wr.grad)}
+    x.grad = w.grad = None
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", default=SHAPES, help="comma-separated NxHxV")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--sweep", action="store_true", help="also time chunk/accumulation variants")
+    p.add_argument("--only", default="", help="comma-separated method names to run")
+    p.add_argument("--accuracy-tokens", type=int, default=4096,
+                   help="tokens for the error-vs-float64 check at the first shape (0: skip)")
+    p.add_argument("--out", default="benchmarks/flce_bench", help="output path without suffix")
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    dtype = getattr(torch, args.dtype)
+    results, accuracy = [], {}
+    for i, shape in enumerate(args.shapes.split(",")):
+        N, H, V = map(int, shape.split("x"))
+        fns = methods(N, H, V, args.sweep)
+        if args.only:
+            fns = {k: v for k, v in fns.items() if k in args.only.split(",")}
+        x, t, w = make_inputs(N, H, V, dtype)
+        run, bufs = gemm_floor(x, w)
+        floor_ms = cuda_time(run, args.warmup, args.reps)
+        del bufs, run
+        flops = 6 * N * H * V
+        results.append({"shape": shape, "method": "bare_gemms", "ms": floor_ms,
+                        "tflops": flops / floor_ms / 1e9, "extra_mib": None})
+        print(f"{shape} bare_gemms {floor_ms:.2f} ms ({flops / floor_ms / 1e9:.0f} TFLOP/s)")
+        for name, f in fns.items():
+            try:
+                ms = cuda_time(fwd_bwd(f, x, t, w), args.warmup, args.reps)
+                mib = peak_extra_mib(fwd_bwd(f, x, t, w))
+            except torch.OutOfMemoryError:
+                ms = mib = None
+            x.grad = w.grad = None
+            torch.cuda.empty_cache()
+            results.append({"shape": shape, "method": name, "ms": ms, "extra_mib": mib,
+                            "vs_gemms": None if ms is None else ms / floor_ms})
+            print(f"{shape} {name:22s} " + ("OOM" if ms is None else
+                  f"{ms:8.2f} ms {ms / floor_ms:5.2f}x gemms {mib:9.0f} MiB"))
+        del x, t, w
+        torch.cuda.empty_cache()
+        if i == 0 and args.accuracy_tokens:
+            accuracy = errors_vs_float64(fns, args.accuracy_tokens, H, V, dtype)
+            accuracy["shape"] = f"{args.accuracy_tokens}x{H}x{V}"
+    meta = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv), "dtype": args.dtype,
+        "targets": "10% of targets = -100; extra memory = peak allocated above the inputs",
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"meta": meta, "results": results, "accuracy": accuracy}, indent=1))
+    out.with_suffix(".md").write_text(markdown(meta, results, accuracy))
+    print(markdown(meta, results, accuracy))
+
+
+def markdown(meta, results, accuracy):
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    names = list(dict.fromkeys(r["method"] for r in results))
+    cell = {(r["shape"], r["method"]): r for r in results}
+    lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
+             f"{meta['dtype']} · {meta['date']}", f"Command: `{meta['command']}`", "",
+             "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time).", "",
+             "| method | " + " | ".join(f"{s} (N×H×V)" for s in shapes) + " |",
+             "|---|" + "---|" * len(shapes)]
+    for n in names:
+        row = []
+        for s in shapes:
+            r = cell.get((s, n))
+            if r is None:
+                row.append("-")
+            elif n == "bare_gemms":
+                row.append(f"{r['ms']:.1f} ({r['tflops']:.0f} TFLOP/s)")
+            elif r["ms"] is None:
+                row.append("OOM")
+            else:
+                row.append(f"{r['ms']:.1f} / {r['extra_mib']:.0f} ({r['vs_gemms']:.2f}×)")
+        lines.append(f"| {n} | " + " | ".join(row) + " |")
+    if accuracy:
+        lines += ["", f"Relative error against float64 at {accuracy['shape']} (loss / dx / dW):", "",
+                  "| method | loss | dx | dW |", "|---|---|---|---|"]
+        for n, e in accuracy.items():
+            if n != "shape":
+                lines.append(f"| {n} | {e['loss']:.1e} | {e['dx']:.1e} | {e['dW']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Time the row kernel alone on one [C, V] chunk for several block sizes and warp counts.
+
+Reports GB/s counting one read and one write of the chunk (the pass-2 re-read mostly hits L2).
+    python scripts/tune_rows_kernel.py --rows 4096 --vocab 128256
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flce.kernels import launch_rows  # noqa: E402
+from flce.options import LossOptions  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=128256)
+    args = p.parse_args()
+    C, V = args.rows, args.vocab
+    logits = torch.randn(C, V, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, V, (C,), device="cuda")
+    loss = torch.empty(C, device="cuda")
+    lse = torch.empty(C, device="cuda")
+    w = torch.ones((), device="cuda")
+    nbytes = 2 * logits.numel() * logits.element_size()
+    for opts in (LossOptions(), LossOptions(label_smoothing=0.1, softcap=30.0)):
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                src = logits.clone()
+                fn = lambda: launch_rows(src, target, loss, lse, w, opts, False, True, block, warps)
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                print(f"{opts.label_smoothing=} {opts.softcap=} BLOCK_V={block:5d} "
+                      f"warps={warps:2d}: {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
