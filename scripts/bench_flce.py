@@ -151,7 +151,7 @@ def main():
         if args.only:
             fns = {k: v for k, v in fns.items() if k in args.only.split(",")}
         x, t, w = make_inputs(N, H, V, dtype)
-        run, bufs = gemm_floor(x, w)
+        run, bufs = gemm_floor(x.detach(), w.detach())
         floor_ms = cuda_time(run, args.warmup, args.reps)
         del bufs, run
         flops = 6 * N * H * V
