@@ -33,7 +33,7 @@ def main():
         for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
             for per_sm in (1, 2, 4, 8, None):
                 src = logits.clone()
-                progs = None if per_sm is None else per_sm * sms
+                progs = C if per_sm is None else per_sm * sms
                 fn = lambda: launch_rows(src, target, loss, lse, w, opts, False, True, block,
                                          warps, progs)
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
