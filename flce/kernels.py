@@ -8,8 +8,7 @@ vocabulary in blocks of BLOCK_V:
   pass 2  dz_j = w * dz/da_j, written in place over the logits           -> the chunk becomes dlogits
 
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
-inside pass 2 (never by patching a rounded value afterwards). Pass 2 re-reads a row that pass 1
-just read, so for rows of a few hundred KiB it mostly comes from L2.
+inside pass 2 (never by patching a rounded value afterwards).
 
 Math (a = raw logit, s = logit_scale, c = softcap, ls = label_smoothing, zl = z_loss):
   z = c * tanh(s * a / c)  (or z = s * a)           lse = log sum_j exp(z_j)
@@ -17,8 +16,6 @@ Math (a = raw logit, s = logit_scale, c = softcap, ls = label_smoothing, zl = z_
   dloss/dz_j = p_j (1 + 2 zl lse) - ls / V - (1 - ls) [j == y]
   dz/da = s (1 - (z / c)^2)  (or s)
 """
-
-import functools
 
 import triton
 import triton.language as tl
@@ -43,19 +40,43 @@ def _scaled(a, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _zero_row(row_ptr, V, BLOCK_V: tl.constexpr):
+def flce_rows_kernel(
+    logits_ptr,        # [C, V] raw logits in, dlogits out (when COMPUTE_GRAD)
+    stride_row,
+    target_ptr,        # [C] int
+    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens)
+    lse_ptr,           # [C] fp32 out (or in, when LSE_GIVEN)
+    weight_ptr,        # fp32 gradient weight: one scalar (weight_stride 0) or one per row
+    weight_stride,
+    V,
+    ignore_index,
+    logit_scale,
+    softcap,
+    label_smoothing,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    LSE_GIVEN: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    y = tl.load(target_ptr + row).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
-    zero = tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty)
-    for start in range(0, V, BLOCK_V):
-        tl.store(row_ptr + start + cols, zero, mask=start + cols < V)
 
+    if y == ignore_index:
+        # Ignored rows still write every output: the chunk buffer is reused and feeds the GEMMs.
+        tl.store(loss_ptr + row, 0.0)
+        if not LSE_GIVEN:
+            tl.store(lse_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            zero = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
+            for start in range(0, V, BLOCK_V):
+                tl.store(row_ptr + start + cols, zero, mask=start + cols < V)
+        return
 
-@triton.jit
-def _row(row_ptr, y, lse_ptr, loss_ptr, w, V, logit_scale, softcap, label_smoothing, z_loss,
-         HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-         LSE_GIVEN: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Loss, lse and (optionally) the in-place gradient of one non-ignored row."""
-    cols = tl.arange(0, BLOCK_V)
     # A target outside [0, V) poisons its row with NaN (loss and gradient) instead of reading
     # out of bounds: loud downstream, and no host sync to check it here.
     in_range = (y >= 0) & (y < V)
@@ -63,7 +84,7 @@ def _row(row_ptr, y, lse_ptr, loss_ptr, w, V, logit_scale, softcap, label_smooth
     z_y = _scaled(tl.load(row_ptr + y_safe).to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
 
     if LSE_GIVEN:
-        lse = tl.load(lse_ptr)
+        lse = tl.load(lse_ptr + row)
         sum_z = 0.0
         if HAS_SMOOTHING:
             sum_z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -89,18 +110,21 @@ def _row(row_ptr, y, lse_ptr, loss_ptr, w, V, logit_scale, softcap, label_smooth
             if HAS_SMOOTHING:
                 sum_z_vec += tl.where(mask, z, 0.0)
         m = tl.max(m_vec, axis=0)
-        lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
+        s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
+        lse = m + tl.log(s)
         sum_z = tl.sum(sum_z_vec, axis=0)
-        tl.store(lse_ptr, lse)
+        tl.store(lse_ptr + row, lse)
 
     loss = lse - z_y
     if HAS_SMOOTHING:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / V)
     if HAS_Z_LOSS:
         loss += z_loss * lse * lse
-    tl.store(loss_ptr, tl.where(in_range, loss, float("nan")))
+    loss = tl.where(in_range, loss, float("nan"))
+    tl.store(loss_ptr + row, loss)
 
     if COMPUTE_GRAD:
+        w = tl.load(weight_ptr + row * weight_stride).to(tl.float32)
         w = tl.where(in_range, w, float("nan"))
         p_coef = 1.0
         if HAS_Z_LOSS:
@@ -119,55 +143,11 @@ def _row(row_ptr, y, lse_ptr, loss_ptr, w, V, logit_scale, softcap, label_smooth
             if HAS_SOFTCAP:
                 r = z / softcap
                 g = g * (1.0 - r * r)
-            tl.store(row_ptr + offs, g.to(row_ptr.dtype.element_ty), mask=mask)
+            tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
-
-@triton.jit
-def flce_rows_kernel(
-    logits_ptr,        # [C, V] raw logits in, dlogits out (when COMPUTE_GRAD)
-    stride_row,
-    target_ptr,        # [C] int
-    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens)
-    lse_ptr,           # [C] fp32 out (or in, when LSE_GIVEN)
-    weight_ptr,        # fp32 gradient weight: one scalar (weight_stride 0) or one per row
-    weight_stride,
-    C,
-    V,
-    ignore_index,
-    logit_scale,
-    softcap,
-    label_smoothing,
-    z_loss,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    LSE_GIVEN: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    # Persistent: a grid of about one program per SM walks the rows, so the rows in flight fit
-    # in L2 and pass 2 re-reads them from there instead of from HBM.
-    first = tl.program_id(0).to(tl.int64)  # int64 row offsets: C * V exceeds 2^31
-    for row in range(first, C, tl.num_programs(0)):
-        row_ptr = logits_ptr + row * stride_row
-        y = tl.load(target_ptr + row).to(tl.int64)
-        if y == ignore_index:
-            # Ignored rows still write every output: the buffer is reused and feeds the GEMMs.
-            tl.store(loss_ptr + row, 0.0)
-            if not LSE_GIVEN:
-                tl.store(lse_ptr + row, 0.0)
-            if COMPUTE_GRAD:
-                _zero_row(row_ptr, V, BLOCK_V)
-        else:
-            w = 0.0
-            if COMPUTE_GRAD:
-                w = tl.load(weight_ptr + row * weight_stride).to(tl.float32)
-            _row(row_ptr, y, lse_ptr + row, loss_ptr + row, w, V, logit_scale, softcap,
-                 label_smoothing, z_loss, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, LSE_GIVEN,
-                 COMPUTE_GRAD, BLOCK_V)
 
 def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, compute_grad,
-                block_v=None, num_warps=None, programs=None):
+                block_v=None, num_warps=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows`."""
     C, V = logits.shape
     if C == 0:
@@ -175,13 +155,11 @@ def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, comp
     if block_v is None:
         block_v = min(triton.next_power_of_2(V), 2048)
     if num_warps is None:
-        num_warps = 4 if block_v <= 2048 else 8
-    if programs is None:
-        programs = _sm_count(logits.device) * PROGRAMS_PER_SM if logits.is_cuda else C
-    flce_rows_kernel[(min(C, programs),)](
+        num_warps = 4
+    flce_rows_kernel[(C,)](
         logits, logits.stride(0), target, loss_out, lse_out,
         weight, 0 if weight.dim() == 0 else weight.stride(0),
-        C, V, opts.ignore_index, float(opts.logit_scale), float(opts.softcap or 1.0),
+        V, opts.ignore_index, float(opts.logit_scale), float(opts.softcap or 1.0),
         float(opts.label_smoothing), float(opts.z_loss),
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=opts.label_smoothing > 0,
@@ -191,12 +169,3 @@ def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, comp
         BLOCK_V=block_v,
         num_warps=num_warps,
     )
-
-
-PROGRAMS_PER_SM = 4
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    import torch
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -84,7 +84,10 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     loss = torch.empty(N, device=x.device, dtype=stat_dtype)
     dx_dtype = x.dtype if cast_grads else stat_dtype
     dx = torch.empty(N, H, device=x.device, dtype=dx_dtype) if need_dx else None
-    dw_acc = torch.zeros(V, H, device=x.device, dtype=accum_dtype) if need_dw else None
+    # The first chunk overwrites dw_acc (no memset pass over V x H), unless there is none.
+    dw_acc = torch.empty(V, H, device=x.device, dtype=accum_dtype) if need_dw else None
+    if need_dw and N == 0:
+        dw_acc.zero_()
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
     C = pick_chunk_size(N, V, x.element_size(), chunk_size)
     buf = torch.empty(min(C, N), V, device=x.device, dtype=x.dtype)

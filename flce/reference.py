@@ -84,8 +84,11 @@ def linear_cross_entropy(
     x = x.reshape(-1, x.shape[-1])
     target = target.reshape(-1)
     z = scaled_logits(F.linear(x, weight, bias), opts)
-    lse = torch.logsumexp(z, dim=1)
-    loss = per_token_loss(z, target, lse, opts)
+    if opts.z_loss == 0:  # the stock loss, as most trainers call it
+        loss = F.cross_entropy(z, target, ignore_index=opts.ignore_index,
+                               label_smoothing=opts.label_smoothing, reduction="none")
+    else:
+        loss = per_token_loss(z, target, torch.logsumexp(z, dim=1), opts)
     return reduce_loss(loss, target, opts, normalizer, shape)
 
 

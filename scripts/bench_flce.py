@@ -37,7 +37,7 @@ def methods(N, H, V, sweep):
         "flce_lean": lambda x, t, w: flce.fused_linear_cross_entropy(
             x, t, w, accum_dtype=w.dtype, chunk_size=lean_chunk(N, H, V)),
         "unfused_eager": lambda x, t, w: flce.linear_cross_entropy(x, t, w),
-        "unfused_compile": torch.compile(lambda x, t, w: flce.linear_cross_entropy(x, t, w)),
+        "unfused_compile": torch.compile(flce.linear_cross_entropy),
     }
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import \
@@ -74,7 +74,9 @@ def cuda_time(fn, warmup, reps):
     return statistics.median(times)
 
 
-def peak_extra_mib(fn):
+def peak_extra_mib(fn, *params):
+    for p in params:  # gradients are produced by the run, so they count as extra memory
+        p.grad = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -112,6 +114,19 @@ def gemm_floor(x, w):
     return run, (logits, dx, dw)
 
 
+def profile(fns, x, t, w):
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    for name, f in fns.items():
+        run = fwd_bwd(f, x, t, w)
+        run()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        print(f"== {name} {tuple(x.shape)} x {tuple(w.shape)}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+
+
 def errors_vs_float64(fns, N, H, V, dtype):
     """Relative error of loss, dx, dW against float64 at [N, H] x [V, H] (fresh inputs)."""
     x, t, w = make_inputs(N, H, V, dtype, seed=1)
@@ -140,6 +155,8 @@ def main():
     p.add_argument("--only", default="", help="comma-separated method names to run")
     p.add_argument("--accuracy-tokens", type=int, default=4096,
                    help="tokens for the error-vs-float64 check at the first shape (0: skip)")
+    p.add_argument("--profile", action="store_true",
+                   help="print a per-kernel CUDA time table for flce at each shape, then exit")
     p.add_argument("--out", default="benchmarks/flce_bench", help="output path without suffix")
     args = p.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
@@ -151,6 +168,9 @@ def main():
         if args.only:
             fns = {k: v for k, v in fns.items() if k in args.only.split(",")}
         x, t, w = make_inputs(N, H, V, dtype)
+        if args.profile:
+            profile(fns, x, t, w)
+            continue
         run, bufs = gemm_floor(x.detach(), w.detach())
         floor_ms = cuda_time(run, args.warmup, args.reps)
         del bufs, run
@@ -161,7 +181,7 @@ def main():
         for name, f in fns.items():
             try:
                 ms = cuda_time(fwd_bwd(f, x, t, w), args.warmup, args.reps)
-                mib = peak_extra_mib(fwd_bwd(f, x, t, w))
+                mib = peak_extra_mib(fwd_bwd(f, x, t, w), x, w)
             except torch.OutOfMemoryError:
                 ms = mib = None
             x.grad = w.grad = None
@@ -175,6 +195,8 @@ def main():
         if i == 0 and args.accuracy_tokens:
             accuracy = errors_vs_float64(fns, args.accuracy_tokens, H, V, dtype)
             accuracy["shape"] = f"{args.accuracy_tokens}x{H}x{V}"
+    if args.profile:
+        return
     meta = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
