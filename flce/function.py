@@ -31,28 +31,29 @@ def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 def fused_forward(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor], loss_weight: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
-    softcap: Optional[float], chunk_size: Optional[int], accum_dtype: torch.dtype,
+    softcap: Optional[float], chunk_size: Optional[int], lean: bool,
     use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Loss (sum of token losses times loss_weight) and the gradients of the unweighted sum,
-    left in their fp32 accumulators (dW in accum_dtype)."""
+    left in their accumulators (fp32, or the parameter dtypes when lean)."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     lse = x.new_empty(x.shape[0], dtype=stat_dtype(x))
     # The kernel writes unweighted dlogits: their bf16 rounding then does not depend on the batch's
     # token count, and loss_weight is applied exactly, in fp32, with the upstream gradient.
     one = torch.ones((), device=x.device, dtype=lse.dtype)
     loss, dx, dw, db = chunked_pass(
-        x, target, weight, bias, one, lse, False, opts, chunk_size, accum_dtype,
+        x, target, weight, bias, one, lse, False, opts, chunk_size, lean,
         use_triton, need_dx, need_dw, need_db, cast_grads=False)
     return loss.sum() * loss_weight, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @fused_forward.register_fake
 def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit_scale, z_loss,
-      softcap, chunk_size, accum_dtype, use_triton, need_dx, need_dw, need_db):
-    acc = torch.promote_types(accum_dtype, weight.dtype)
+      softcap, chunk_size, lean, use_triton, need_dx, need_dw, need_db):
+    acc = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     return (x.new_empty((), dtype=stat_dtype(x)),
-            torch.empty_like(x, dtype=stat_dtype(x)) if need_dx else x.new_empty(_EMPTY),
+            torch.empty_like(x, dtype=x.dtype if lean else stat_dtype(x)) if need_dx
+            else x.new_empty(_EMPTY),
             torch.empty_like(weight, dtype=acc) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias, dtype=stat_dtype(x)) if need_db else weight.new_empty(_EMPTY))
 
@@ -68,7 +69,7 @@ def token_losses(
     lse = x.new_empty(x.shape[0], dtype=stat_dtype(x))
     one = torch.ones((), device=x.device, dtype=lse.dtype)
     loss, _, _, _ = chunked_pass(x, target, weight, bias, one, lse, False, opts, chunk_size,
-                                 torch.float32, use_triton, False, False, False, cast_grads=True)
+                                 False, use_triton, False, False, False, cast_grads=True)
     return loss, lse
 
 
@@ -83,20 +84,20 @@ def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_los
 def token_losses_backward(
     grad: Tensor, x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
-    softcap: Optional[float], chunk_size: Optional[int], accum_dtype: torch.dtype,
+    softcap: Optional[float], chunk_size: Optional[int], lean: bool,
     use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients for any per-token upstream gradient: recomputes each chunk's logits."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     _, dx, dw, db = chunked_pass(
-        x, target, weight, bias, grad.to(lse.dtype), lse, True, opts, chunk_size, accum_dtype,
+        x, target, weight, bias, grad.to(lse.dtype), lse, True, opts, chunk_size, lean,
         use_triton, need_dx, need_dw, need_db, cast_grads=True)
     return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @token_losses_backward.register_fake
 def _(grad, x, target, weight, bias, lse, ignore_index, label_smoothing, logit_scale, z_loss,
-      softcap, chunk_size, accum_dtype, use_triton, need_dx, need_dw, need_db):
+      softcap, chunk_size, lean, use_triton, need_dx, need_dw, need_db):
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
@@ -126,29 +127,62 @@ class _ReducedLoss(torch.autograd.Function):
 
 
 def _scale_to(acc: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
-    """acc * grad in acc's precision, rounded once to dtype, without an fp32 temporary."""
+    """acc * grad computed in acc's precision and rounded once to dtype (in place if same)."""
     if acc.dtype == dtype:
-        return acc.mul_(grad)
-    return torch.mul(acc, grad, out=torch.empty_like(acc, dtype=dtype))
+        scale_(acc, grad)
+        return acc
+    return scale_cast(acc, grad, dtype)
+
+
+def _fast_scale(t: Tensor) -> bool:
+    return t.is_cuda and triton_usable(t.device)
+
+
+@torch.library.custom_op("flce::scale_cast", mutates_args=())
+def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    dst = torch.empty_like(src, dtype=dtype)
+    if _fast_scale(src):
+        from flce.kernels import scale_cast as triton_scale_cast
+        return triton_scale_cast(src, dst, scale)
+    return torch.mul(src, scale, out=dst)
+
+
+@scale_cast.register_fake
+def _(src, scale, dtype):
+    return torch.empty_like(src, dtype=dtype)
+
+
+@torch.library.custom_op("flce::scale_", mutates_args=("t",))
+def scale_(t: Tensor, scale: Tensor) -> None:
+    if _fast_scale(t):
+        from flce.kernels import scale_cast as triton_scale_cast
+        triton_scale_cast(t, t, scale)
+    else:
+        t.mul_(scale)
+
+
+@scale_.register_fake
+def _(t, scale):
+    return None
 
 
 class _TokenLosses(torch.autograd.Function):
     """reduction "none": per-token losses; backward recomputes with the per-token gradient."""
 
     @staticmethod
-    def forward(ctx, x, target, weight, bias, opts, chunk_size, accum_dtype, use_triton):
+    def forward(ctx, x, target, weight, bias, opts, chunk_size, lean, use_triton):
         loss, lse = token_losses(x, target, weight, bias, *opts, chunk_size, use_triton)
         ctx.save_for_backward(x, target, weight, bias, lse)
-        ctx.config = (opts, chunk_size, accum_dtype, use_triton)
+        ctx.config = (opts, chunk_size, lean, use_triton)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         x, target, weight, bias, lse = ctx.saved_tensors
         need = ctx.needs_input_grad
-        opts, chunk_size, accum_dtype, use_triton = ctx.config
+        opts, chunk_size, lean, use_triton = ctx.config
         dx, dw, db = token_losses_backward(
-            grad, x, target, weight, bias, lse, *opts, chunk_size, accum_dtype, use_triton,
+            grad, x, target, weight, bias, lse, *opts, chunk_size, lean, use_triton,
             need[0], need[2], need[3])
         return (dx if need[0] else None, None, dw if need[2] else None,
                 db if need[3] else None, None, None, None, None)
@@ -232,21 +266,22 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     normalizer=None,
     chunk_size: Optional[int] = None,
-    accum_dtype: torch.dtype = torch.float32,
+    memory_lean: bool = False,
     impl: str = "auto",
 ) -> Tensor:
     """cross_entropy(softcap(logit_scale * (x @ weight.T + bias)), target) without the logits.
 
     See README.md for the exact loss; `normalizer` (tensor or number) replaces the divisor of
     "mean"/"sum" (e.g. the global count of non-ignored tokens across micro-batches and ranks).
-    `accum_dtype=weight.dtype` with a small `chunk_size` is the memory-lean setting.
+    `memory_lean=True` accumulates dW in the weight dtype over small chunks: the peak memory of
+    Liger-Kernel (gradients + a logits buffer the size of x) and its bf16 accumulation error.
     """
     opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
     _check_inputs(x, target, weight, bias)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size={chunk_size!r}: must be None or a positive int")
-    if accum_dtype not in (torch.float32, torch.float64, weight.dtype):
-        raise ValueError(f"accum_dtype={accum_dtype}: must be torch.float32 or the weight dtype")
+    if not isinstance(memory_lean, bool):
+        raise TypeError(f"memory_lean={memory_lean!r}: must be a bool")
     if normalizer is not None and reduction == "none":
         raise ValueError("normalizer applies to reduction='mean' or 'sum', not 'none'")
     use_triton = _use_triton(impl, x)
@@ -258,10 +293,10 @@ def fused_linear_cross_entropy(
     if reduction == "none":
         if not grad:
             return token_losses(x2, t2, weight, bias, *o, chunk_size, use_triton)[0].reshape(target.shape)
-        loss = _TokenLosses.apply(x2, t2, weight, bias, o, chunk_size, accum_dtype, use_triton)
+        loss = _TokenLosses.apply(x2, t2, weight, bias, o, chunk_size, memory_lean, use_triton)
         return loss.reshape(target.shape)
     loss_weight = _loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
-    config = o + (chunk_size, accum_dtype, use_triton)
+    config = o + (chunk_size, memory_lean, use_triton)
     if not grad:
         return fused_forward(x2, t2, weight, bias, loss_weight, *config, False, False, False)[0]
     return _ReducedLoss.apply(x2, t2, weight, bias, loss_weight, config)

@@ -21,7 +21,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         softcap: Optional[float] = None,
         reduction: str = "mean",
         chunk_size: Optional[int] = None,
-        accum_dtype: torch.dtype = torch.float32,
+        memory_lean: bool = False,
         impl: str = "auto",
     ):
         super().__init__()
@@ -30,7 +30,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
         self.chunk_size = chunk_size
-        self.accum_dtype = accum_dtype
+        self.memory_lean = memory_lean
         self.impl = impl
 
     def forward(self, x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
@@ -40,7 +40,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             x, target, weight, bias, ignore_index=o.ignore_index,
             label_smoothing=o.label_smoothing, logit_scale=o.logit_scale, z_loss=o.z_loss,
             softcap=o.softcap, reduction=o.reduction, normalizer=normalizer,
-            chunk_size=self.chunk_size, accum_dtype=self.accum_dtype, impl=self.impl)
+            chunk_size=self.chunk_size, memory_lean=self.memory_lean, impl=self.impl)
 
     def extra_repr(self) -> str:
-        return f"{self.options}, chunk_size={self.chunk_size}, impl={self.impl!r}"
+        return (f"{self.options}, chunk_size={self.chunk_size}, memory_lean={self.memory_lean}, "
+                f"impl={self.impl!r}")

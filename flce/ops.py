@@ -10,7 +10,8 @@ For reduction "none" the upstream gradient differs per token and is unknown in f
 keeps lse and backward recomputes each chunk's logits with the token weights (8·N·H·V FLOPs).
 
 dW is accumulated across chunks in fp32 (cuBLAS `out_dtype=float32` on CUDA: no extra pass) and
-cast to the parameter dtype once; accum_dtype=param dtype trades that for memory (a lean mode).
+cast to the parameter dtype once. The memory-lean mode accumulates in the parameter dtype instead
+and uses small chunks (the memory of Liger-Kernel, with its bf16 accumulation error).
 The loss weight 1/normalizer stays a device tensor: nothing here synchronises with the host.
 """
 
@@ -22,15 +23,24 @@ from torch import Tensor
 from flce.options import LossOptions
 from flce.reference import chunk_rows
 
-DEFAULT_CHUNK_TOKENS = 4096
-DEFAULT_CHUNK_BYTES = 1 << 30
+MAX_CHUNK_TOKENS = 4096
+MAX_CHUNK_BYTES = 1 << 30
 
 
-def pick_chunk_size(n_tokens: int, vocab: int, elem_bytes: int, chunk_size: Optional[int]) -> int:
-    """Tokens per chunk: the given size, else as many as fit DEFAULT_CHUNK_BYTES of logits (at most
-    DEFAULT_CHUNK_TOKENS), then evened out so the last chunk is not a sliver."""
+def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
+                    chunk_size: Optional[int], lean: bool) -> int:
+    """Tokens per chunk, evened out so that the last chunk is not a sliver.
+
+    Default: 1024-4096 tokens (at least 4 chunks when there are enough tokens), and at most
+    1 GiB of logits: chunks below ~2048 tokens make the dW accumulation GEMMs slow (ANCHORS.md),
+    larger ones add memory for no speed. Lean: the logits buffer no larger than x
+    (N / ceil(V / H) tokens, to a power of two), as Liger-Kernel sizes its chunks."""
     if chunk_size is None:
-        chunk_size = max(256, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_BYTES // (vocab * elem_bytes)))
+        if lean:
+            chunk_size = 1 << max(0, (-(-n_tokens // -(-vocab // hidden)) - 1).bit_length())
+        else:
+            chunk_size = min(MAX_CHUNK_TOKENS, max(1024, -(-n_tokens // 4)))
+            chunk_size = max(256, min(chunk_size, MAX_CHUNK_BYTES // (vocab * elem_bytes)))
     n_chunks = max(1, -(-n_tokens // chunk_size))
     even = -(-n_tokens // n_chunks)
     return max(1, min(chunk_size, -(-even // 8) * 8))
@@ -63,13 +73,13 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
 
 def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
                  row_weight: Tensor, lse: Tensor, lse_given: bool, opts: LossOptions,
-                 chunk_size: Optional[int], accum_dtype: torch.dtype, use_triton: bool,
+                 chunk_size: Optional[int], lean: bool, use_triton: bool,
                  need_dx: bool, need_dw: bool, need_db: bool, cast_grads: bool):
     """One sweep over the tokens. Returns (per-token loss, dx, dW, db); unneeded grads are None.
 
-    With cast_grads the gradients come back in the dtypes of x, weight and bias. Without, dx, db
-    and dW stay in the fp32 accumulators (dW in accum_dtype) so that a later upstream-gradient
-    multiply rounds to the parameter dtype only once.
+    With cast_grads the gradients come back in the dtypes of x, weight and bias. Without, they
+    stay in their accumulators (fp32, or the parameter dtypes when lean) so that a later
+    upstream-gradient multiply rounds to the parameter dtype only once.
 
     row_weight: fp32, 0-dim (one weight for every token) or [N]; it scales the gradients only.
     lse: [N] fp32 (float64 for float64 inputs), read when lse_given, else written; its dtype is
@@ -80,16 +90,16 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     rows = _row_fn(use_triton)
     compute_grad = need_dx or need_dw or need_db
     stat_dtype = lse.dtype
-    accum_dtype = torch.promote_types(accum_dtype, weight.dtype)
+    accum_dtype = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     loss = torch.empty(N, device=x.device, dtype=stat_dtype)
-    dx_dtype = x.dtype if cast_grads else stat_dtype
+    dx_dtype = x.dtype if cast_grads or lean else stat_dtype
     dx = torch.empty(N, H, device=x.device, dtype=dx_dtype) if need_dx else None
     # The first chunk overwrites dw_acc (no memset pass over V x H), unless there is none.
     dw_acc = torch.empty(V, H, device=x.device, dtype=accum_dtype) if need_dw else None
     if need_dw and N == 0:
         dw_acc.zero_()
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
-    C = pick_chunk_size(N, V, x.element_size(), chunk_size)
+    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
     buf = torch.empty(min(C, N), V, device=x.device, dtype=x.dtype)
     w_t = weight.t()
     for start in range(0, N, C):

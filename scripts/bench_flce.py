@@ -26,16 +26,10 @@ SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 MiB = 1 << 20
 
 
-def lean_chunk(N, H, V):
-    """Memory-lean chunk: a logits buffer no larger than x itself (as Liger sizes its chunks)."""
-    return max(64, (N * H // V) // 64 * 64)
-
-
 def methods(N, H, V, sweep):
     m = {
         "flce": lambda x, t, w: flce.fused_linear_cross_entropy(x, t, w),
-        "flce_lean": lambda x, t, w: flce.fused_linear_cross_entropy(
-            x, t, w, accum_dtype=w.dtype, chunk_size=lean_chunk(N, H, V)),
+        "flce_lean": lambda x, t, w: flce.fused_linear_cross_entropy(x, t, w, memory_lean=True),
         "unfused_eager": lambda x, t, w: flce.linear_cross_entropy(x, t, w),
         "unfused_compile": torch.compile(flce.linear_cross_entropy),
     }
@@ -52,11 +46,11 @@ def methods(N, H, V, sweep):
     except ImportError as e:
         print(f"cut-cross-entropy not importable ({e}); skipped")
     if sweep:
-        for c in (1024, 2048, 4096, 8192, 16384):
-            for acc in (torch.float32, torch.bfloat16):
-                name = f"flce_c{c}_{'fp32' if acc == torch.float32 else 'bf16'}"
-                m[name] = (lambda c, acc: lambda x, t, w: flce.fused_linear_cross_entropy(
-                    x, t, w, chunk_size=c, accum_dtype=acc))(c, acc)
+        for c in (1024, 2048, 4096, 8192):
+            for lean in (False, True):
+                name = f"flce_c{c}" + ("_lean" if lean else "")
+                m[name] = (lambda c, lean: lambda x, t, w: flce.fused_linear_cross_entropy(
+                    x, t, w, chunk_size=c, memory_lean=lean))(c, lean)
     return m
 
 

@@ -29,7 +29,7 @@ def _inputs(N=6, H=4, V=9):
     (lambda a: a.update(normalizer=torch.ones(2)), ValueError, "normalizer must be a scalar"),
     (lambda a: a.update(normalizer=0), ValueError, "normalizer=0"),
     (lambda a: a.update(reduction="none", normalizer=3), ValueError, "normalizer applies"),
-    (lambda a: a.update(accum_dtype=torch.int32), ValueError, "accum_dtype"),
+    (lambda a: a.update(memory_lean="yes"), TypeError, "memory_lean"),
 ])
 def test_bad_input(change, error, match):
     x, target, weight, bias = _inputs()

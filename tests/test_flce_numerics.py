@@ -20,13 +20,13 @@ REDUCTIONS = ["mean", "sum", "none"]
 SHAPES = [(67, 24, 101, 16), (1, 8, 3, None), (40, 64, 5, 7), (33, 16, 257, None)]
 
 
-def _check(impl, device, dtype, N, H, V, chunk, bias, tol=1e-5, **kw):
+def _check(impl, device, dtype, N, H, V, chunk, bias, tol=1e-5, memory_lean=False, **kw):
     x, t, w, b = make_inputs(N, H, V, device, dtype, bias=bias)
     if "ignore_index" in kw:
         t[t == -100] = kw["ignore_index"]
     ref_loss, ref_grads = None, None
     loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b,
-                                     chunk_size=chunk, impl=impl, **kw)
+                                     chunk_size=chunk, impl=impl, memory_lean=memory_lean, **kw)
     ref_loss, ref_grads = float64_reference(x, t, w, b, up, **kw)
     assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape
     assert torch.isfinite(loss).all()
@@ -84,14 +84,14 @@ def test_dw_accumulates_in_fp32(impl, device):
     x, t, w, b = make_inputs(2048, 32, 64, device, torch.bfloat16, ignore_frac=0.0, seed=3)
     up = torch.tensor(1.0, dtype=torch.float64)
     errs = {}
-    for accum in (torch.float32, torch.bfloat16):
+    for lean in (False, True):
         _, (dx, dw, db), _ = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up,
-                                            chunk_size=16, impl=impl, accum_dtype=accum)
+                                            chunk_size=16, impl=impl, memory_lean=lean)
         _, (rdx, rdw, rdb) = float64_reference(x, t, w, b, up)
-        errs[accum] = rel_err(dw, rdw)
+        errs[lean] = rel_err(dw, rdw)
     _, (_, base_dw, _), _ = loss_and_grads(flce.linear_cross_entropy, x, t, w, b, up)
-    assert errs[torch.float32] <= 1.1 * rel_err(base_dw, rdw) + 1e-4
-    assert errs[torch.float32] * 3 < errs[torch.bfloat16], errs
+    assert errs[False] <= 1.1 * rel_err(base_dw, rdw) + 1e-4
+    assert errs[False] * 3 < errs[True], errs
 
 
 @IMPL_DEVICES
@@ -198,3 +198,22 @@ def test_deterministic(impl, device):
                            chunk_size=16) for _ in range(2)]
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(torch.equal(g0, g1) for g0, g1 in zip(runs[0][1], runs[1][1]))
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_memory_lean_fp32(impl, device, reduction):
+    """The lean mode changes precision only through the parameter dtype: exact in fp32."""
+    _check(impl, device, torch.float32, 67, 24, 101, None, bias=True, reduction=reduction,
+           label_smoothing=0.1, memory_lean=True)
+
+
+def test_chunk_sizes():
+    from flce.ops import pick_chunk_size
+    assert pick_chunk_size(16384, 4096, 128256, 2, None, lean=False) == 4096
+    assert pick_chunk_size(8192, 2048, 128256, 2, None, lean=False) == 2048
+    assert pick_chunk_size(100, 64, 1000, 4, None, lean=False) == 104  # one chunk, 8-aligned
+    assert pick_chunk_size(10000, 64, 1000, 4, 4096, lean=False) == 3336  # three even chunks
+    # lean: Liger-Kernel's size, next_pow2(N / ceil(V / H))
+    assert pick_chunk_size(8192, 2048, 128256, 2, None, lean=True) == 256
+    assert pick_chunk_size(32768, 2048, 128256, 2, None, lean=True) == 1024
