@@ -23,23 +23,23 @@ from torch import Tensor
 from flce.options import LossOptions
 from flce.reference import chunk_rows
 
-MAX_CHUNK_TOKENS = 4096
-MAX_CHUNK_BYTES = 1 << 30
+MAX_CHUNK_TOKENS = 8192
+MAX_CHUNK_BYTES = 2 << 30
 
 
 def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
                     chunk_size: Optional[int], lean: bool) -> int:
     """Tokens per chunk, evened out so that the last chunk is not a sliver.
 
-    Default: 1024-4096 tokens (at least 4 chunks when there are enough tokens), and at most
-    1 GiB of logits: chunks below ~2048 tokens make the dW accumulation GEMMs slow (ANCHORS.md),
-    larger ones add memory for no speed. Lean: the logits buffer no larger than x
-    (N / ceil(V / H) tokens, to a power of two), as Liger-Kernel sizes its chunks."""
+    Default: half the tokens, between 1024 and 8192, and at most 2 GiB of logits. Smaller chunks
+    make the dW accumulation GEMMs slower (each reads and writes the fp32 accumulator), larger
+    ones cost memory for little speed (H200 sweep in benchmarks/flce_sweep_h200.md). Lean: a
+    logits buffer about the size of x, next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel."""
     if chunk_size is None:
         if lean:
             chunk_size = 1 << max(0, (-(-n_tokens // -(-vocab // hidden)) - 1).bit_length())
         else:
-            chunk_size = min(MAX_CHUNK_TOKENS, max(1024, -(-n_tokens // 4)))
+            chunk_size = min(MAX_CHUNK_TOKENS, max(1024, -(-n_tokens // 2)))
             chunk_size = max(256, min(chunk_size, MAX_CHUNK_BYTES // (vocab * elem_bytes)))
     n_chunks = max(1, -(-n_tokens // chunk_size))
     even = -(-n_tokens // n_chunks)

@@ -211,8 +211,9 @@ def test_memory_lean_fp32(impl, device, reduction):
 
 def test_chunk_sizes():
     from flce.ops import pick_chunk_size
-    assert pick_chunk_size(16384, 4096, 128256, 2, None, lean=False) == 4096
-    assert pick_chunk_size(8192, 2048, 128256, 2, None, lean=False) == 2048
+    assert pick_chunk_size(16384, 4096, 128256, 2, None, lean=False) == 8192
+    assert pick_chunk_size(8192, 2048, 128256, 2, None, lean=False) == 4096
+    assert pick_chunk_size(65536, 2048, 262144, 2, None, lean=False) == 4096  # 2 GiB of logits
     assert pick_chunk_size(100, 64, 1000, 4, None, lean=False) == 104  # one chunk, 8-aligned
     assert pick_chunk_size(10000, 64, 1000, 4, 4096, lean=False) == 3336  # three even chunks
     # lean: Liger-Kernel's size, next_pow2(N / ceil(V / H))
