@@ -3,10 +3,11 @@
 from flce.function import fused_linear_cross_entropy, triton_usable
 from flce.module import FusedLinearCrossEntropyLoss
 from flce.options import LossOptions
-from flce.reference import linear_cross_entropy
+from flce.reference import chunked_linear_cross_entropy, linear_cross_entropy
 
 __all__ = [
     "FusedLinearCrossEntropyLoss",
+    "chunked_linear_cross_entropy",
     "LossOptions",
     "fused_linear_cross_entropy",
     "linear_cross_entropy",

@@ -93,6 +93,7 @@ def linear_cross_entropy(
 
 
 def reduce_loss(loss: Tensor, target: Tensor, opts: LossOptions, normalizer, shape) -> Tensor:
+    """Per-token losses to the requested reduction; normalizer (if given) divides the sum."""
     if opts.reduction == "none":
         return loss.reshape(shape)
     total = loss.sum()
@@ -101,3 +102,32 @@ def reduce_loss(loss: Tensor, target: Tensor, opts: LossOptions, normalizer, sha
     if opts.reduction == "mean":
         return total / (target != opts.ignore_index).sum().clamp(min=1)
     return total
+
+
+def chunked_linear_cross_entropy(
+    x: Tensor,
+    target: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    chunk_size: int = 4096,
+    normalizer=None,
+    reduction: str = "mean",
+    **options,
+) -> Tensor:
+    """The unfused loss over token chunks with each chunk's logits recomputed in backward
+    (activation checkpointing): the logits memory of one chunk, in plain PyTorch and autograd.
+    The comparison point for a compiler-free chunked loss (8·N·H·V FLOPs)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if reduction == "none":
+        raise ValueError("chunked_linear_cross_entropy sums; use reduction 'mean' or 'sum'")
+    opts = LossOptions(reduction=reduction, **options)
+    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+
+    def chunk_sum(xc, tc):
+        return linear_cross_entropy(xc, tc, weight, bias, reduction="sum", **options)
+
+    total = sum(checkpoint(chunk_sum, x2[i:i + chunk_size], t2[i:i + chunk_size],
+                           use_reentrant=False) for i in range(0, x2.shape[0], chunk_size))
+    return reduce_loss(total.reshape(1), t2, opts, normalizer, None).reshape(())

@@ -1,0 +1,1 @@
+"""Training-loop building blocks: optimizer, learning-rate schedule, metrics."""

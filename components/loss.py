@@ -1,0 +1,63 @@
+"""The training loss, chosen by `[loss] impl`, and the module that joins it to the model.
+
+All three implementations compute the same quantity, sum of token losses / normalizer (the
+global count of non-ignored tokens), from the same hidden states and output weight, so loss
+curves of runs that differ only in `impl` are comparable.
+"""
+
+from typing import Optional
+
+from torch import Tensor, nn
+
+import flce
+from components.config import Loss
+
+IGNORE_INDEX = -100
+IMPLS = ("flce", "unfused", "torch_chunked")
+
+
+class TrainingLoss(nn.Module):
+    def __init__(self, cfg: Loss):
+        super().__init__()
+        if cfg.impl not in IMPLS:
+            raise ValueError(f"[loss] impl = {cfg.impl!r}: expected one of {IMPLS}")
+        self.impl = cfg.impl
+        self.options = dict(ignore_index=IGNORE_INDEX, label_smoothing=cfg.label_smoothing,
+                            logit_scale=cfg.logit_scale, z_loss=cfg.z_loss,
+                            softcap=cfg.softcap or None)
+        flce.LossOptions(**self.options)  # bad values fail here, at start-up
+        self.chunk_size = cfg.chunk_size or None
+        self.memory_lean = cfg.memory_lean
+
+    def forward(self, hidden: Tensor, labels: Tensor, weight: Tensor, bias: Optional[Tensor],
+                normalizer: Tensor) -> Tensor:
+        if self.impl == "flce":
+            return flce.fused_linear_cross_entropy(
+                hidden, labels, weight, bias, normalizer=normalizer, chunk_size=self.chunk_size,
+                memory_lean=self.memory_lean, **self.options)
+        if self.impl == "torch_chunked":
+            return flce.chunked_linear_cross_entropy(
+                hidden, labels, weight, bias, normalizer=normalizer,
+                chunk_size=self.chunk_size or 4096, **self.options)
+        return flce.linear_cross_entropy(hidden, labels, weight, bias, normalizer=normalizer,
+                                         **self.options)
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl!r}, {self.options}"
+
+
+class ModelWithLoss(nn.Module):
+    """model(tokens) -> final hidden states; then the loss with model.output's weight and bias.
+
+    The loss runs inside this module's forward so that FSDP, which owns model.output's
+    parameters at this level, has them unsharded during the loss and frees them after."""
+
+    def __init__(self, model: nn.Module, loss: TrainingLoss):
+        super().__init__()
+        self.model = model
+        self.loss = loss
+
+    def forward(self, tokens: Tensor, labels: Tensor, normalizer: Tensor) -> Tensor:
+        hidden = self.model(tokens)
+        out = self.model.output
+        return self.loss(hidden, labels, out.weight, out.bias, normalizer)

@@ -1,0 +1,282 @@
+"""Training metrics: what a step achieved (StepMeter), and where it is recorded (MetricsLogger).
+
+MetricsLogger writes, on rank 0 only:
+  <dump_folder>/metrics.jsonl  one JSON object per log() call, always
+  stdout                       one line per log() call, always
+  <dump_folder>/wandb/         a wandb run (offline unless asked for "online"), when enabled
+  <dump_folder>/tb/            TensorBoard event files, when enabled
+"""
+
+import datetime
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+GIB = 2**30
+
+# Dense (no sparsity) bf16 peak FLOP/s per GPU, matched as a substring of the CUDA device name;
+# the longest matching key wins, so "H100 PCIe" beats "H100". Values follow torchtitan.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "A100": 312e12,
+    "H100": 989e12,  # SXM
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H200": 989e12,
+    "B200": 2.25e15,
+}
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+# Keys printed on the stdout line, in order: (metric key, label, format). Every other key still
+# goes to metrics.jsonl, wandb and TensorBoard.
+PRINTED_METRICS = (
+    ("loss", "loss", "{:.4f}"),
+    ("grad_norm", "grad_norm", "{:.3g}"),
+    ("lr", "lr", "{:.1e}"),
+    ("tokens_per_second", "tok/s", "{:,.0f}"),
+    ("mfu_percent", "mfu", "{:.1f}%"),
+    ("memory_max_reserved_gib", "mem", "{:.1f} GiB"),
+)
+
+
+def peak_flops_for_name(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a GPU name such as "NVIDIA H100 80GB HBM3"; None if unknown."""
+    matches = [key for key in PEAK_BF16_FLOPS if key in device_name]
+    return PEAK_BF16_FLOPS[max(matches, key=len)] if matches else None
+
+
+def peak_flops(device: torch.device | str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device; None on CPU or on a GPU missing from PEAK_BF16_FLOPS
+    (MFU is then not reported rather than reported against a guessed peak)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
+
+
+def transformer_flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int,
+                                seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token of a decoder-only transformer.
+
+    torchtitan's estimate: 6 * num_params for the matrix multiplies with the weights (2 forward,
+    4 backward per parameter), plus 12 * num_layers * num_heads * head_dim * seq_len for the
+    attention scores and their weighted sum, counted without causal masking.
+
+    num_params must exclude the token embedding: looking up a row is not a matrix multiply.
+    (An untied output projection is a matmul and stays in; with tied weights, count it once.)
+    """
+    for name, value in (("num_params", num_params), ("num_layers", num_layers),
+                        ("num_heads", num_heads), ("head_dim", head_dim), ("seq_len", seq_len)):
+        if value < 0:
+            raise ValueError(f"transformer_flops_per_token: {name}={value} must be >= 0")
+    return float(6 * num_params + 12 * num_layers * num_heads * head_dim * seq_len)
+
+
+class StepMeter:
+    """Throughput, MFU, peak memory and data wait, averaged over the steps since the last read().
+
+    The trainer calls step_done() every step and read() only on the steps it logs, so the only
+    host-device sync is the one in read() (which the timing needs to include the queued GPU work):
+
+        meter = StepMeter(device, world_size, flops_per_token, peak_flops(device))
+        for step in ...:
+            with meter.waiting_for_data():
+                batch = next(batches)
+            ... forward, backward, optimizer step ...
+            meter.step_done(tokens=tokens_per_device)
+            if step % log_freq == 0:
+                logger.log(step, {"loss": loss, **meter.read()})
+
+    tokens is the number of tokens this device trained on in the step: its local batch tokens
+    divided by how many ranks work on the same batch (tensor/pipeline parallel degree).
+    tokens_per_second_total assumes every device trains on as many tokens.
+    """
+
+    def __init__(self, device: torch.device | str, world_size: int,
+                 flops_per_token: float | None = None,
+                 peak_flops_per_device: float | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"StepMeter: world_size={world_size} must be >= 1")
+        self.device = torch.device(device)
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.peak_flops_per_device = peak_flops_per_device
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window now, e.g. after a checkpoint save or an evaluation, so that their
+        time is not counted as training time."""
+        self._window_start = time.perf_counter()
+        self._steps = 0
+        self._tokens = 0
+        self._data_wait_seconds = 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        """Time the block as data wait (it is still part of the step time)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._data_wait_seconds += time.perf_counter() - start
+
+    def step_done(self, tokens: int) -> None:
+        self._steps += 1
+        self._tokens += tokens
+
+    def read(self) -> dict[str, float]:
+        """The window's metrics, then a new window. Keys that do not apply are left out: MFU
+        without flops_per_token or a known peak, memory off CUDA."""
+        if self._steps == 0:
+            raise RuntimeError("StepMeter.read(): no step_done() since the last read() or reset()")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - self._window_start
+        tokens_per_second = self._tokens / seconds
+        metrics = {
+            "step_seconds": seconds / self._steps,
+            "data_wait_seconds": self._data_wait_seconds / self._steps,
+            "tokens_per_second": tokens_per_second,
+            "tokens_per_second_total": tokens_per_second * self.world_size,
+        }
+        if self.flops_per_token is not None:
+            flops_per_second = self.flops_per_token * tokens_per_second
+            metrics["tflops_per_device"] = flops_per_second / 1e12
+            if self.peak_flops_per_device:
+                metrics["mfu_percent"] = 100.0 * flops_per_second / self.peak_flops_per_device
+        if self.device.type == "cuda":
+            # Peaks since the previous read, i.e. the largest of the window's steps.
+            metrics["memory_max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+            metrics["memory_max_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GIB
+        self.reset()
+        return metrics
+
+
+def _as_float(key: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+        raise TypeError(f"metric {key!r}: expected a number or a 0-dim tensor, got "
+                        f"{type(value).__name__}{shape}") from e
+
+
+def _format_eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
+
+
+class MetricsLogger:
+    """Records metrics on rank 0; on every other rank each method does nothing.
+
+    metrics.jsonl is appended to (a resumed run repeats the steps after its checkpoint; the last
+    line for a step wins). Non-finite values are written as null there, to keep each line valid
+    JSON; stdout, wandb and TensorBoard get them as they are.
+    """
+
+    def __init__(self, dump_folder: str | Path, rank: int, total_steps: int,
+                 wandb_enable: bool = False, wandb_project: str = "flce",
+                 wandb_run_name: str | None = None, wandb_mode: str = "offline",
+                 tensorboard_enable: bool = False, config: dict | None = None) -> None:
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"[metrics] wandb_mode={wandb_mode!r}: expected one of "
+                             f"{', '.join(WANDB_MODES)}")
+        self.dump_folder = Path(dump_folder)
+        self.rank = rank
+        self.total_steps = total_steps
+        self.enabled = rank == 0
+        self._jsonl = None
+        self._wandb_run = None
+        self._tensorboard = None
+        self._first_logged: tuple[int, float] | None = None  # (step, time) for the ETA
+        if not self.enabled:
+            return
+
+        self.dump_folder.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.dump_folder / "metrics.jsonl", "a", encoding="utf-8")
+        if wandb_enable:
+            self._wandb_run = self._start_wandb(wandb_project, wandb_run_name or None, wandb_mode,
+                                                config)
+        if tensorboard_enable:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("[metrics] enable_tensorboard is set but tensorboard is not "
+                                  "installed: pip install tensorboard") from e
+            self._tensorboard = SummaryWriter(log_dir=str(self.dump_folder / "tb"))
+
+    def _start_wandb(self, project: str, run_name: str | None, mode: str, config: dict | None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("[metrics] enable_wandb is set but wandb is not installed: "
+                              "pip install wandb (or set [metrics] enable_wandb = false)") from e
+        # mode is passed explicitly (it outranks a WANDB_MODE in the environment), so nothing
+        # talks to the network unless the caller asked for "online". console="off": wandb would
+        # otherwise wrap sys.stdout/stderr of the whole trainer to mirror them.
+        settings = wandb.Settings(silent=True, console="off")
+        return wandb.init(mode=mode, dir=str(self.dump_folder), project=project, name=run_name,
+                          config=config, settings=settings)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record one step's metrics: values are numbers or 0-dim tensors; None means absent."""
+        if not self.enabled:
+            return
+        if self._jsonl is None:
+            raise RuntimeError("MetricsLogger.log() after close()")
+        now = time.time()
+        values = {key: _as_float(key, value) for key, value in metrics.items() if value is not None}
+        for reserved in ("step", "time"):
+            if reserved in values:
+                raise ValueError(f"metric {reserved!r}: the logger adds it itself; rename it")
+
+        record = {"step": step, "time": now}
+        record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()  # a crash right after this loses nothing
+
+        print(self._stdout_line(step, values, now), file=sys.stdout, flush=True)
+        if self._wandb_run is not None:
+            self._wandb_run.log(values, step=step)
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, step)
+            self._tensorboard.flush()
+
+    def _stdout_line(self, step: int, values: dict[str, float], now: float) -> str:
+        parts = [f"step {step}/{self.total_steps}"]
+        parts += [f"{label} {fmt.format(values[key])}" for key, label, fmt in PRINTED_METRICS
+                  if key in values]
+        # The average step time is measured from the first logged step on, which leaves out the
+        # slow first steps (compilation, allocator warmup) and works the same after a resume.
+        if self._first_logged is None:
+            self._first_logged = (step, now)
+        elif step > self._first_logged[0]:
+            first_step, first_time = self._first_logged
+            seconds_per_step = (now - first_time) / (step - first_step)
+            parts.append(f"eta {_format_eta(seconds_per_step * (self.total_steps - step))}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,149 @@
+"""AdamW with weight decay on matrices only, and the warmup-then-decay learning-rate schedule."""
+
+import functools
+import math
+
+import torch
+
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+DECAY_TYPES = ("cosine", "linear", "wsd")
+DEFAULT_WSD_DECAY_RATIO = 0.1
+
+
+def _check_range(name: str, value: float, low: float, high: float = math.inf,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    """Raise a ValueError naming the config key unless value is a finite number in the range."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low)
+    ok = ok and (value < high if high_open else value <= high)
+    if not ok:
+        interval = ("(" if low_open else "[") + f"{low}, {high}" + (")" if high_open else "]")
+        raise ValueError(f"{name}={value!r}: must be a finite number in {interval}")
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                    eps: float = 1e-8, weight_decay: float = 0.1,
+                    implementation: str = "auto") -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters, in two groups.
+
+    Group 0 (weight_decay): parameters with 2 or more dims (linear weights, embeddings).
+    Group 1 (no decay): 1-D parameters (norm scales, biases); decaying them pulls norm gains
+    towards zero, which only hurts. An empty group is left out.
+
+    implementation: "fused" (one kernel for all parameters), "foreach" (batched per-op kernels),
+    "for-loop" (one parameter at a time; slowest, smallest peak memory) or "auto" (fused when
+    every parameter is on CUDA, foreach otherwise).
+
+    Parameters may be DTensors (FSDP2, tensor parallel): only `.ndim` and `.device` are read,
+    which give the global rank and the local device for a DTensor.
+    """
+    _check_range("[optimizer] lr", lr, 0.0, low_open=True)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas={betas!r}: expected ([optimizer] beta1, [optimizer] beta2)")
+    _check_range("[optimizer] beta1", betas[0], 0.0, 1.0, high_open=True)
+    _check_range("[optimizer] beta2", betas[1], 0.0, 1.0, high_open=True)
+    _check_range("[optimizer] eps", eps, 0.0, low_open=True)
+    _check_range("[optimizer] weight_decay", weight_decay, 0.0)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"[optimizer] implementation={implementation!r}: expected one of "
+                         f"{', '.join(IMPLEMENTATIONS)}")
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"build_optimizer: {type(model).__name__} has no parameters with "
+                         "requires_grad=True to optimize")
+    decayed = [p for p in params if p.ndim >= 2]
+    not_decayed = [p for p in params if p.ndim < 2]
+    groups = [{"params": decayed, "weight_decay": weight_decay},
+              {"params": not_decayed, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+
+    if implementation == "auto":
+        implementation = "fused" if all(p.device.type == "cuda" for p in params) else "foreach"
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps,
+                             fused=implementation == "fused",
+                             foreach=implementation == "foreach")
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, decay_type: str = "cosine",
+                  min_lr_ratio: float = 0.1, decay_ratio: float | None = None) -> float:
+    """The factor on the peak lr for training step `step`, counted from 1.
+
+    Step 1 is the first optimizer.step() and gets 1/warmup_steps (step 0, before training, is 0:
+    the ramp starts from zero). Warmup ends at the full lr on step warmup_steps; the decay then
+    reaches min_lr_ratio exactly on step total_steps and stays there after it.
+      cosine: half a cosine from 1 down to min_lr_ratio over steps warmup_steps..total_steps.
+      linear: a straight line over the same steps.
+      wsd:    1 (stable) until the last `decay_ratio` fraction of total_steps, then linear.
+    Arguments are checked by build_lr_schedule, not here (this runs every step).
+    """
+    if warmup_steps > 0 and step <= warmup_steps:
+        return max(step, 0) / warmup_steps
+    if decay_type == "wsd":
+        decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
+        decay_start = total_steps - decay_steps
+        if step <= decay_start:
+            return 1.0
+        progress = min((step - decay_start) / decay_steps, 1.0)
+        return 1.0 - (1.0 - min_lr_ratio) * progress
+    progress = min((step - warmup_steps) / (total_steps - warmup_steps), 1.0)
+    if decay_type == "cosine":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - min_lr_ratio) * progress
+
+
+def _wsd_decay_steps(total_steps: int, decay_ratio: float | None) -> int:
+    ratio = DEFAULT_WSD_DECAY_RATIO if decay_ratio is None else decay_ratio
+    # At least one step, so that the last step always lands on the minimum.
+    return max(1, round(ratio * total_steps))
+
+
+def _lambda_for_scheduler(last_epoch: int, **schedule) -> float:
+    # LambdaLR counts from 0 (its value at construction is the lr of the first optimizer.step()),
+    # the schedule counts training steps from 1.
+    return lr_multiplier(last_epoch + 1, **schedule)
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                      decay_type: str = "cosine", min_lr_ratio: float = 0.1,
+                      decay_ratio: float | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following lr_multiplier; call scheduler.step() once after each optimizer.step().
+
+    Right after construction the optimizer's lr is already the one for step 1 (lr/warmup_steps).
+    state_dict() holds the step count only (the multiplier is a functools.partial, which LambdaLR
+    does not save), so a resumed run follows the schedule of the config it is resumed with.
+    decay_ratio applies to "wsd" only (None there means 0.1); giving it for another decay type is
+    an error rather than being silently ignored.
+    """
+    if decay_type not in DECAY_TYPES:
+        raise ValueError(f"[lr_scheduler] decay_type={decay_type!r}: expected one of "
+                         f"{', '.join(DECAY_TYPES)}")
+    for name, value in (("[training] steps", total_steps),
+                        ("[lr_scheduler] warmup_steps", warmup_steps)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}={value!r}: must be an int")
+    if total_steps < 1:
+        raise ValueError(f"[training] steps={total_steps}: must be >= 1")
+    if warmup_steps < 0:
+        raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps}: must be >= 0")
+    if warmup_steps >= total_steps:
+        raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps} must be smaller than "
+                         f"[training] steps={total_steps}, to leave at least one step of decay")
+    _check_range("[lr_scheduler] min_lr_ratio", min_lr_ratio, 0.0, 1.0)
+    if decay_type == "wsd":
+        if decay_ratio is not None:
+            _check_range("[lr_scheduler] decay_ratio", decay_ratio, 0.0, 1.0, low_open=True)
+        decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
+        if warmup_steps + decay_steps > total_steps:
+            raise ValueError(
+                f"[lr_scheduler] warmup_steps={warmup_steps} plus the wsd decay "
+                f"({decay_steps} steps from [lr_scheduler] decay_ratio={decay_ratio}) exceed "
+                f"[training] steps={total_steps}: lower one of them")
+    elif decay_ratio is not None:
+        raise ValueError(f"[lr_scheduler] decay_ratio={decay_ratio} is only used with "
+                         f"decay_type='wsd', not {decay_type!r}: leave it unset")
+    schedule = functools.partial(_lambda_for_scheduler, warmup_steps=warmup_steps,
+                                 total_steps=total_steps, decay_type=decay_type,
+                                 min_lr_ratio=min_lr_ratio, decay_ratio=decay_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

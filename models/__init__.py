@@ -1,0 +1,16 @@
+"""Llama-3 model: architecture, hyperparameters and named flavors, parameter/FLOP counts."""
+
+from models.args import FLAVORS, LlamaArgs, flops_per_token, param_count_for
+from models.llama import Llama, apply_rope, build_rope_cache, num_params, rope_frequencies
+
+__all__ = [
+    "FLAVORS",
+    "Llama",
+    "LlamaArgs",
+    "apply_rope",
+    "build_rope_cache",
+    "flops_per_token",
+    "num_params",
+    "param_count_for",
+    "rope_frequencies",
+]

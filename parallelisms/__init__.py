@@ -1,0 +1,1 @@
+"""Parallelising the model: the device mesh, FSDP2, activation checkpointing and compile."""

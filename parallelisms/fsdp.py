@@ -1,0 +1,28 @@
+"""FSDP2: each transformer block, the embeddings, then the root (final norm, output and loss)."""
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from parallelisms.mesh import ParallelDims
+
+
+def apply_fsdp(model_with_loss: torch.nn.Module, mesh: DeviceMesh, dims: ParallelDims,
+               param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """Shard over dp_shard (HSDP: replicate over dp_replicate too).
+
+    The root owns the final norm and the output projection, so the loss (run inside the root's
+    forward) sees the unsharded output weight, which is freed after backward. Gradients are
+    summed, not averaged, across ranks: the loss is already divided by the global token count."""
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model = model_with_loss.model
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block is resharded by the root right after anyway: keep it to save a gather.
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model_with_loss, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    for module in model_with_loss.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)

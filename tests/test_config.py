@@ -1,0 +1,67 @@
+"""Config parsing: TOML, overrides in both spellings, types, and errors that name the key."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from components.config import ConfigError, load_config, to_toml
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(["--config", str(path)])
+    assert cfg.model.flavor in ("debug", "llama_1b", "llama_8b")
+
+
+def test_overrides_both_spellings_and_types(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[training]\nsteps = 5\nmax_norm = 2\n[loss]\nimpl = "unfused"\n')
+    cfg = load_config(["--config", str(toml), "--training.steps", "9", "--loss.impl=flce",
+                       "--optimizer.lr=1e-3", "--data.synthetic", "true",
+                       "--compile.components", "model,loss", "--lr_scheduler.decay_ratio", "0.2"])
+    assert cfg.training.steps == 9 and cfg.loss.impl == "flce"
+    assert cfg.training.max_norm == 2.0 and isinstance(cfg.training.max_norm, float)
+    assert cfg.optimizer.lr == 1e-3 and cfg.data.synthetic is True
+    assert cfg.compile.components == ["model", "loss"] and cfg.lr_scheduler.decay_ratio == 0.2
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(["--training.steps", "3", "--job.description", 'a "quoted" name'])
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(["--config", str(path)]) == cfg
+    assert tomllib.loads(path.read_text())["training"]["steps"] == 3
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--training.step", "3"], r"unknown config key \[training\] step \(did you mean 'steps'\?\)"),
+    (["--trainig.steps", "3"], r"unknown config section \[trainig\] \(did you mean 'training'\?\)"),
+    (["--training.steps", "three"], r"\[training\] steps: expected int, got 'three'"),
+    (["--training.deterministic", "maybe"], r"\[training\] deterministic: expected bool"),
+    (["--loss.impl", "fused"], r"\[loss\] impl = 'fused': expected one of"),
+    (["--training.steps", "0"], r"\[training\] steps = 0: must be >= 1"),
+    (["--training.steps"], r"needs a value"),
+    (["steps=3"], r"unexpected argument"),
+    (["--config", "/nonexistent.toml"], r"no such file"),
+])
+def test_bad_command_line(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(argv)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('[training]\nsteps = "10"\n', r"\[training\] steps: expected int, got str '10'"),
+    ('[training]\nseq_lenn = 10\n', r"did you mean 'seq_len'"),
+    ('[optimiser]\nlr = 0.1\n', r"did you mean 'optimizer'"),
+    ('[loss]\nmemory_lean = 1\n', r"\[loss\] memory_lean: expected bool"),
+    ('steps = 10\n', r"must be a \[section\]"),
+    ('[training\n', r"invalid TOML"),
+])
+def test_bad_toml(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(["--config", str(path)])

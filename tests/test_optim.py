@@ -1,0 +1,200 @@
+"""The optimizer's parameter groups and implementations; the lr schedule against its formula."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from components.optim import build_lr_schedule, build_optimizer, lr_multiplier
+
+LR = 1e-3
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(11, 4)
+        self.norm = torch.nn.LayerNorm(4)  # 1-D weight and bias
+        self.proj = torch.nn.Linear(4, 3)  # 2-D weight, 1-D bias
+        self.frozen = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(self.embedding(ids)))
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.arange(6)).square().mean().backward()
+    optimizer.step()
+
+
+def _lrs_seen_by_steps(warmup: int, total: int, **kwargs) -> list[float]:
+    """lr of each optimizer.step(), 1..total, through the real LambdaLR."""
+    optimizer = build_optimizer(TinyModel(), lr=LR)
+    scheduler = build_lr_schedule(optimizer, warmup, total, **kwargs)
+    lrs = []
+    for _ in range(total):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+# --- optimizer -------------------------------------------------------------------------------
+
+def test_weight_decay_only_on_matrices():
+    model = TinyModel()
+    optimizer = build_optimizer(model, lr=LR, weight_decay=0.05)
+    decayed, not_decayed = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.05 and not_decayed["weight_decay"] == 0.0
+    ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
+    assert ids(decayed) == {id(model.embedding.weight), id(model.proj.weight)}
+    assert ids(not_decayed) == {id(model.norm.weight), id(model.norm.bias), id(model.proj.bias)}
+    assert all(p.ndim == 1 for p in not_decayed["params"])
+
+
+def test_frozen_parameters_and_empty_groups_are_left_out():
+    optimizer = build_optimizer(torch.nn.Linear(3, 3, bias=False), lr=LR)
+    assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["weight_decay"] == 0.1
+    model = TinyModel()
+    all_params = {id(p) for g in build_optimizer(model, lr=LR).param_groups for p in g["params"]}
+    assert id(model.frozen) not in all_params
+
+
+@pytest.mark.parametrize("implementation,fused,foreach", [
+    ("auto", False, True),  # CPU parameters: auto picks foreach
+    ("foreach", False, True),
+    ("for-loop", False, False),
+    ("fused", True, False),  # torch has a fused AdamW for CPU too
+])
+def test_implementation_and_one_step_changes_every_parameter(implementation, fused, foreach):
+    torch.manual_seed(0)
+    model = TinyModel()
+    optimizer = build_optimizer(model, lr=LR, implementation=implementation)
+    assert optimizer.defaults["fused"] == fused and optimizer.defaults["foreach"] == foreach
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _train_step(model, optimizer)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) == (name == "frozen"), name
+
+
+def test_state_dict_round_trip_continues_identically():
+    torch.manual_seed(0)
+    model = TinyModel()
+    optimizer = build_optimizer(model, lr=LR)
+    scheduler = build_lr_schedule(optimizer, warmup_steps=2, total_steps=10)
+    for _ in range(3):
+        _train_step(model, optimizer)
+        scheduler.step()
+
+    resumed_model = copy.deepcopy(model)
+    resumed_optimizer = build_optimizer(resumed_model, lr=LR)
+    resumed_scheduler = build_lr_schedule(resumed_optimizer, warmup_steps=2, total_steps=10)
+    resumed_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    resumed_scheduler.load_state_dict(copy.deepcopy(scheduler.state_dict()))
+    assert resumed_scheduler.last_epoch == 3
+
+    for _ in range(3):
+        for m, o, s in ((model, optimizer, scheduler),
+                        (resumed_model, resumed_optimizer, resumed_scheduler)):
+            _train_step(m, o)
+            s.step()
+        assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=0.0), r"\[optimizer\] lr=0.0"),
+    (dict(lr=-1e-3), r"\[optimizer\] lr"),
+    (dict(lr=float("nan")), r"\[optimizer\] lr"),
+    (dict(lr=LR, betas=(1.0, 0.95)), r"\[optimizer\] beta1"),
+    (dict(lr=LR, betas=(0.9, -0.1)), r"\[optimizer\] beta2"),
+    (dict(lr=LR, eps=0.0), r"\[optimizer\] eps"),
+    (dict(lr=LR, weight_decay=-0.1), r"\[optimizer\] weight_decay"),
+    (dict(lr=LR, implementation="apex"), r"\[optimizer\] implementation='apex'.*fused"),
+])
+def test_optimizer_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_optimizer(TinyModel(), **kwargs)
+
+
+def test_no_trainable_parameters_is_an_error():
+    model = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters with requires_grad=True"):
+        build_optimizer(model, lr=LR)
+
+
+# --- schedule --------------------------------------------------------------------------------
+
+def _cosine(progress: float, min_ratio: float) -> float:
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@pytest.mark.parametrize("decay_type", ["cosine", "linear", "wsd"])
+def test_warmup_starts_near_zero_and_reaches_lr(decay_type):
+    lrs = _lrs_seen_by_steps(4, 40, decay_type=decay_type)
+    assert lr_multiplier(0, 4, 40, decay_type) == 0.0
+    assert lrs[:4] == pytest.approx([LR / 4, LR / 2, 3 * LR / 4, LR])  # steps 1..4
+
+
+def test_cosine_values():
+    warmup, total, min_ratio = 10, 110, 0.1
+    lrs = _lrs_seen_by_steps(warmup, total, decay_type="cosine", min_lr_ratio=min_ratio)
+    for step in (1, 5, warmup, 35, 60, 85, total):
+        expected = step / warmup if step <= warmup else _cosine((step - warmup) / 100, min_ratio)
+        assert lrs[step - 1] == pytest.approx(LR * expected), step
+    assert lrs[60 - 1] == pytest.approx(LR * (1 + min_ratio) / 2)  # halfway through the decay
+    assert lrs[-1] == pytest.approx(LR * min_ratio)
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+
+
+def test_linear_values():
+    warmup, total, min_ratio = 10, 110, 0.0
+    lrs = _lrs_seen_by_steps(warmup, total, decay_type="linear", min_lr_ratio=min_ratio)
+    for step in (11, 35, 60, 85, total):
+        assert lrs[step - 1] == pytest.approx(LR * (1 - (step - warmup) / 100)), step
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_wsd_values():
+    warmup, total, min_ratio, decay_ratio = 10, 100, 0.2, 0.2  # decays over steps 81..100
+    lrs = _lrs_seen_by_steps(warmup, total, decay_type="wsd", min_lr_ratio=min_ratio,
+                             decay_ratio=decay_ratio)
+    assert lrs[warmup - 1:80] == [LR] * (80 - warmup + 1)  # stable: exactly flat
+    for step in (81, 90, 95, total):
+        assert lrs[step - 1] == pytest.approx(LR * (1 - (1 - min_ratio) * (step - 80) / 20)), step
+    assert lrs[-1] == pytest.approx(LR * min_ratio)
+
+
+def test_wsd_default_decay_ratio_is_a_tenth():
+    lrs = _lrs_seen_by_steps(5, 50, decay_type="wsd", min_lr_ratio=0.0)
+    assert lrs[44] == LR and lrs[45] < LR  # steps 46..50 decay
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_min_lr_holds_after_total_steps_and_without_warmup():
+    assert lr_multiplier(150, 10, 100, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_multiplier(150, 10, 100, "wsd", 0.1) == pytest.approx(0.1)
+    lrs = _lrs_seen_by_steps(0, 4, decay_type="linear", min_lr_ratio=0.0)
+    assert lrs == pytest.approx([0.75 * LR, 0.5 * LR, 0.25 * LR, 0.0])
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(decay_type="step"), ValueError, r"\[lr_scheduler\] decay_type='step'.*cosine, linear, wsd"),
+    (dict(warmup_steps=20), ValueError, r"\[lr_scheduler\] warmup_steps=20 must be smaller"),
+    (dict(warmup_steps=10), ValueError, r"\[lr_scheduler\] warmup_steps=10 must be smaller"),
+    (dict(warmup_steps=-1), ValueError, r"\[lr_scheduler\] warmup_steps=-1"),
+    (dict(warmup_steps=2.5), TypeError, r"\[lr_scheduler\] warmup_steps=2.5: must be an int"),
+    (dict(total_steps=0, warmup_steps=0), ValueError, r"\[training\] steps=0"),
+    (dict(min_lr_ratio=1.5), ValueError, r"\[lr_scheduler\] min_lr_ratio"),
+    (dict(decay_ratio=0.2), ValueError, r"decay_ratio=0.2 is only used with decay_type='wsd'"),
+    (dict(decay_type="wsd", decay_ratio=0.0), ValueError, r"\[lr_scheduler\] decay_ratio"),
+    (dict(decay_type="wsd", decay_ratio=0.5, warmup_steps=6), ValueError, "exceed"),
+])
+def test_schedule_errors(kwargs, error, match):
+    arguments = dict(warmup_steps=2, total_steps=10) | kwargs
+    optimizer = build_optimizer(TinyModel(), lr=LR)
+    with pytest.raises(error, match=match):
+        build_lr_schedule(optimizer, **arguments)

@@ -1,0 +1,231 @@
+"""Pre-train a Llama with the fused linear cross-entropy (or the unfused baseline).
+
+    python train.py --config configs/debug.toml                       # CPU is fine
+    torchrun --nproc_per_node 8 train.py --config configs/llama_1b.toml --training.steps 300
+
+Reads top to bottom: config -> distributed setup -> tokenizer and data -> model on the meta
+device -> parallelise -> initialise -> optimizer -> the loop (gradient accumulation with the
+loss divided by the global token count, clipping, a sync-free skip of non-finite steps,
+metrics, validation).
+"""
+
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from components.config import JobConfig, load_config, to_toml
+from components.data import build_data
+from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
+from components.metrics import MetricsLogger, peak_flops
+from components.optim import build_lr_schedule, build_optimizer
+from components.tokenizer import build_tokenizer
+from models import FLAVORS, Llama, flops_per_token
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import compile_blocks
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.mesh import ParallelDims
+
+
+def log(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, flush=True)
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process. On CUDA even one
+    process gets a (single-rank) process group: FSDP then handles bf16 parameters uniformly."""
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        return dist.get_rank(), dist.get_world_size(), device
+    if cuda:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        return 0, 1, torch.device("cuda", 0)
+    return 0, 1, torch.device("cpu")
+
+
+def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: ParallelDims):
+    if cfg.model.flavor not in FLAVORS:
+        raise ValueError(f"[model] flavor = {cfg.model.flavor!r}: expected one of {list(FLAVORS)}")
+    args = FLAVORS[cfg.model.flavor]
+    args = type(args)(**{**vars(args), "max_seq_len": cfg.training.seq_len,
+                         "vocab_size": cfg.model.vocab_size or args.vocab_size})
+    if args.vocab_size < vocab_floor:
+        raise ValueError(f"[model] vocab_size {args.vocab_size} is smaller than the tokenizer's "
+                         f"{vocab_floor} ids")
+    with torch.device("meta"):
+        model = ModelWithLoss(Llama(args), TrainingLoss(cfg.loss))
+    apply_activation_checkpointing(model.model, cfg.activation_checkpoint.mode,
+                                   cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        compile_blocks(model.model)
+    if dist.is_initialized():
+        mesh = dims.build_mesh(device.type)
+        bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
+        apply_fsdp(model, mesh, dims, torch.bfloat16 if bf16 else torch.float32)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.training.seed)  # the same initial weights whatever the layout
+    with torch.no_grad():
+        model.model.init_weights()
+    return model, args
+
+
+def grad_norm_and_clip(params: list, max_norm: float) -> torch.Tensor:
+    """Total gradient norm (DTensor-aware), clipping in place when max_norm > 0. No host sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def evaluate(model, batches, steps: int, device) -> float:
+    """Mean token loss over `steps` held-out batches (all ranks)."""
+    model.eval()
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    one = torch.ones((), device=device)
+    with torch.no_grad():
+        for _ in range(steps):
+            inputs, labels = next(batches)
+            labels = labels.to(device)
+            total[0] += model(inputs.to(device), labels, one).double()
+            total[1] += (labels != IGNORE_INDEX).sum()
+    model.train()
+    total = all_reduce_sum(total)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def main(argv=None) -> int:
+    cfg = load_config(argv)
+    rank, world, device = init_distributed()
+    dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
+                                cfg.parallelism.data_parallel_shard_degree,
+                                cfg.parallelism.tensor_parallel_degree, world)
+    if dims.tp > 1:
+        raise NotImplementedError("[parallelism] tensor_parallel_degree > 1 is not built yet")
+    torch.use_deterministic_algorithms(cfg.training.deterministic)
+    dump = Path(cfg.job.dump_folder)
+    if rank == 0:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "config.toml").write_text(to_toml(cfg))
+        if cfg.job.print_config:
+            print(to_toml(cfg), flush=True)
+
+    tokenizer = build_tokenizer(cfg.tokenizer.name, cfg.tokenizer.path or None,
+                                cfg.tokenizer.bos_token or None, cfg.tokenizer.eos_token or None)
+    model, args = build_model(cfg, tokenizer.vocab_size, device, dims)
+    params = [p for p in model.parameters() if p.requires_grad]
+    log(f"model {cfg.model.flavor}: {sum(p.numel() for p in params):,} parameters, loss "
+        f"{cfg.loss.impl}, world {world} (dp_replicate {dims.dp_replicate}, dp_shard "
+        f"{dims.dp_shard}, tp {dims.tp}), device {device.type}")
+    optimizer = build_optimizer(model, cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2),
+                                cfg.optimizer.eps, cfg.optimizer.weight_decay,
+                                "fused" if cfg.optimizer.implementation == "auto"
+                                else cfg.optimizer.implementation)
+    scheduler = build_lr_schedule(optimizer, cfg.lr_scheduler.warmup_steps, cfg.training.steps,
+                                  cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_ratio,
+                                  cfg.lr_scheduler.decay_ratio)
+    data_kwargs = dict(source=cfg.data.source, tokenizer=tokenizer, seq_len=cfg.training.seq_len,
+                       local_batch_size=cfg.training.local_batch_size,
+                       dp_rank=dims.dp_rank(rank), dp_world=dims.dp, synthetic=cfg.data.synthetic,
+                       seed=cfg.training.seed, max_token_id=args.vocab_size,
+                       streaming=cfg.data.streaming, text_field=cfg.data.text_field,
+                       val_every=cfg.data.val_every, cache_dir=cfg.data.cache_dir)
+    train_batches = build_data(split="train", **data_kwargs)
+    val_batches = build_data(split="validation", **data_kwargs) if cfg.validation.enable else None
+    train_iter = iter(train_batches)
+    val_iter = iter(val_batches) if val_batches is not None else None
+
+    metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics.enable_wandb,
+                            cfg.metrics.wandb_project, cfg.metrics.wandb_run_name or None,
+                            cfg.metrics.wandb_mode, cfg.metrics.enable_tensorboard, cfg.to_dict())
+    flops_tok = flops_per_token(args, cfg.training.seq_len)
+    peak = peak_flops(device)
+    accum = cfg.training.gradient_accumulation_steps
+    bad_run = torch.zeros((), device=device)  # consecutive non-finite steps, kept on the device
+    window = {"time": 0.0, "data": 0.0, "tokens": 0, "steps": 0}
+    exit_code = 0
+    for step in range(1, cfg.training.steps + 1):
+        t0 = time.perf_counter()
+        micro = [next(train_iter) for _ in range(accum)]
+        t_data = time.perf_counter() - t0
+        # The loss is a sum over tokens divided by the global count of non-ignored tokens,
+        # so micro-batches and ranks add up to the exact global mean (one all-reduce a step).
+        count = sum((labels != IGNORE_INDEX).sum() for _, labels in micro).to(device).float()
+        normalizer = (all_reduce_sum(count) / dims.tp).clamp(min=1)
+        loss_sum = torch.zeros((), device=device)
+        for i, (inputs, labels) in enumerate(micro):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(i == accum - 1)
+            loss = model(inputs.to(device, non_blocking=True),
+                         labels.to(device, non_blocking=True), normalizer)
+            loss.backward()
+            loss_sum += loss.detach()
+        norm = grad_norm_and_clip(params, cfg.training.max_norm)
+        bad = ~(torch.isfinite(norm) & torch.isfinite(loss_sum))
+        optimizer.found_inf = bad.float()  # fused AdamW skips the update on the device
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        bad_run = (bad_run + 1) * bad
+
+        window["time"] += time.perf_counter() - t0
+        window["data"] += t_data
+        window["tokens"] += sum(inputs.numel() for inputs, _ in micro)
+        window["steps"] += 1
+        last = step == cfg.training.steps
+        if step % cfg.metrics.log_freq == 0 or step == 1 or last:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            window["time"] = max(window["time"], 1e-9)
+            tps = window["tokens"] / window["time"]
+            entry = {"loss": all_reduce_sum(loss_sum.clone()).item() / dims.tp,
+                     "grad_norm": norm.item(), "lr": scheduler.get_last_lr()[0],
+                     "tokens_per_s_per_device": tps, "tokens_per_s": tps * world,
+                     "step_time_s": window["time"] / window["steps"],
+                     "data_wait_s": window["data"] / window["steps"]}
+            if peak:
+                entry["mfu"] = flops_tok * tps / peak
+            if device.type == "cuda":
+                entry["mem_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                entry["mem_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            metrics.log(step, entry)
+            window = {"time": 0.0, "data": 0.0, "tokens": 0, "steps": 0}
+            n_bad = int(bad_run.item())
+            if n_bad and (cfg.training.nan_policy == "stop" or n_bad >= cfg.training.max_bad_steps):
+                log(f"stopping at step {step}: {n_bad} consecutive step(s) with a non-finite loss "
+                    f"or gradient norm ([training] nan_policy = {cfg.training.nan_policy!r}, "
+                    f"max_bad_steps = {cfg.training.max_bad_steps})")
+                exit_code = 1
+                break
+            if n_bad:
+                log(f"warning: step {step}: non-finite loss or gradient norm; the optimizer step "
+                    f"was skipped ({n_bad} in a row)")
+        if val_iter is not None and (step % cfg.validation.freq == 0 or last):
+            metrics.log(step, {"val_loss": evaluate(model, val_iter, cfg.validation.steps, device)})
+    metrics.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
