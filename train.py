@@ -9,6 +9,7 @@ loss divided by the global token count, clipping, a sync-free skip of non-finite
 metrics, validation).
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -21,13 +22,14 @@ import torch.distributed as dist
 from components.config import JobConfig, load_config, to_toml
 from components.data import build_data
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
-from components.metrics import MetricsLogger, peak_flops
+from components.metrics import MetricsLogger, StepMeter, peak_flops
 from components.optim import build_lr_schedule, build_optimizer
 from components.tokenizer import build_tokenizer
 from models import FLAVORS, Llama, flops_per_token
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.fsdp import apply_fsdp
+from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
 
 
@@ -58,13 +60,15 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
     if cfg.model.flavor not in FLAVORS:
         raise ValueError(f"[model] flavor = {cfg.model.flavor!r}: expected one of {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
-    args = type(args)(**{**vars(args), "max_seq_len": cfg.training.seq_len,
-                         "vocab_size": cfg.model.vocab_size or args.vocab_size})
+    args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ValueError(f"[training] seq_len = {cfg.training.seq_len} exceeds the "
+                         f"{cfg.model.flavor} flavor's max_seq_len {args.max_seq_len}")
     if args.vocab_size < vocab_floor:
         raise ValueError(f"[model] vocab_size {args.vocab_size} is smaller than the tokenizer's "
                          f"{vocab_floor} ids")
     with torch.device("meta"):
-        model = ModelWithLoss(Llama(args), TrainingLoss(cfg.loss))
+        model = ModelWithLoss(Llama(args, seq_len=cfg.training.seq_len), TrainingLoss(cfg.loss))
     apply_activation_checkpointing(model.model, cfg.activation_checkpoint.mode,
                                    cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
@@ -74,9 +78,8 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
         bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
         apply_fsdp(model, mesh, dims, torch.bfloat16 if bf16 else torch.float32)
     model.to_empty(device=device)
-    torch.manual_seed(cfg.training.seed)  # the same initial weights whatever the layout
-    with torch.no_grad():
-        model.model.init_weights()
+    torch.manual_seed(cfg.training.seed)
+    init_as_on_one_device(model, model.model.init_weights)  # the same weights for any layout
     return model, args
 
 
@@ -138,6 +141,7 @@ def main(argv=None) -> int:
         f"{dims.dp_shard}, tp {dims.tp}), device {device.type}")
     optimizer = build_optimizer(model, cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2),
                                 cfg.optimizer.eps, cfg.optimizer.weight_decay,
+                                # fused (CPU and CUDA) can skip a non-finite step without a sync
                                 "fused" if cfg.optimizer.implementation == "auto"
                                 else cfg.optimizer.implementation)
     scheduler = build_lr_schedule(optimizer, cfg.lr_scheduler.warmup_steps, cfg.training.steps,
@@ -152,21 +156,20 @@ def main(argv=None) -> int:
     train_batches = build_data(split="train", **data_kwargs)
     val_batches = build_data(split="validation", **data_kwargs) if cfg.validation.enable else None
     train_iter = iter(train_batches)
-    val_iter = iter(val_batches) if val_batches is not None else None
+    # Every evaluation scores the same held-out batches, so validation losses are comparable.
+    val_start = val_batches.state_dict() if val_batches is not None else None
 
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics.enable_wandb,
                             cfg.metrics.wandb_project, cfg.metrics.wandb_run_name or None,
                             cfg.metrics.wandb_mode, cfg.metrics.enable_tensorboard, cfg.to_dict())
-    flops_tok = flops_per_token(args, cfg.training.seq_len)
-    peak = peak_flops(device)
+    meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     accum = cfg.training.gradient_accumulation_steps
+    skip_on_device = bool(optimizer.defaults.get("fused"))
     bad_run = torch.zeros((), device=device)  # consecutive non-finite steps, kept on the device
-    window = {"time": 0.0, "data": 0.0, "tokens": 0, "steps": 0}
     exit_code = 0
     for step in range(1, cfg.training.steps + 1):
-        t0 = time.perf_counter()
-        micro = [next(train_iter) for _ in range(accum)]
-        t_data = time.perf_counter() - t0
+        with meter.waiting_for_data():
+            micro = [next(train_iter) for _ in range(accum)]
         # The loss is a sum over tokens divided by the global count of non-ignored tokens,
         # so micro-batches and ranks add up to the exact global mean (one all-reduce a step).
         count = sum((labels != IGNORE_INDEX).sum() for _, labels in micro).to(device).float()
@@ -181,34 +184,21 @@ def main(argv=None) -> int:
             loss_sum += loss.detach()
         norm = grad_norm_and_clip(params, cfg.training.max_norm)
         bad = ~(torch.isfinite(norm) & torch.isfinite(loss_sum))
-        optimizer.found_inf = bad.float()  # fused AdamW skips the update on the device
-        optimizer.step()
+        if skip_on_device:
+            optimizer.found_inf = bad.float()  # fused AdamW skips the update on the device
+            optimizer.step()
+        elif not bad.item():  # other AdamW implementations need the host to decide
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         bad_run = (bad_run + 1) * bad
+        meter.step_done(sum(inputs.numel() for inputs, _ in micro) // dims.tp)
 
-        window["time"] += time.perf_counter() - t0
-        window["data"] += t_data
-        window["tokens"] += sum(inputs.numel() for inputs, _ in micro)
-        window["steps"] += 1
         last = step == cfg.training.steps
         if step % cfg.metrics.log_freq == 0 or step == 1 or last:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            window["time"] = max(window["time"], 1e-9)
-            tps = window["tokens"] / window["time"]
             entry = {"loss": all_reduce_sum(loss_sum.clone()).item() / dims.tp,
-                     "grad_norm": norm.item(), "lr": scheduler.get_last_lr()[0],
-                     "tokens_per_s_per_device": tps, "tokens_per_s": tps * world,
-                     "step_time_s": window["time"] / window["steps"],
-                     "data_wait_s": window["data"] / window["steps"]}
-            if peak:
-                entry["mfu"] = flops_tok * tps / peak
-            if device.type == "cuda":
-                entry["mem_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                entry["mem_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+                     "grad_norm": norm.item(), "lr": scheduler.get_last_lr()[0], **meter.read()}
             metrics.log(step, entry)
-            window = {"time": 0.0, "data": 0.0, "tokens": 0, "steps": 0}
             n_bad = int(bad_run.item())
             if n_bad and (cfg.training.nan_policy == "stop" or n_bad >= cfg.training.max_bad_steps):
                 log(f"stopping at step {step}: {n_bad} consecutive step(s) with a non-finite loss "
@@ -219,8 +209,11 @@ def main(argv=None) -> int:
             if n_bad:
                 log(f"warning: step {step}: non-finite loss or gradient norm; the optimizer step "
                     f"was skipped ({n_bad} in a row)")
-        if val_iter is not None and (step % cfg.validation.freq == 0 or last):
-            metrics.log(step, {"val_loss": evaluate(model, val_iter, cfg.validation.steps, device)})
+        if val_batches is not None and (step % cfg.validation.freq == 0 or last):
+            val_batches.load_state_dict(val_start)
+            metrics.log(step, {"val_loss": evaluate(model, val_batches, cfg.validation.steps,
+                                                    device)})
+            meter.reset()  # evaluation time is not training time
     metrics.close()
     if dist.is_initialized():
         dist.destroy_process_group()

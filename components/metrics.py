@@ -201,16 +201,15 @@ class MetricsLogger:
 
         self.dump_folder.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.dump_folder / "metrics.jsonl", "a", encoding="utf-8")
-        if wandb_enable:
-            self._wandb_run = self._start_wandb(wandb_project, wandb_run_name or None, wandb_mode,
-                                                config)
-        if tensorboard_enable:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ImportError("[metrics] enable_tensorboard is set but tensorboard is not "
-                                  "installed: pip install tensorboard") from e
-            self._tensorboard = SummaryWriter(log_dir=str(self.dump_folder / "tb"))
+        try:
+            if wandb_enable:
+                self._wandb_run = self._start_wandb(wandb_project, wandb_run_name or None,
+                                                    wandb_mode, config)
+            if tensorboard_enable:
+                self._tensorboard = self._start_tensorboard()
+        except BaseException:
+            self.close()  # whatever did start
+            raise
 
     def _start_wandb(self, project: str, run_name: str | None, mode: str, config: dict | None):
         try:
@@ -224,6 +223,14 @@ class MetricsLogger:
         settings = wandb.Settings(silent=True, console="off")
         return wandb.init(mode=mode, dir=str(self.dump_folder), project=project, name=run_name,
                           config=config, settings=settings)
+
+    def _start_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError("[metrics] enable_tensorboard is set but tensorboard is not "
+                              "installed: pip install tensorboard") from e
+        return SummaryWriter(log_dir=str(self.dump_folder / "tb"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step's metrics: values are numbers or 0-dim tensors; None means absent."""

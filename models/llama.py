@@ -162,6 +162,9 @@ class Llama(nn.Module):
         if (self.args.tie_embeddings and self.tok_embeddings is not None
                 and self.output is not None):
             self.output.weight = self.tok_embeddings.weight
+        # model.to(bfloat16) would round cos/sin to 8 bits: rebuild the table in float32.
+        if self.rope_cache.dtype != torch.float32:
+            self.rope_cache = build_rope_cache(self.args, self.seq_len, self.rope_cache.device)
         return self
 
     @torch.no_grad()

@@ -26,3 +26,5 @@ def apply_fsdp(model_with_loss: torch.nn.Module, mesh: DeviceMesh, dims: Paralle
     for module in model_with_loss.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # a plain SUM: gloo has no PREMUL_SUM, and with a factor of 1 nothing is lost
+            module.set_force_sum_reduction_for_comms(True)

@@ -182,7 +182,8 @@ def test_min_lr_holds_after_total_steps_and_without_warmup():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(decay_type="step"), ValueError, r"\[lr_scheduler\] decay_type='step'.*cosine, linear, wsd"),
+    (dict(decay_type="step"), ValueError,
+     r"\[lr_scheduler\] decay_type='step'.*cosine, linear, wsd"),
     (dict(warmup_steps=20), ValueError, r"\[lr_scheduler\] warmup_steps=20 must be smaller"),
     (dict(warmup_steps=10), ValueError, r"\[lr_scheduler\] warmup_steps=10 must be smaller"),
     (dict(warmup_steps=-1), ValueError, r"\[lr_scheduler\] warmup_steps=-1"),

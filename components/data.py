@@ -1,0 +1,394 @@
+"""Training data: documents from Hugging Face `datasets`, framed as [bos] + tokens + [eos], concatenated
+and cut into windows of seq_len + 1 tokens; every data-parallel rank reads its own share of the documents.
+
+Document i of a split goes to rank i % dp_world, and document i of the source is held out for validation
+when i % val_every == 0 (unless the source has a real validation split). Both rules are the same with and
+without streaming, so a run reads the same windows either way.
+"""
+
+import functools
+import hashlib
+import itertools
+import json
+import logging
+import os
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import datasets
+import numpy as np
+import torch
+from datasets.distributed import split_dataset_by_node
+
+from components.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = "~/.cache/flce-recipes"
+BUILDER_BY_SUFFIX = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SPLITS = ("train", "validation")
+
+STDLIB_CORPUS_BYTES = 6 * 2**20
+# Tests and test data are skipped because they are full of deliberately odd code and binary-ish fixtures;
+# idlelib, turtledemo and lib2to3 are applications or legacy tools rather than library code.
+STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
+                                 "turtledemo", "lib2to3", "__pycache__"})
+
+Documents = datasets.Dataset | datasets.IterableDataset
+Window = tuple[torch.Tensor, torch.Tensor]
+
+
+class MissingTextField(KeyError):
+    # KeyError would print its message in quotes, as if it were a key.
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def embedded_corpus(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
+    """A JSON-lines corpus of this Python's standard library sources: every machine with the same Python
+    version builds the same file without a download."""
+    cache_dir = Path(cache_dir).expanduser()
+    path = cache_dir / f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}.jsonl"
+    if path.is_file():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Several ranks may build it at once: each writes its own temporary file and the rename is atomic,
+    # so no reader ever sees half a corpus.
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for relative_path, text in _stdlib_sources():
+                f.write(json.dumps({"text": text, "path": relative_path}, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _stdlib_sources() -> Iterator[tuple[str, str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    # os.walk rather than rglob, so the skipped directories (site-packages is huge) are never entered.
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in STDLIB_SKIPPED_DIRS]
+        for name in names:
+            if name.endswith(".py"):
+                file = Path(directory, name)
+                files.append((file.relative_to(root).as_posix(), file))
+    total_bytes = 0
+    for relative_path, file in sorted(files):
+        try:
+            data = file.read_bytes()
+            text = data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text.strip():  # empty __init__.py files would only add bos/eos pairs
+            continue
+        if total_bytes + len(data) > STDLIB_CORPUS_BYTES:
+            return
+        total_bytes += len(data)
+        yield relative_path, text
+
+
+def load_documents(source: str, split: str, text_field: str = "text", streaming: bool = False,
+                   val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Documents:
+    """source: "stdlib", a local .txt/.jsonl/.json/.parquet file or a directory of them, or a Hugging Face
+    Hub dataset name (needs network access). A .txt file gives one document per paragraph (blank-line
+    separated). split: "train" or "validation", or another split the source really has."""
+    if val_every < 2:
+        raise ValueError(f"val_every={val_every}: must be >= 2 (1 would hold out every document)")
+    cache_dir = Path(cache_dir).expanduser()
+    splits = _load_splits(source, streaming, cache_dir)
+    documents = _pick_split(splits, split, val_every, source)
+    columns = documents.column_names  # None for some streams; then TokenWindows checks the first document
+    if columns is not None and text_field not in columns:
+        raise MissingTextField(f"{source}: the documents have no field {text_field!r} (their fields: "
+                               f"{', '.join(columns)}); set [data] text_field")
+    return documents
+
+
+def _load_splits(source: str, streaming: bool, cache_dir: Path):
+    if source == "stdlib":
+        return _load_local([embedded_corpus(cache_dir)], streaming, cache_dir)
+    path = Path(source).expanduser()
+    if path.exists():
+        return _load_local(_data_files(path), streaming, cache_dir)
+    if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
+        raise FileNotFoundError(f"data source not found: {path}")
+    try:
+        return datasets.load_dataset(source, streaming=streaming)
+    except Exception as err:
+        raise ValueError(
+            f"could not load data source {source!r}: it is not a local path, and loading it as a Hugging "
+            f"Face Hub dataset failed ({type(err).__name__}: {err}). Hub names need network access (or the "
+            f"dataset already in the local HF cache); offline, use a local .jsonl/.json/.txt/.parquet file "
+            f"or directory, or \"stdlib\"") from err
+
+
+def _data_files(path: Path) -> list[Path]:
+    if path.is_file():
+        files = [path]
+    else:
+        # Hidden directories hold caches and VCS data, not documents.
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDER_BY_SUFFIX
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise FileNotFoundError(f"{path}: no {'/'.join(BUILDER_BY_SUFFIX)} files in this directory")
+    suffixes = sorted({p.suffix for p in files})
+    if any(s not in BUILDER_BY_SUFFIX for s in suffixes):
+        raise ValueError(f"{path}: unsupported file type {suffixes[0]!r}; expected one of "
+                         f"{', '.join(BUILDER_BY_SUFFIX)}")
+    if len({BUILDER_BY_SUFFIX[s] for s in suffixes}) > 1:
+        raise ValueError(f"{path}: mixes file types {', '.join(suffixes)}; one directory must hold one kind")
+    return files
+
+
+def _load_local(files: list[Path], streaming: bool, cache_dir: Path):
+    builder = BUILDER_BY_SUFFIX[files[0].suffix]
+    options = {"sample_by": "paragraph"} if builder == "text" else {}
+    # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], streaming=streaming,
+                                 cache_dir=str(cache_dir / "datasets"), **options)
+
+
+def _pick_split(splits, split: str, val_every: int, source: str) -> Documents:
+    if split in splits and (split != "train" or "validation" in splits):
+        return splits[split]
+    if split not in SPLITS:
+        raise ValueError(f"{source}: no split {split!r} (it has {', '.join(splits)}); use one of "
+                         f"{', '.join(SPLITS)}")
+    if "train" not in splits:
+        raise ValueError(f"{source}: no 'train' split to hold validation documents out of "
+                         f"(it has {', '.join(splits)})")
+    return _hold_out(splits["train"], val_every, validation=(split == "validation"))
+
+
+def _is_held_out(_example: dict, index: int, val_every: int, validation: bool) -> bool:
+    return (index % val_every == 0) == validation
+
+
+def _hold_out(documents: Documents, val_every: int, validation: bool) -> Documents:
+    if isinstance(documents, datasets.IterableDataset):
+        # The index counts the whole stream, because TokenWindows splits streams by example (not by
+        # file shard) after this filter.
+        keep = functools.partial(_is_held_out, val_every=val_every, validation=validation)
+        return documents.filter(keep, with_indices=True)
+    held_out = np.arange(len(documents)) % val_every == 0
+    return documents.select(np.flatnonzero(held_out if validation else ~held_out))
+
+
+class WindowSource(Protocol):
+    def __next__(self) -> Window: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class TokenWindows:
+    """Yields (inputs, labels), each a torch.long tensor of shape [seq_len], forever: when this rank's
+    documents run out a new epoch goes over them again in the same order.
+
+    The state is the position of the next unread token (epoch, document within this rank's share, token
+    offset within that document's [bos] + tokens + [eos]), so it stays a few ints however long the
+    documents are; resuming re-tokenizes one document."""
+
+    def __init__(self, documents: Documents, tokenizer: Tokenizer, seq_len: int, dp_rank: int = 0,
+                 dp_world: int = 1, max_token_id: int | None = None, text_field: str = "text"):
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len}: must be >= 1")
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank={dp_rank}, dp_world={dp_world}: need 0 <= dp_rank < dp_world")
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        self.max_token_id = max_token_id
+        self.text_field = text_field
+        self._documents = documents
+        if isinstance(documents, datasets.IterableDataset):
+            # By example, so document i of the stream goes to rank i % dp_world as without streaming.
+            self._stream = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_world,
+                                                 strategy="examples")
+            self._share = None
+        else:
+            self._stream = None
+            self._share = range(dp_rank, len(documents), dp_world)
+            if not self._share:
+                raise ValueError(f"data-parallel rank {dp_rank} of {dp_world} gets no documents: there are "
+                                 f"only {len(documents)} (for a held-out validation split, a smaller "
+                                 f"[data] val_every holds out more)")
+        self._move_to(epoch=0, document=0, token_offset=0)
+
+    def _move_to(self, epoch: int, document: int, token_offset: int) -> None:
+        self._epoch = epoch
+        self._document = document
+        self._token_offset = token_offset
+        self._tokens: torch.Tensor | None = None  # the document at the position, once read
+        self._reader: Iterator[tuple[int, int, dict]] | None = None
+
+    def __iter__(self) -> "TokenWindows":
+        return self
+
+    def __next__(self) -> Window:
+        needed = self.seq_len + 1
+        pieces = []
+        while needed:
+            if self._tokens is None:
+                self._tokens = self._read_next_document()
+            piece = self._tokens[self._token_offset:self._token_offset + needed]
+            pieces.append(piece)
+            needed -= len(piece)
+            self._token_offset += len(piece)
+            if self._token_offset == len(self._tokens):
+                self._document += 1
+                self._token_offset = 0
+                self._tokens = None
+        window = torch.cat(pieces)
+        return window[:-1], window[1:]
+
+    def _read_next_document(self) -> torch.Tensor:
+        if self._reader is None:
+            self._reader = self._examples_from(self._epoch, self._document)
+        self._epoch, self._document, example = next(self._reader)
+        tokens = self._tokenize(example)
+        if self._token_offset >= len(tokens):
+            raise ValueError(f"data state does not match the documents: document {self._document} of epoch "
+                             f"{self._epoch} on rank {self.dp_rank} has {len(tokens)} tokens, the state "
+                             f"points at token {self._token_offset}")
+        return tokens
+
+    def _examples_from(self, epoch: int, document: int) -> Iterator[tuple[int, int, dict]]:
+        while True:
+            if self._share is not None:
+                for d in range(document, len(self._share)):
+                    yield epoch, d, self._documents[self._share[d]]
+            else:
+                # No set_epoch: in datasets 5 a nonzero epoch reorders the stream's file shards even
+                # without shuffle(), which would move documents between the train and validation splits.
+                count = document
+                for example in itertools.islice(self._stream, document, None):
+                    yield epoch, count, example
+                    count += 1
+                if count == 0:
+                    raise ValueError(f"data-parallel rank {self.dp_rank} of {self.dp_world} gets no "
+                                     f"documents from the stream")
+            epoch, document = epoch + 1, 0
+            logger.info("data: rank %d read all its documents; epoch %d starts", self.dp_rank, epoch)
+
+    def _tokenize(self, example: dict) -> torch.Tensor:
+        if self.text_field not in example:
+            raise MissingTextField(f"document {self._document} has no field {self.text_field!r} (its fields: "
+                                   f"{', '.join(example)}); set [data] text_field")
+        text = example[self.text_field]
+        if not isinstance(text, str):
+            raise TypeError(f"document {self._document}: field {self.text_field!r} holds "
+                            f"{type(text).__name__}, not text")
+        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
+        tokens = torch.tensor(ids, dtype=torch.long)
+        if self.max_token_id is not None and int(tokens.max()) >= self.max_token_id:
+            bad = int(tokens[tokens >= self.max_token_id][0])
+            raise ValueError(f"token id {bad} is out of range for the model's vocab size {self.max_token_id} "
+                             f"(the tokenizer's vocab size is {self.tokenizer.vocab_size})")
+        return tokens
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "document": self._document, "token_offset": self._token_offset,
+                "dp_rank": self.dp_rank, "dp_world": self.dp_world}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["dp_rank"], state["dp_world"]) != (self.dp_rank, self.dp_world):
+            raise ValueError(f"data state was saved by rank {state['dp_rank']} of {state['dp_world']}, "
+                             f"this is rank {self.dp_rank} of {self.dp_world}: the document shares differ")
+        if self._share is not None and not 0 <= state["document"] <= len(self._share):
+            raise ValueError(f"data state points at document {state['document']}, but rank {self.dp_rank} "
+                             f"has {len(self._share)} documents")
+        self._move_to(int(state["epoch"]), int(state["document"]), int(state["token_offset"]))
+
+
+class SyntheticTokens:
+    """Uniformly random windows, for throughput runs and layout-equivalence tests.
+
+    Each window is drawn from its own seed, derived from (seed, its index in the global batch
+    stream): window j of rank r's local batch at step s is global window
+    s * (dp_world * local_batch_size) + r * local_batch_size + j. So a run on 2 ranks with local
+    batch 2 sees exactly the windows of 1 rank with local batch 4, and resuming jumps straight
+    to window n."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, dp_rank: int = 0,
+                 dp_world: int = 1, local_batch_size: int = 1):
+        if vocab_size < 1 or seq_len < 1:
+            raise ValueError(f"vocab_size={vocab_size}, seq_len={seq_len}: both must be >= 1")
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        self.local_batch_size = local_batch_size
+        self._windows = 0
+        self._generator = torch.Generator()
+
+    def __iter__(self) -> "SyntheticTokens":
+        return self
+
+    def global_index(self, local_index: int) -> int:
+        step, j = divmod(local_index, self.local_batch_size)
+        return (step * self.dp_world + self.dp_rank) * self.local_batch_size + j
+
+    def __next__(self) -> Window:
+        key = f"{self.seed}/{self.global_index(self._windows)}".encode()
+        self._generator.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
+        window = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=self._generator)
+        self._windows += 1
+        return window[:-1], window[1:]
+
+    def state_dict(self) -> dict:
+        return {"windows": self._windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._windows = int(state["windows"])
+
+
+class Batches:
+    """Stacks local_batch_size consecutive windows into ([B, seq_len], [B, seq_len]). Batches are whole
+    windows, so the window source's state after batch n is exactly the state before batch n + 1."""
+
+    def __init__(self, windows: WindowSource, local_batch_size: int):
+        if local_batch_size < 1:
+            raise ValueError(f"local_batch_size={local_batch_size}: must be >= 1")
+        self.windows = windows
+        self.local_batch_size = local_batch_size
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> Window:
+        pairs = [next(self.windows) for _ in range(self.local_batch_size)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def state_dict(self) -> dict:
+        return self.windows.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.windows.load_state_dict(state)
+
+
+def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+               dp_rank: int = 0, dp_world: int = 1, synthetic: bool = False, seed: int = 0,
+               max_token_id: int | None = None, streaming: bool = False, text_field: str = "text",
+               val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Batches:
+    if synthetic:
+        vocab_size = max_token_id if max_token_id is not None else tokenizer.vocab_size
+        # Validation gets its own stream so it never scores the windows it trained on.
+        split_seed = seed if split == "train" else seed + 1
+        windows = SyntheticTokens(vocab_size, seq_len, split_seed, dp_rank, dp_world, local_batch_size)
+        return Batches(windows, local_batch_size)
+    documents = load_documents(source, split, text_field=text_field, streaming=streaming,
+                               val_every=val_every, cache_dir=cache_dir)
+    windows = TokenWindows(documents, tokenizer, seq_len, dp_rank=dp_rank, dp_world=dp_world,
+                           max_token_id=max_token_id, text_field=text_field)
+    return Batches(windows, local_batch_size)

@@ -1,0 +1,328 @@
+"""Documents become consecutive token windows, shared disjointly between ranks, resumable exactly."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from components.data import (STDLIB_CORPUS_BYTES, Batches, MissingTextField, SyntheticTokens, TokenWindows,
+                             build_data, embedded_corpus, load_documents)
+from components.tokenizer import ByteTokenizer
+
+BYTE = ByteTokenizer()
+ALPHABET = "abcdefghij klmnop qrstuvwxyz 0123456789 .,;:!? éüß Ωπ 漢字 🙂"
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.randrange(2**32)
+    print(f"random seed {seed}")  # shown by pytest when a test fails
+    return random.Random(seed)
+
+
+def random_texts(rng: random.Random, count: int, max_length: int = 40) -> list[str]:
+    # The number makes every document distinct, so a document can be recognised in a rank's stream.
+    return [f"{i}:" + "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, max_length)))
+            for i in range(count)]
+
+
+def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def framed(texts: list[str]) -> list[int]:
+    return [i for text in texts for i in (BYTE.bos_id, *BYTE.encode(text), BYTE.eos_id)]
+
+
+def read_tokens(windows, count: int) -> list[int]:
+    """The token stream that `count` windows cover (each window is inputs plus the last label)."""
+    tokens = []
+    for _ in range(count):
+        inputs, labels = next(windows)
+        tokens += inputs.tolist() + labels[-1:].tolist()
+    return tokens
+
+
+def split_documents(tokens: list[int]) -> list[str]:
+    """The complete documents in a byte-tokenizer stream that starts at a document's bos."""
+    documents, current = [], None
+    for token in tokens:
+        if token == BYTE.bos_id:
+            current = []
+        elif token == BYTE.eos_id:
+            documents.append(BYTE.decode(current))
+            current = None
+        else:
+            current.append(token)
+    return documents
+
+
+def plain(state: dict) -> dict:
+    # A checkpoint must be able to hold the state; a JSON round trip proves it is plain Python.
+    return json.loads(json.dumps(state))
+
+
+def test_windows_are_consecutive_slices_of_the_framed_documents(tmp_path, rng):
+    texts = random_texts(rng, 13)
+    path = write_jsonl(tmp_path / "docs.jsonl", texts)
+    val_every = 4
+    documents = load_documents(str(path), "train", val_every=val_every, cache_dir=tmp_path / "cache")
+    seq_len = rng.randint(3, 20)
+    windows = TokenWindows(documents, BYTE, seq_len)
+
+    epoch_tokens = framed([t for i, t in enumerate(texts) if i % val_every])
+    count = 3 * len(epoch_tokens) // (seq_len + 1) + 1  # reaches into the fourth epoch
+    expected = epoch_tokens * 4
+    for k in range(count):
+        inputs, labels = next(windows)
+        assert inputs.dtype == labels.dtype == torch.long
+        assert inputs.shape == labels.shape == (seq_len,)
+        assert torch.equal(labels[:-1], inputs[1:])
+        window = expected[k * (seq_len + 1):(k + 1) * (seq_len + 1)]
+        assert inputs.tolist() == window[:-1] and labels.tolist() == window[1:], f"window {k}"
+    consumed = count * (seq_len + 1)
+    assert windows.state_dict()["epoch"] == (consumed - 1) // len(epoch_tokens) == 3
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_read_disjoint_shares_that_cover_all_documents(tmp_path, rng, world, streaming):
+    texts = random_texts(rng, 11)
+    path = write_jsonl(tmp_path / "docs.jsonl", texts)
+    documents = load_documents(str(path), "train", streaming=streaming, val_every=5,
+                               cache_dir=tmp_path / "cache")
+    train_texts = [t for i, t in enumerate(texts) if i % 5]
+    seq_len = 7
+    enough = 2 * len(framed(train_texts)) // (seq_len + 1) + 2  # more than one epoch of any rank
+
+    shares = []
+    for rank in range(world):
+        read = split_documents(read_tokens(TokenWindows(documents, BYTE, seq_len, rank, world), enough))
+        first_epoch = read[:read.index(read[0], 1)] if read.count(read[0]) > 1 else read
+        assert len(set(first_epoch)) == len(first_epoch)
+        assert first_epoch == sorted(first_epoch, key=train_texts.index), "a rank keeps the source order"
+        shares.append(set(first_epoch))
+    assert set().union(*shares) == set(train_texts)
+    assert sum(len(s) for s in shares) == len(train_texts), "shares overlap"
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_streaming_reads_the_same_windows_as_a_loaded_dataset(tmp_path, rng, split):
+    # Two files make a two-shard stream, which split_dataset_by_node would hand out a file per rank
+    # unless told to split by example.
+    texts = random_texts(rng, 25)
+    (tmp_path / "corpus").mkdir()
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", texts[:12])
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", texts[12:])
+    for rank in range(2):
+        streams = []
+        for streaming in (False, True):
+            documents = load_documents(str(tmp_path / "corpus"), split, streaming=streaming, val_every=3,
+                                       cache_dir=tmp_path / "cache")
+            windows = TokenWindows(documents, BYTE, 9, rank, 2)
+            streams.append(read_tokens(windows, 150))
+        assert windows.state_dict()["epoch"] >= 4  # later epochs must not reorder a stream
+        assert streams[0] == streams[1]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_resume_continues_exactly_across_epochs(tmp_path, rng, streaming):
+    path = write_jsonl(tmp_path / "docs.jsonl", random_texts(rng, 7, max_length=30))
+    documents = load_documents(str(path), "train", streaming=streaming, cache_dir=tmp_path / "cache")
+
+    def fresh() -> Batches:
+        return Batches(TokenWindows(documents, BYTE, seq_len=8, dp_rank=1, dp_world=2), local_batch_size=2)
+
+    reference = fresh()
+    states, batches = [], []
+    for _ in range(16):
+        states.append(plain(reference.state_dict()))
+        batches.append(next(reference))
+    assert max(s["epoch"] for s in states) >= 2, "the run must cross epoch boundaries"
+    assert any(s["token_offset"] > 0 for s in states), "some batch must end inside a document"
+
+    for k in range(len(states) - 3):
+        resumed = fresh()
+        resumed.load_state_dict(states[k])
+        for n in range(k, k + 3):
+            inputs, labels = next(resumed)
+            assert torch.equal(inputs, batches[n][0]) and torch.equal(labels, batches[n][1]), (k, n)
+
+    # Loading into a source that has read ahead must drop what it had buffered.
+    reference.load_state_dict(states[5])
+    assert torch.equal(next(reference)[0], batches[5][0])
+
+
+def test_state_of_another_rank_is_refused(tmp_path, rng):
+    documents = datasets.Dataset.from_dict({"text": random_texts(rng, 6)})
+    state = TokenWindows(documents, BYTE, 4, dp_rank=0, dp_world=2).state_dict()
+    with pytest.raises(ValueError, match="saved by rank 0 of 2, this is rank 1 of 2"):
+        TokenWindows(documents, BYTE, 4, dp_rank=1, dp_world=2).load_state_dict(state)
+
+
+def test_synthetic_tokens_are_deterministic_per_rank_and_resume(rng):
+    vocab_size, seq_len, seed = rng.randint(2, 1000), rng.randint(1, 64), rng.randrange(2**31)
+
+    def windows(rank: int, count: int, source: SyntheticTokens | None = None) -> list[torch.Tensor]:
+        source = source or SyntheticTokens(vocab_size, seq_len, seed, dp_rank=rank)
+        out = []
+        for _ in range(count):
+            inputs, labels = next(source)
+            assert inputs.shape == labels.shape == (seq_len,) and inputs.dtype == torch.long
+            assert torch.equal(labels[:-1], inputs[1:])
+            out.append(torch.cat([inputs, labels[-1:]]))
+        return out
+
+    run = windows(0, 10)
+    assert all(w.min() >= 0 and w.max() < vocab_size for w in run)
+    assert all(torch.equal(a, b) for a, b in zip(run, windows(0, 10)))
+    assert not all(torch.equal(a, b) for a, b in zip(run, windows(1, 10)))
+    assert not torch.equal(run[0], run[1])
+
+    source = SyntheticTokens(vocab_size, seq_len, seed)
+    windows(0, 4, source)
+    state = plain(source.state_dict())
+    resumed = SyntheticTokens(vocab_size, seq_len, seed)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(windows(0, 6, resumed), run[4:]))
+
+    batches = Batches(SyntheticTokens(vocab_size, seq_len, seed), local_batch_size=5)
+    inputs, labels = next(batches)
+    assert inputs.shape == labels.shape == (5, seq_len)
+    assert torch.equal(torch.cat([inputs, labels[:, -1:]], dim=1), torch.stack(run[:5]))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_validation_split_is_held_out_from_train(tmp_path, rng, streaming):
+    texts = random_texts(rng, 20)
+    path = write_jsonl(tmp_path / "docs.jsonl", texts)
+    split_texts = {}
+    for split in ("train", "validation"):
+        documents = load_documents(str(path), split, streaming=streaming, val_every=3,
+                                   cache_dir=tmp_path / "cache")
+        split_texts[split] = [d["text"] for d in documents]
+    assert split_texts["validation"] == texts[::3]
+    assert not set(split_texts["validation"]) & set(split_texts["train"])
+    assert sorted(split_texts["validation"] + split_texts["train"]) == sorted(texts)
+
+
+def test_stdlib_corpus_builds_offline_once_and_yields_windows(tmp_path):
+    path = embedded_corpus(tmp_path / "a")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    paths = [r["path"] for r in rows]
+    assert paths == sorted(paths)
+    assert not any(set(p.split("/")) & {"site-packages", "test", "tests", "idlelib"} for p in paths)
+    text_bytes = sum(len(r["text"].encode("utf-8")) for r in rows)
+    assert 0.9 * STDLIB_CORPUS_BYTES < text_bytes <= STDLIB_CORPUS_BYTES
+
+    modified = path.stat().st_mtime_ns
+    assert embedded_corpus(tmp_path / "a") == path and path.stat().st_mtime_ns == modified
+    assert embedded_corpus(tmp_path / "b").read_bytes() == path.read_bytes()
+    assert sorted(p.name for p in (tmp_path / "a").iterdir() if p.is_file()) == [path.name]  # no temp file
+
+    seq_len = 32
+    batches = build_data(source="stdlib", split="train", tokenizer=BYTE, seq_len=seq_len, local_batch_size=3,
+                         max_token_id=BYTE.vocab_size, cache_dir=tmp_path / "a")
+    inputs, labels = next(batches)
+    assert inputs.shape == labels.shape == (3, seq_len)
+    expected = framed([r["text"] for i, r in enumerate(rows[:100]) if i % 100])[:3 * (seq_len + 1)]
+    assert torch.cat([inputs, labels[:, -1:]], dim=1).flatten().tolist() == expected
+
+    validation = build_data(source="stdlib", split="validation", tokenizer=BYTE, seq_len=seq_len,
+                            local_batch_size=2, cache_dir=tmp_path / "a")
+    assert next(validation)[0].tolist()[0][:seq_len] == framed([rows[0]["text"]])[:seq_len]
+
+
+def test_token_ids_beyond_the_model_vocab_are_refused():
+    documents = datasets.Dataset.from_dict({"text": ["abc", "xyz"]})
+    with pytest.raises(ValueError, match=r"token id 256 .* vocab size 200"):
+        next(TokenWindows(documents, BYTE, 4, max_token_id=200))
+    next(TokenWindows(documents, BYTE, 4, max_token_id=BYTE.vocab_size))
+
+
+def test_parquet_with_another_text_field(tmp_path, rng):
+    texts = random_texts(rng, 10)
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": list(range(len(texts))), "content": texts}), path)
+    documents = load_documents(str(path), "train", text_field="content", val_every=2,
+                               cache_dir=tmp_path / "cache")
+    assert [d["content"] for d in documents] == texts[1::2]
+    assert read_tokens(TokenWindows(documents, BYTE, 5, text_field="content"), 3) == framed(texts[1::2])[:18]
+
+    with pytest.raises(MissingTextField, match=r"no field 'text' \(their fields: id, content\)"):
+        load_documents(str(path), "train", cache_dir=tmp_path / "cache")
+
+
+def test_text_file_gives_one_document_per_paragraph(tmp_path, rng):
+    paragraphs = ["\n".join(random_texts(rng, rng.randint(1, 3))) for _ in range(8)]
+    path = tmp_path / "book.txt"
+    path.write_text("\n\n".join(paragraphs), encoding="utf-8")
+    documents = load_documents(str(path), "train", val_every=4, cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in documents] == [p for i, p in enumerate(paragraphs) if i % 4]
+
+
+def test_directory_of_files_in_name_order(tmp_path, rng):
+    texts = random_texts(rng, 9)
+    folder = tmp_path / "corpus"
+    (folder / "part").mkdir(parents=True)
+    (folder / ".hidden").mkdir()
+    write_jsonl(folder / "b.jsonl", texts[5:])
+    write_jsonl(folder / "part" / "a.jsonl", texts[:5])  # "b.jsonl" < "part/a.jsonl"
+    write_jsonl(folder / ".hidden" / "stale.jsonl", ["never read"])
+    documents = load_documents(str(folder), "train", val_every=1000, cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in documents] == (texts[5:] + texts[:5])[1:]
+
+    (folder / "notes.txt").write_text("a paragraph", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"corpus: mixes file types \.jsonl, \.txt"):
+        load_documents(str(folder), "train", cache_dir=tmp_path / "cache")
+
+
+def test_bad_sources_and_fields_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing/docs.jsonl"):
+        load_documents(str(tmp_path / "missing" / "docs.jsonl"), "train", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="val_every=1"):
+        load_documents("stdlib", "train", val_every=1, cache_dir=tmp_path)
+    path = write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
+    with pytest.raises(ValueError, match=r"no split 'test' \(it has train\)"):
+        load_documents(str(path), "test", cache_dir=tmp_path)
+
+    documents = datasets.Dataset.from_dict({"body": ["x", "y"]})
+    with pytest.raises(MissingTextField, match=r"document 0 has no field 'text' \(its fields: body\)"):
+        next(TokenWindows(documents, BYTE, 4))
+    with pytest.raises(ValueError, match="rank 2 of 3 gets no documents: there are only 2"):
+        TokenWindows(documents, BYTE, 4, dp_rank=2, dp_world=3, text_field="body")
+
+
+def test_hub_name_offline_says_what_to_use_instead(tmp_path):
+    # The Hub client reads its offline switch at import, so this runs in a fresh interpreter; offline it
+    # fails at once instead of retrying the network.
+    code = ("from components.data import load_documents\n"
+            "try:\n"
+            "    load_documents('nobody/no-such-dataset', 'train')\n"
+            "except ValueError as err:\n"
+            "    print(err)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert "could not load data source 'nobody/no-such-dataset'" in result.stdout, result.stderr
+    assert "network access" in result.stdout and '"stdlib"' in result.stdout
+
+
+def test_synthetic_batches_do_not_depend_on_the_data_parallel_layout(rng):
+    """2 ranks x local batch 2 see exactly the windows of 1 rank x local batch 4, step by step."""
+    vocab_size, seq_len, seed = rng.randint(2, 1000), rng.randint(1, 32), rng.randrange(2**31)
+    one = Batches(SyntheticTokens(vocab_size, seq_len, seed, 0, 1, 4), 4)
+    two = [Batches(SyntheticTokens(vocab_size, seq_len, seed, r, 2, 2), 2) for r in (0, 1)]
+    for _ in range(3):
+        inputs, _ = next(one)
+        parts = torch.cat([next(b)[0] for b in two])
+        assert torch.equal(inputs, parts)

@@ -1,0 +1,156 @@
+"""MetricsLogger's outputs (jsonl, stdout, offline wandb, TensorBoard), StepMeter, FLOP counts."""
+
+import json
+import re
+import sys
+import time
+
+import pytest
+import torch
+import wandb
+
+from components.metrics import (MetricsLogger, StepMeter, peak_flops, peak_flops_for_name,
+                                transformer_flops_per_token)
+
+FULL_STEP_METRICS = {"loss": 3.45123, "grad_norm": 1.234, "lr": 3e-4, "tokens_per_second": 12345.4,
+                     "mfu_percent": 41.23, "memory_max_reserved_gib": 10.24}
+
+
+def _read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_has_one_object_per_log_call(tmp_path):
+    folder = tmp_path / "run"
+    with MetricsLogger(folder, rank=0, total_steps=10) as logger:
+        before = time.time()
+        logger.log(1, {"loss": torch.tensor(2.5), "lr": 1e-4, "mfu_percent": None})
+        logger.log(2, {"loss": 2.25, "grad_norm": torch.tensor(float("inf")), "tokens": 7})
+        # flushed per line: readable before close()
+        assert len(_read_jsonl(folder / "metrics.jsonl")) == 2
+    first, second = _read_jsonl(folder / "metrics.jsonl")
+    assert before <= first.pop("time") <= time.time()
+    assert first == {"step": 1, "loss": 2.5, "lr": 1e-4}  # None: left out
+    assert second["step"] == 2 and second["loss"] == 2.25 and second["tokens"] == 7.0
+    assert second["grad_norm"] is None  # non-finite: null, so the line stays valid JSON
+
+
+def test_jsonl_is_appended_to_on_resume(tmp_path):
+    for step in (1, 2):
+        with MetricsLogger(tmp_path, rank=0, total_steps=10) as logger:
+            logger.log(step, {"loss": 1.0})
+    assert [r["step"] for r in _read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_only_rank_zero_writes(tmp_path, capsys):
+    folder = tmp_path / "run"
+    logger = MetricsLogger(folder, rank=1, total_steps=10, wandb_enable=True,
+                           tensorboard_enable=True)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert not folder.exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_stdout_line_format_and_eta(tmp_path, capsys):
+    with MetricsLogger(tmp_path, rank=0, total_steps=100) as logger:
+        logger.log(10, FULL_STEP_METRICS)
+        logger.log(12, {"loss": 3.0, "data_wait_seconds": 0.5})
+    first, second = capsys.readouterr().out.splitlines()
+    # No ETA yet: the step time is averaged from the first logged step on.
+    assert first == ("step 10/100 | loss 3.4512 | grad_norm 1.23 | lr 3.0e-04 | tok/s 12,345 | "
+                     "mfu 41.2% | mem 10.2 GiB")
+    # Keys not present are not shown; unprinted keys (data_wait_seconds) only go to the files.
+    assert re.fullmatch(r"step 12/100 \| loss 3\.0000 \| eta \d+:\d\d:\d\d", second), second
+
+
+def test_bad_values_and_names_are_errors(tmp_path):
+    with MetricsLogger(tmp_path, rank=0, total_steps=10) as logger:
+        with pytest.raises(TypeError, match=r"metric 'loss'.*shape \(2,\)"):
+            logger.log(1, {"loss": torch.ones(2)})
+        with pytest.raises(TypeError, match="metric 'phase'"):
+            logger.log(1, {"phase": "warmup"})
+        with pytest.raises(ValueError, match="metric 'step'"):
+            logger.log(1, {"step": 1})
+    with pytest.raises(ValueError, match=r"\[metrics\] wandb_mode='cloud'"):
+        MetricsLogger(tmp_path, rank=0, total_steps=10, wandb_mode="cloud")
+
+
+def test_wandb_run_is_offline_and_under_dump_folder(tmp_path, monkeypatch):
+    # The logger's explicit mode must win over an environment asking for online.
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with MetricsLogger(tmp_path, rank=0, total_steps=10, wandb_enable=True,
+                       wandb_run_name="test-run", config={"lr": 3e-4}) as logger:
+        logger.log(1, {"loss": 2.5, "tokens_per_second": 12345.5})
+    # run.finish() returns before wandb-core has written the run file out; teardown waits for it
+    # (a trainer gets the same at process exit).
+    wandb.teardown()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
+    (run_file,) = runs[0].glob("run-*.wandb")
+    history = run_file.read_bytes()  # protobuf records: keys and JSON values appear verbatim
+    assert b"tokens_per_second" in history and b"12345.5" in history
+
+
+def test_wandb_missing_is_an_import_error_with_a_hint(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like
+    with pytest.raises(ImportError, match=r"\[metrics\] enable_wandb.*pip install wandb"):
+        MetricsLogger(tmp_path, rank=0, total_steps=10, wandb_enable=True)
+
+
+def test_tensorboard_event_file_holds_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, rank=0, total_steps=10, tensorboard_enable=True) as logger:
+        logger.log(1, {"loss": 2.5, "lr": 1e-4})
+        logger.log(2, {"loss": 2.0, "lr": 2e-4})
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.5), (2, 2.0)]
+
+
+def test_step_meter_on_cpu():
+    start = time.perf_counter()
+    meter = StepMeter("cpu", world_size=4, flops_per_token=1e6, peak_flops_per_device=1e9)
+    for _ in range(2):
+        with meter.waiting_for_data():
+            time.sleep(0.02)
+        meter.step_done(tokens=100)
+    metrics = meter.read()
+    elapsed = time.perf_counter() - start  # encloses the meter's window
+    assert set(metrics) == {"step_seconds", "data_wait_seconds", "tokens_per_second",
+                            "tokens_per_second_total", "tflops_per_device", "mfu_percent"}
+    assert 0.02 <= metrics["data_wait_seconds"] <= metrics["step_seconds"] <= elapsed / 2
+    assert 200 / elapsed <= metrics["tokens_per_second"] <= 200 / 0.04
+    assert metrics["tokens_per_second_total"] == pytest.approx(4 * metrics["tokens_per_second"])
+    assert metrics["tflops_per_device"] == pytest.approx(1e6 * metrics["tokens_per_second"] / 1e12)
+    assert metrics["mfu_percent"] == pytest.approx(100 * 1e6 * metrics["tokens_per_second"] / 1e9)
+
+    with pytest.raises(RuntimeError, match="no step_done"):
+        meter.read()  # the window restarted
+
+
+def test_step_meter_leaves_out_mfu_without_a_peak():
+    meter = StepMeter("cpu", world_size=1, flops_per_token=1e6,
+                      peak_flops_per_device=peak_flops("cpu"))
+    meter.step_done(tokens=10)
+    metrics = meter.read()
+    assert "mfu_percent" not in metrics and "memory_max_reserved_gib" not in metrics
+
+
+def test_peak_flops():
+    assert peak_flops(torch.device("cpu")) is None
+    assert peak_flops_for_name("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for_name("NVIDIA H200") == 989e12
+    assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_for_name("NVIDIA H100 PCIe") == 756e12  # the longer key wins
+    assert peak_flops_for_name("NVIDIA GeForce RTX 4090") is None
+
+
+def test_transformer_flops_per_token_by_hand():
+    # 6 * 1000 + 12 * 2 layers * 4 heads * 8 head_dim * 16 tokens = 6000 + 12288
+    assert transformer_flops_per_token(1000, num_layers=2, num_heads=4, head_dim=8,
+                                       seq_len=16) == 18288.0
+    with pytest.raises(ValueError, match="seq_len=-1"):
+        transformer_flops_per_token(1000, 2, 4, 8, -1)

@@ -1,0 +1,121 @@
+"""The byte tokenizer and a real tokenizer.json, trained here, round-trip text and find their specials."""
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+
+ALPHABET = "abcdefghij klmnop\nqrstuvwxyz ABC 0123456789 .,;:!? éüßñ ÆØ Ωπ 漢字かな 🙂🚀"
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.randrange(2**32)
+    print(f"random seed {seed}")  # shown by pytest when a test fails
+    return random.Random(seed)
+
+
+def random_text(rng: random.Random, length: int) -> str:
+    return "".join(rng.choice(ALPHABET) for _ in range(length))
+
+
+def test_byte_tokenizer_ids_are_utf8_bytes_and_round_trip(rng):
+    tokenizer = build_tokenizer("byte")
+    for _ in range(20):
+        text = random_text(rng, rng.randint(0, 80))
+        ids = tokenizer.encode(text)
+        assert ids == list(text.encode("utf-8"))
+        assert tokenizer.decode(ids) == text
+
+
+def test_byte_tokenizer_specials():
+    tokenizer = ByteTokenizer()
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, tokenizer.vocab_size) == (256, 257, 258, 259)
+    ids = tokenizer.encode("héllo")
+    assert all(0 <= i < 256 for i in ids)
+    assert tokenizer.decode([tokenizer.bos_id, *ids, tokenizer.eos_id, tokenizer.pad_id]) == "héllo"
+    # A window can end inside a multi-byte character; decoding it must not raise.
+    assert tokenizer.decode(tokenizer.encode("é")[:1]) == "\ufffd"
+
+
+def train_byte_level_bpe(rng: random.Random, specials: list[str]) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([random_text(rng, 200) for _ in range(50)], trainer)
+    return tokenizer
+
+
+def test_hf_tokenizer_round_trips_and_adds_no_specials(tmp_path, rng):
+    trained = train_byte_level_bpe(rng, ["<unk>", "<s>", "</s>"])
+    bos, eos = trained.token_to_id("<s>"), trained.token_to_id("</s>")
+    # A post-processor that frames every encoding: the wrapper must not apply it, the data pipeline frames.
+    trained.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                           special_tokens=[("<s>", bos), ("</s>", eos)])
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+
+    tokenizer = build_tokenizer("hf", str(path))
+    assert isinstance(tokenizer, HFTokenizer)
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (bos, eos)
+    for _ in range(10):
+        text = random_text(rng, rng.randint(1, 120))
+        ids = tokenizer.encode(text)
+        assert ids == trained.encode(text, add_special_tokens=False).ids
+        assert bos not in ids and eos not in ids
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.decode([bos, *ids, eos]) == text
+
+
+def test_hf_tokenizer_vocab_size_counts_added_tokens_and_names_can_be_given(tmp_path, rng):
+    trained = train_byte_level_bpe(rng, [])
+    trained.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|my_eos|>"])
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+
+    default = build_tokenizer("hf", str(path))
+    assert default.bos_id == trained.token_to_id("<|begin_of_text|>")
+    assert default.eos_id == trained.token_to_id("<|end_of_text|>")
+    assert default.vocab_size == trained.get_vocab_size(with_added_tokens=True)
+    assert default.vocab_size > max(default.bos_id, default.eos_id)
+
+    named = build_tokenizer("hf", str(path), bos_token="<|end_of_text|>", eos_token="<|my_eos|>")
+    assert named.bos_id == trained.token_to_id("<|end_of_text|>")
+    assert named.eos_id == trained.token_to_id("<|my_eos|>")
+
+    # Config defaults of "" mean "not given".
+    assert build_tokenizer("hf", str(path), bos_token="", eos_token="").eos_id == default.eos_id
+
+
+def test_hf_tokenizer_with_one_endoftext_token_uses_it_for_both_ends(tmp_path, rng):
+    trained = train_byte_level_bpe(rng, ["<|endoftext|>"])
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+    tokenizer = build_tokenizer("hf", str(path))
+    assert tokenizer.bos_id == tokenizer.eos_id == trained.token_to_id("<|endoftext|>")
+
+
+def test_hf_tokenizer_errors_name_the_file_and_the_tokens(tmp_path, rng):
+    missing = tmp_path / "nowhere" / "tokenizer.json"
+    with pytest.raises(FileNotFoundError, match="nowhere/tokenizer.json"):
+        build_tokenizer("hf", str(missing))
+
+    path = tmp_path / "tokenizer.json"
+    train_byte_level_bpe(rng, ["<s>"]).save(str(path))  # a bos but no eos
+    with pytest.raises(ValueError, match=r"tokenizer\.json: no eos token found.*'</s>'"):
+        build_tokenizer("hf", str(path))
+    with pytest.raises(ValueError, match=r"no bos token found \(looked for '<BOS>'\)"):
+        build_tokenizer("hf", str(path), bos_token="<BOS>", eos_token="<s>")
+
+
+def test_build_tokenizer_rejects_unknown_names_and_a_missing_path():
+    with pytest.raises(ValueError, match=r"unknown tokenizer name 'sentencepiece'.*byte, hf"):
+        build_tokenizer("sentencepiece")
+    with pytest.raises(ValueError, match=r"\[tokenizer\] path"):
+        build_tokenizer("hf")
+    with pytest.raises(ValueError, match=r"\[tokenizer\] path"):
+        build_tokenizer("hf", "")
