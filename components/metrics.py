@@ -37,6 +37,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 # goes to metrics.jsonl, wandb and TensorBoard.
 PRINTED_METRICS = (
     ("loss", "loss", "{:.4f}"),
+    ("val_loss", "val_loss", "{:.4f}"),
     ("grad_norm", "grad_norm", "{:.3g}"),
     ("lr", "lr", "{:.1e}"),
     ("tokens_per_second", "tok/s", "{:,.0f}"),
