@@ -11,6 +11,7 @@ metrics, validation).
 
 import dataclasses
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from components.checkpoint import Checkpointer
 from components.config import JobConfig, load_config, to_toml
 from components.data import build_data
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
@@ -116,6 +118,26 @@ def evaluate(model, batches, steps: int, device) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+class StopRequest:
+    """SIGTERM / SIGUSR1 (what SLURM sends before a time limit) ask for a save and a clean exit.
+    Ranks agree on when to stop at log steps (one all-reduce there, no extra host sync)."""
+
+    def __init__(self):
+        self.signal_name = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self, device) -> bool:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.signal_name is not None
+        flag = torch.tensor(float(self.signal_name is not None), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 def main(argv=None) -> int:
     cfg = load_config(argv)
     rank, world, device = init_distributed()
@@ -159,15 +181,25 @@ def main(argv=None) -> int:
     # Every evaluation scores the same held-out batches, so validation losses are comparable.
     val_start = val_batches.state_dict() if val_batches is not None else None
 
+    accum = cfg.training.gradient_accumulation_steps
+    ckpt = Checkpointer(cfg.checkpoint, dump, model, optimizer, scheduler, train_batches, accum,
+                        rank, to_toml(cfg))
+    start_step, tokens_seen = 1, 0
+    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
+        resumed = ckpt.load()
+        if resumed is not None:
+            start_step, tokens_seen = resumed.step + 1, resumed.tokens_seen
+            log(f"resumed from {ckpt.folder}/step-{resumed.step}")
+    stop = StopRequest()
+
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics.enable_wandb,
                             cfg.metrics.wandb_project, cfg.metrics.wandb_run_name or None,
                             cfg.metrics.wandb_mode, cfg.metrics.enable_tensorboard, cfg.to_dict())
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
-    accum = cfg.training.gradient_accumulation_steps
     skip_on_device = bool(optimizer.defaults.get("fused"))
     bad_run = torch.zeros((), device=device)  # consecutive non-finite steps, kept on the device
     exit_code = 0
-    for step in range(1, cfg.training.steps + 1):
+    for step in range(start_step, cfg.training.steps + 1):
         with meter.waiting_for_data():
             micro = [next(train_iter) for _ in range(accum)]
         # The loss is a sum over tokens divided by the global count of non-ignored tokens,
@@ -192,10 +224,13 @@ def main(argv=None) -> int:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         bad_run = (bad_run + 1) * bad
-        meter.step_done(sum(inputs.numel() for inputs, _ in micro) // dims.tp)
+        step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.tp
+        meter.step_done(step_tokens)
+        tokens_seen += step_tokens * world
 
         last = step == cfg.training.steps
-        if step % cfg.metrics.log_freq == 0 or step == 1 or last:
+        log_step = step % cfg.metrics.log_freq == 0 or step == start_step or last
+        if log_step:
             entry = {"loss": all_reduce_sum(loss_sum.clone()).item() / dims.tp,
                      "grad_norm": norm.item(), "lr": scheduler.get_last_lr()[0], **meter.read()}
             metrics.log(step, entry)
@@ -209,11 +244,23 @@ def main(argv=None) -> int:
             if n_bad:
                 log(f"warning: step {step}: non-finite loss or gradient norm; the optimizer step "
                     f"was skipped ({n_bad} in a row)")
+        if cfg.checkpoint.enable_checkpoint and (step % cfg.checkpoint.interval == 0 or last):
+            ckpt.save(step, tokens_seen)
+            meter.reset()
+        if (log_step or world == 1) and stop.agreed(device):
+            if cfg.checkpoint.enable_checkpoint and not (step % cfg.checkpoint.interval == 0 or last):
+                ckpt.save(step, tokens_seen)
+            ckpt.wait()
+            log(f"received {stop.signal_name or 'a stop request on another rank'}: stopped after "
+                f"step {step}" + (f", checkpoint in {ckpt.folder}/step-{step}; the same command "
+                                  "resumes" if cfg.checkpoint.enable_checkpoint else ""))
+            break
         if val_batches is not None and (step % cfg.validation.freq == 0 or last):
             val_batches.load_state_dict(val_start)
             metrics.log(step, {"val_loss": evaluate(model, val_batches, cfg.validation.steps,
                                                     device)})
             meter.reset()  # evaluation time is not training time
+    ckpt.wait()
     metrics.close()
     if dist.is_initialized():
         dist.destroy_process_group()

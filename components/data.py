@@ -347,9 +347,16 @@ class SyntheticTokens:
         return window[:-1], window[1:]
 
     def state_dict(self) -> dict:
-        return {"windows": self._windows}
+        return {"windows": self._windows, "dp_rank": self.dp_rank, "dp_world": self.dp_world,
+                "local_batch_size": self.local_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
+        saved = (state.get("dp_rank", self.dp_rank), state.get("dp_world", self.dp_world),
+                 state.get("local_batch_size", self.local_batch_size))
+        if saved != (self.dp_rank, self.dp_world, self.local_batch_size):
+            raise ValueError(f"synthetic data state saved by rank {saved[0]} of {saved[1]} with "
+                             f"local batch {saved[2]}; this is rank {self.dp_rank} of "
+                             f"{self.dp_world} with local batch {self.local_batch_size}")
         self._windows = int(state["windows"])
 
 
@@ -375,6 +382,13 @@ class Batches:
 
     def load_state_dict(self, state: dict) -> None:
         self.windows.load_state_dict(state)
+
+    def resume_at_batch(self, n_batches: int) -> None:
+        """Position a synthetic stream after n_batches of this rank, whatever layout saved the
+        checkpoint (its windows are indexed globally). Text streams cannot be re-sharded."""
+        if not isinstance(self.windows, SyntheticTokens):
+            raise ValueError("only synthetic data can be positioned by step under a new layout")
+        self.windows._windows = n_batches * self.local_batch_size
 
 
 def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,

@@ -1,0 +1,157 @@
+"""Checkpointing: exact resume, atomic saves (kill -9), preemption by signal, resharding from 2
+processes to 1, keep_latest_k, initial weights, and clear errors for bad checkpoints."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.seq_len", "64",
+        "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--job.print_config",
+        "false", "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
+        "--checkpoint.enable_checkpoint", "true"]
+
+
+def losses(dump: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_exact_resume(tmp_path):
+    """20 steps straight == 10 steps, then a new process resuming from step 10 to 20."""
+    straight = tmp_path / "straight"
+    assert train.main(BASE + ["--training.steps", "20", "--checkpoint.interval", "10",
+                              "--job.dump_folder", str(straight)]) == 0
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoint" / "step-10", resumed / "checkpoint" / "step-10")
+    assert train.main(BASE + ["--training.steps", "20", "--checkpoint.interval", "10",
+                              "--job.dump_folder", str(resumed)]) == 0
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == list(range(11, 21))
+    assert max(abs(a[s] - b[s]) for s in b) <= 1e-6
+
+
+def test_keep_latest_k_and_load_step_errors(tmp_path):
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "9", "--checkpoint.interval", "2",
+                              "--checkpoint.keep_latest_k", "2", "--job.dump_folder", str(dump)]) == 0
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-8", "step-9"]
+    with pytest.raises(FileNotFoundError, match=r"load_step = 4: no complete checkpoint"):
+        train.main(BASE + ["--training.steps", "12", "--checkpoint.load_step", "4",
+                           "--job.dump_folder", str(dump)])
+
+
+def test_model_shape_mismatch_is_named(tmp_path):
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "3", "--job.dump_folder", str(dump)]) == 0
+    with pytest.raises(ValueError, match=r"tok_embeddings.weight has shape \(512, 128\) but the "
+                                         r"model built from this config has \(1024, 128\)"):
+        train.main(BASE + ["--training.steps", "4", "--model.vocab_size", "1024",
+                           "--job.dump_folder", str(dump)])
+
+
+def test_incomplete_folder_is_skipped_with_a_warning(tmp_path):
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "4", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    (dump / "checkpoint" / "step-4" / ".metadata").unlink()  # as if killed mid-write
+    (dump / "checkpoint" / "step-6.tmp").mkdir()
+    with pytest.warns(UserWarning, match="skipping incomplete checkpoint folder"):
+        assert train.main(BASE + ["--training.steps", "5", "--job.dump_folder", str(dump)]) == 0
+    steps = [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 3, 4, 5]  # the second run resumed from step 2
+
+
+def test_initial_load_path_loads_weights_only(tmp_path):
+    trained = tmp_path / "trained"
+    assert train.main(BASE + ["--training.steps", "30", "--checkpoint.interval", "30",
+                              "--optimizer.lr", "1e-2", "--job.dump_folder", str(trained)]) == 0
+    fresh = tmp_path / "fresh"
+    assert train.main(BASE + ["--training.steps", "1", "--lr_scheduler.warmup_steps", "0",
+                              "--checkpoint.enable_checkpoint", "false",
+                              "--job.dump_folder", str(fresh)]) == 0
+    warm = tmp_path / "warm"
+    assert train.main(BASE + ["--training.steps", "1", "--lr_scheduler.warmup_steps", "0",
+                              "--checkpoint.enable_checkpoint", "false",
+                              "--checkpoint.initial_load_path", str(trained / "checkpoint/step-30"),
+                              "--job.dump_folder", str(warm)]) == 0
+    assert losses(warm)[1] < losses(fresh)[1] - 1.0
+
+
+def _spawn(dump: Path, *extra) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *BASE, "--job.dump_folder",
+                             str(dump), *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout=120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = dump / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early:\n{proc.stdout.read()}")
+        time.sleep(0.1)
+    raise AssertionError("trainer too slow")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_saves_and_resumes(tmp_path, sig):
+    dump = tmp_path / "run"
+    proc = _spawn(dump, "--training.steps", "100000", "--checkpoint.interval", "100000")
+    _wait_for_step(dump, 5, proc)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    saved = [p.name for p in (dump / "checkpoint").iterdir()]
+    assert len(saved) == 1 and saved[0].startswith("step-"), saved
+    stopped_at = int(saved[0].split("-")[1])
+    assert f"received {sig.name}: stopped after step {stopped_at}" in out
+    assert max(losses(dump)) == stopped_at
+    code = train.main(BASE + ["--training.steps", str(stopped_at + 2), "--job.dump_folder",
+                              str(dump)])
+    assert code == 0 and max(losses(dump)) == stopped_at + 2
+
+
+def test_kill_9_during_saves_leaves_loadable_checkpoints(tmp_path):
+    dump = tmp_path / "run"
+    proc = _spawn(dump, "--training.steps", "100000", "--checkpoint.interval", "1",
+                  "--checkpoint.keep_latest_k", "3")
+    _wait_for_step(dump, 8, proc)
+    proc.kill()  # SIGKILL, most likely mid-save: a save happens every step
+    proc.communicate(timeout=60)
+    done = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir()
+                  if p.name.startswith("step-") and not p.name.endswith(".tmp"))
+    assert done, "no complete checkpoint"
+    code = train.main(BASE + ["--training.steps", str(done[-1] + 1), "--job.dump_folder", str(dump)])
+    assert code == 0 and max(losses(dump)) == done[-1] + 1
+
+
+def test_two_processes_save_one_process_resumes(tmp_path):
+    """Saved by 2 gloo processes (FSDP, async save), loaded by one: the same losses after."""
+    synthetic = ["--data.synthetic", "true", "--training.steps", "6", "--checkpoint.interval", "3"]
+    two = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", "2", str(ROOT / "train.py"), *BASE, *synthetic,
+                    "--training.local_batch_size", "2", "--checkpoint.async_mode", "async",
+                    "--job.dump_folder", str(two)], check=True, cwd=ROOT, env=env, timeout=180)
+    one = tmp_path / "one"
+    (one / "checkpoint").mkdir(parents=True)
+    shutil.copytree(two / "checkpoint" / "step-3", one / "checkpoint" / "step-3")
+    assert train.main(BASE + synthetic + ["--job.dump_folder", str(one)]) == 0
+    a, b = losses(two), losses(one)
+    assert sorted(b) == [4, 5, 6]
+    assert max(abs(a[s] - b[s]) for s in b) <= 1e-5
