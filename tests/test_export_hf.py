@@ -1,0 +1,287 @@
+"""scripts/export_hf.py: the exported folder loads in transformers and gives the same logits.
+
+Each case builds a Llama, exports its state dict as the trainer stores it (`model.` prefix), loads
+the folder with LlamaForCausalLM.from_pretrained and compares logits on random tokens in fp32.
+The q/k weights are re-drawn larger than at init so that attention is sharp and RoPE (hence the
+q/k permutation and the rope scaling) visibly changes the logits; two negative controls check
+that the comparison would catch a missing permutation or missing rope scaling.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "export_hf.py"
+_spec = importlib.util.spec_from_file_location("export_hf", SCRIPT)
+export_hf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(export_hf)
+
+DEBUG = FLAVORS["debug"]  # 4 heads, 2 kv heads: grouped-query attention
+VARIANTS = {
+    "debug_gqa": DEBUG,
+    # original_max_pos 64 puts the 16 frequency pairs in all three bands (kept, ramp, scaled).
+    "rope_scaling": dataclasses.replace(DEBUG, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                                        rope_high_freq_factor=4.0, rope_original_max_pos=64),
+    "mha": dataclasses.replace(DEBUG, n_kv_heads=4),
+    "mqa_tied": dataclasses.replace(DEBUG, n_kv_heads=1, tie_embeddings=True),
+}
+SEQ_LEN = 64
+
+
+def _model(args: LlamaArgs, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(args, seq_len=SEQ_LEN)
+    model.init_weights()
+    with torch.no_grad():  # sharp attention, so that a wrong RoPE layout shows in the logits
+        for layer in model.layers.values():
+            layer.attention.wq.weight.normal_(0.0, 0.3)
+            layer.attention.wk.weight.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def _trainer_state(model: Llama) -> dict[str, torch.Tensor]:
+    """As ModelWithLoss(model, loss).state_dict() names them."""
+    return {f"model.{k}": v for k, v in model.state_dict().items()}
+
+
+def _load_hf(folder: Path):
+    # transformers 5 renamed from_pretrained's torch_dtype to dtype (the old name still warns).
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(
+        folder, output_loading_info=True, **{key: torch.float32})
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info.get("mismatched_keys"), info
+    return hf.eval()
+
+
+def _max_logit_diff(model: Llama, folder: Path, seed: int = 1) -> float:
+    hf = _load_hf(folder)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.args.vocab_size, (2, SEQ_LEN), generator=g)
+    with torch.no_grad():
+        ours = model.logits(model(tokens))
+        theirs = hf(input_ids=tokens).logits
+    assert theirs.shape == ours.shape and theirs.dtype == torch.float32
+    assert ours.abs().max() > 1.0  # logits of a meaningful scale
+    return (theirs - ours).abs().max().item()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(variant, tmp_path):
+    args = VARIANTS[variant]
+    model = _model(args)
+    ckpt = tmp_path / "state.pt"
+    torch.save(_trainer_state(model), ckpt)
+    out = export_hf.export(export_hf.load_model_state(ckpt), args, tmp_path / "hf", "float32")
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_key_value_heads"] == args.n_kv_heads
+    assert config["tie_word_embeddings"] == args.tie_embeddings
+    assert config["torch_dtype"] == "float32"
+    if args.rope_scaling_factor is None:
+        assert config["rope_scaling"] is None
+    else:
+        assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64}
+    names = set(safetensors_torch.load_file(out / "model.safetensors"))
+    assert ("lm_head.weight" in names) == (not args.tie_embeddings)
+    assert {"model.embed_tokens.weight", "model.norm.weight",
+            "model.layers.3.self_attn.k_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.post_attention_layernorm.weight"} <= names
+
+    assert _max_logit_diff(model, out) < 1e-4
+
+
+def test_comparison_catches_a_missing_permutation(tmp_path, monkeypatch):
+    model = _model(DEBUG)
+    monkeypatch.setattr(export_hf, "permute_for_hf", lambda w, n_heads, dim1, dim2: w)
+    out = export_hf.export(_trainer_state(model), DEBUG, tmp_path / "hf", torch.float32)
+    assert _max_logit_diff(model, out) > 1e-2
+
+
+def test_comparison_catches_missing_rope_scaling(tmp_path):
+    args = VARIANTS["rope_scaling"]
+    model = _model(args)
+    unscaled = dataclasses.replace(args, rope_scaling_factor=None)
+    out = export_hf.export(_trainer_state(model), unscaled, tmp_path / "hf", torch.float32)
+    assert _max_logit_diff(model, out) > 1e-2
+
+
+def test_permutation_is_hf_convert_script_permute():
+    # Row 2i of each head (the first of RoPE pair i) goes to row i, row 2i+1 to head_dim/2 + i.
+    n_heads, head_dim, dim = 2, 8, 3
+    w = torch.arange(n_heads * head_dim, dtype=torch.float32)[:, None].expand(-1, dim)
+    permuted = export_hf.permute_for_hf(w, n_heads, n_heads * head_dim, dim)
+    expected = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
+    assert permuted[:, 0].tolist() == expected
+
+
+def test_bfloat16_export_is_the_rounded_weights(tmp_path):
+    model = _model(DEBUG)
+    out = export_hf.export(_trainer_state(model), DEBUG, tmp_path / "hf")  # default: bfloat16
+    tensors = safetensors_torch.load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert torch.equal(tensors["model.layers.1.mlp.down_proj.weight"],
+                       model.layers["1"].feed_forward.w2.weight.to(torch.bfloat16))
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert transformers.LlamaConfig.from_pretrained(out).num_hidden_layers == DEBUG.n_layers
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_checkpoint_round_trip_through_the_cli(tmp_path):
+    """A trainer-like DCP checkpoint (model + optimizer + step), exported by running the script."""
+    import torch.distributed.checkpoint as dcp
+
+    vocab = 600  # a run's [model] vocab_size override, given to the CLI
+    args = dataclasses.replace(DEBUG, vocab_size=vocab)
+    checkpoints = tmp_path / "dump" / "checkpoint"
+    models = {}
+    for step, seed in ((5, 1), (20, 2)):
+        models[step] = _model(args, seed=seed)
+        state = _trainer_state(models[step])
+        optimizer = {"state": {k: {"exp_avg": torch.zeros_like(v)} for k, v in state.items()},
+                     "param_groups": [{"lr": 3e-4}]}
+        dcp.save({"model": state, "optimizer": optimizer, "step": step},
+                 checkpoint_id=checkpoints / f"step-{step}", no_dist=True)
+
+    assert export_hf.load_model_state(checkpoints / "step-5").keys() == \
+        models[5].state_dict().keys()
+    out = tmp_path / "hf"
+    # The folder of step-<N> folders: the latest (step-20) is exported.
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoints), "--flavor", "debug",
+         "--vocab-size", str(vocab), "--out", str(out), "--dtype", "float32",
+         "--bos-id", "256", "--eos-id", "257"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "step-20" in result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == vocab
+    assert (config["bos_token_id"], config["eos_token_id"]) == (256, 257)
+    assert _max_logit_diff(models[20], out) < 1e-4
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_checkpoint_with_model_tensors_at_the_top_level(tmp_path):
+    """torchtitan's layout: the model's keys beside (not under) the optimizer's nested entries."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(DEBUG)
+    state = _trainer_state(model)
+    optimizer = {"state": {k: {"exp_avg": torch.zeros_like(v)} for k, v in state.items()}}
+    dcp.save({**state, "optimizer": optimizer}, checkpoint_id=tmp_path / "step-1", no_dist=True)
+    loaded = export_hf.load_model_state(tmp_path / "step-1")
+    assert loaded.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded[key], value), key
+
+
+def test_torch_save_of_a_full_trainer_state(tmp_path):
+    model = _model(DEBUG)
+    ckpt = tmp_path / "full.pt"
+    torch.save({"model": _trainer_state(model), "optimizer": {"state": {}}, "step": 7}, ckpt)
+    state = export_hf.load_model_state(ckpt)
+    assert state.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+# ------------------------------------------------------------------------------------ errors
+
+def _debug_state() -> dict[str, torch.Tensor]:
+    return _trainer_state(_model(DEBUG))
+
+
+def _assert_nothing_written(tmp_path: Path) -> None:
+    assert not (tmp_path / "hf").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")], "temp folder left"
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        export_hf.load_model_state(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a DCP checkpoint"):
+        export_hf.load_model_state(tmp_path / "empty")
+    code = export_hf.main(["--checkpoint", str(tmp_path / "nope"), "--flavor", "debug",
+                           "--out", str(tmp_path / "hf")])
+    assert code == 1
+    assert "nope" in capsys.readouterr().err
+    _assert_nothing_written(tmp_path)
+
+
+def test_not_a_checkpoint_file(tmp_path):
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="not a torch.save file"):
+        export_hf.load_model_state(tmp_path / "junk.pt")
+
+
+def test_vocab_mismatch_names_the_key_shapes_and_the_fix(tmp_path, capsys):
+    ckpt = tmp_path / "state.pt"
+    torch.save(_trainer_state(_model(dataclasses.replace(DEBUG, vocab_size=600))), ckpt)
+    code = export_hf.main(["--checkpoint", str(ckpt), "--flavor", "debug",
+                           "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "tok_embeddings.weight: checkpoint shape [600, 128], flavor shape [512, 128]" in err
+    assert "output.weight" in err and "--vocab-size 600" in err
+    _assert_nothing_written(tmp_path)
+
+
+def test_wrong_flavor_shape_mismatch(tmp_path):
+    state = _trainer_state(_model(dataclasses.replace(DEBUG, ffn_dim=256)))
+    with pytest.raises(ValueError, match=r"layers\.0\.feed_forward\.w1\.weight: checkpoint shape "
+                                         r"\[256, 128\], flavor shape \[384, 128\]"):
+        export_hf.export(state, DEBUG, tmp_path / "hf")
+    _assert_nothing_written(tmp_path)
+
+
+def test_missing_key(tmp_path):
+    state = _debug_state()
+    del state["model.layers.2.ffn_norm.weight"]
+    with pytest.raises(ValueError, match=r"missing keys \(1\): layers\.2\.ffn_norm\.weight"):
+        export_hf.export(state, DEBUG, tmp_path / "hf")
+    _assert_nothing_written(tmp_path)
+
+
+def test_unexpected_key(tmp_path):
+    state = _debug_state()
+    state["model.layers.4.attention.wq.weight"] = torch.zeros(128, 128)
+    with pytest.raises(ValueError,
+                       match=r"unexpected keys \(1\): layers\.4\.attention\.wq\.weight"):
+        export_hf.export(state, DEBUG, tmp_path / "hf")
+    _assert_nothing_written(tmp_path)
+
+
+def test_non_finite_weights(tmp_path):
+    state = _debug_state()
+    state["model.norm.weight"][3] = float("nan")
+    with pytest.raises(ValueError, match=r"norm\.weight: holds non-finite"):
+        export_hf.export(state, DEBUG, tmp_path / "hf")
+    _assert_nothing_written(tmp_path)
+
+
+def test_existing_output_is_kept_unless_overwrite(tmp_path):
+    state = _debug_state()
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "old.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_hf.export(state, DEBUG, out)
+    assert (out / "old.txt").exists()
+    export_hf.export(state, DEBUG, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temp or old folders left
