@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Compare the loss curves of runs against the first one: a table, a PNG, a pass/fail exit code.
+
+    python3 scripts/compare_losses.py RUN_A RUN_B [RUN_C ...] [--tolerance 0.05]
+        [--threshold X] [--metric loss] [--seed-run RUN] [--out PATH.png]
+
+A run is a dump folder holding metrics.jsonl, or the file itself. Lines without the metric
+(validation lines have val_loss, not loss) are skipped; when a step appears more than once (a
+resumed run repeats the steps after its checkpoint) the last line wins, as in the trainer. Runs
+are aligned on the steps they all logged.
+
+For each run after the first: mean and max |run - A| and the first step where |diff| exceeds
+--threshold (default: --tolerance). --seed-run names the same config as A at another seed: it
+is not judged, but each run's mean |run - A| is also reported relative to the seed-to-seed
+spread mean |seed - A|, the noise floor any change has to be compared with.
+
+A null value (the trainer writes non-finite values as null) is a divergence at that step.
+
+Exit status: 0 when every run is within --tolerance of A; 1 when one is not, or has a
+non-finite value; 2 on bad input (missing file, metric absent, no common steps).
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+class BadInput(Exception):
+    pass
+
+
+def data_path(run: str) -> Path:
+    path = Path(run)
+    return path / "metrics.jsonl" if path.is_dir() else path
+
+
+def read_metric(run: str, metric: str) -> dict[int, float]:
+    """{step: value} of one run; NaN where the trainer wrote null (a non-finite value)."""
+    path = data_path(run)
+    if not path.is_file():
+        raise BadInput(f"{run}: no such file {path}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    values = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # a run killed mid-write can leave a partial last line
+                print(f"warning: {path}:{number}: skipping a partial last line", file=sys.stderr)
+                continue
+            raise BadInput(f"{path}:{number}: not JSON ({e})") from None
+        if metric in record and "step" in record:
+            value = record[metric]
+            values[int(record["step"])] = math.nan if value is None else float(value)
+    if not values:
+        raise BadInput(f"{path}: no line has the metric {metric!r}")
+    return values
+
+
+def first_step_above(steps, diffs, threshold):
+    """The first step whose |diff| exceeds threshold or is non-finite, else None."""
+    return next((s for s, d in zip(steps, diffs) if not d <= threshold), None)
+
+
+def finite_mean_max(diffs):
+    finite = [d for d in diffs if math.isfinite(d)]
+    return (sum(finite) / len(finite), max(finite)) if finite else (math.nan, math.nan)
+
+
+def plot(path: Path, steps, curves: dict, reference: str, seed: str | None, metric: str,
+         tolerance: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 7), height_ratios=(2, 1))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, values) in enumerate(curves.items()):
+        color = colors[i % len(colors)]  # one color per run in both panels
+        style = dict(color=color, linestyle="--" if name == seed else "-")
+        top.plot(steps, values, label=name + (" (seed reference)" if name == seed else ""), **style)
+        if name != reference:
+            diff = [v - a for v, a in zip(values, curves[reference])]
+            bottom.plot(steps, diff, label=f"{name} - {reference}", **style)
+            # Non-finite values leave gaps in the lines: mark where they start.
+            bad = [s for s, d in zip(steps, diff) if not math.isfinite(d)]
+            if bad:
+                bottom.axvline(bad[0], linewidth=2, alpha=0.5, label=f"{name}: non-finite",
+                               **style)
+    for y in (tolerance, -tolerance):
+        bottom.axhline(y, color="gray", linewidth=0.8, linestyle=":")
+    top.set_ylabel(metric)
+    top.legend(fontsize="small")
+    bottom.set_ylabel(f"{metric} difference")
+    bottom.set_xlabel("step")
+    bottom.legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run folders or metrics.jsonl files; A first")
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="fail (exit 1) when max |run - A| exceeds this (default 0.05)")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="report the first step where |run - A| exceeds this "
+                             "(default: --tolerance)")
+    parser.add_argument("--metric", default="loss")
+    parser.add_argument("--seed-run", help="A's config at another seed: the noise reference")
+    parser.add_argument("--out", help="PNG path (default: compare_<metric>.png beside A's "
+                                      "metrics.jsonl)")
+    args = parser.parse_args(argv)
+    threshold = args.tolerance if args.threshold is None else args.threshold
+    if len(args.runs) + (args.seed_run is not None) < 2:
+        parser.error("give at least two runs (or one run and --seed-run)")
+
+    names = list(args.runs) + ([args.seed_run] if args.seed_run else [])
+    try:
+        data = {name: read_metric(name, args.metric) for name in names}
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    steps = sorted(set.intersection(*(set(values) for values in data.values())))
+    if not steps:
+        print(f"error: the runs have no logged step in common ({args.metric})", file=sys.stderr)
+        return 2
+    curves = {name: [data[name][s] for s in steps] for name in names}
+    reference = names[0]
+
+    print(f"{args.metric}: {len(names)} runs aligned on {len(steps)} common steps "
+          f"({steps[0]}..{steps[-1]}); reference A = {reference}")
+    width = max(len(name) for name in names) + 2
+    print(f"\n{'run':<{width}}{'final ' + args.metric + ' @ ' + str(steps[-1]):>22}")
+    for name in names:
+        note = "  (seed reference)" if name == args.seed_run else ""
+        print(f"{name:<{width}}{curves[name][-1]:>22.6g}{note}")
+
+    print(f"\n{'vs A':<{width}}{'mean|diff|':>12}{'max|diff|':>12}  "
+          f"first step |diff| > {threshold:g}")
+    diffs = {name: [abs(v - a) for v, a in zip(curves[name], curves[reference])]
+             for name in names[1:]}
+    failures = []
+    for name, d in diffs.items():
+        mean, peak = finite_mean_max(d)
+        first = first_step_above(steps, d, threshold)
+        bad = [s for s, x in zip(steps, d) if not math.isfinite(x)]
+        print(f"{name:<{width}}{mean:>12.4g}{peak:>12.4g}  {first if first is not None else '-'}")
+        if bad:
+            print(f"{'':<{width}}non-finite {args.metric} (null) at {len(bad)} step(s), "
+                  f"first at step {bad[0]}: treated as a divergence")
+        if name == args.seed_run:
+            continue
+        if bad:
+            failures.append(f"{name}: non-finite {args.metric} from step {bad[0]}")
+        elif peak > args.tolerance:
+            failures.append(f"{name}: max |diff| {peak:.4g} > tolerance {args.tolerance:g} "
+                            f"(first step above {threshold:g}: {first})")
+
+    if args.seed_run:
+        spread, _ = finite_mean_max(diffs[args.seed_run])
+        print(f"\nseed-to-seed spread: mean |seed - A| = {spread:.4g}")
+        for name in names[1:-1]:
+            mean, _ = finite_mean_max(diffs[name])
+            ratio = f"{mean / spread:.3g}" if spread > 0 else "n/a (no finite, non-zero spread)"
+            print(f"relative to seed spread: mean|A - {name}| / mean|A - seed| = {ratio}")
+
+    out = Path(args.out) if args.out else data_path(reference).parent / f"compare_{args.metric}.png"
+    plot(out, steps, curves, reference, args.seed_run, args.metric, args.tolerance)
+    print(f"\nplot: {out}")
+
+    if failures:
+        print("FAIL: " + "; ".join(failures))
+        return 1
+    print(f"PASS: every run within {args.tolerance:g} of A")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

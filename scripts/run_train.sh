@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Single-node training.
+#
+#   NGPU=8 CONFIG=configs/llama_1b.toml scripts/run_train.sh --training.steps 300
+#   scripts/run_train.sh                    # configs/debug.toml on every visible GPU, or the CPU
+#
+# NGPU defaults to the visible GPUs (CUDA_VISIBLE_DEVICES if set, else nvidia-smi), or 1.
+# NGPU=1 runs plain `python3 train.py`: no launcher in between, so tracebacks, Ctrl-C and the
+# trainer's SIGUSR1/SIGTERM checkpoint-and-exit reach the trainer directly. NGPU>1 runs
+# `torchrun --standalone` (rendezvous on this machine, no port to choose).
+# Arguments are train.py overrides (--section.key value), passed through unchanged. So is the
+# environment: set NCCL_*, TORCH_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES in the caller.
+# PYTHON picks the interpreter; DRY_RUN=1 prints the command instead of running it.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+visible_gpus() {
+  if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+    # Set but empty hides every GPU; otherwise one entry per GPU.
+    local ids
+    IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
+    echo "${#ids[@]}"
+  elif command -v nvidia-smi > /dev/null 2>&1; then
+    nvidia-smi --list-gpus 2> /dev/null | grep -c '^GPU' || true
+  else
+    echo 0
+  fi
+}
+
+if [[ -z ${NGPU:-} ]]; then
+  NGPU=$(visible_gpus)
+  ((NGPU >= 1)) || NGPU=1
+fi
+CONFIG=${CONFIG:-$repo/configs/debug.toml}
+PYTHON=${PYTHON:-python3}
+
+if ((NGPU == 1)); then
+  cmd=("$PYTHON" "$repo/train.py" --config "$CONFIG" "$@")
+else
+  # torchrun forwards only SIGTERM/SIGINT/SIGHUP/SIGQUIT unless told: add SIGUSR1 so a
+  # `kill -USR1 <torchrun pid>` still asks the trainer for a checkpoint.
+  cmd=(torchrun --standalone --nproc-per-node "$NGPU"
+       --signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+       "$repo/train.py" --config "$CONFIG" "$@")
+fi
+
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+  printf '%q ' "${cmd[@]}"
+  echo
+  exit 0
+fi
+exec "${cmd[@]}"

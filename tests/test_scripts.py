@@ -1,0 +1,314 @@
+"""The launch and analysis scripts: shell syntax, the per-node torchrun command from fake SLURM
+variables, the batch script's signal -> requeue logic (fake srun/scontrol), compare_losses.py on
+synthetic metrics, and short real CPU runs through compare_fused_vs_unfused.sh."""
+
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+SHELL_SCRIPTS = sorted([*SCRIPTS.rglob("*.sh"), *SCRIPTS.rglob("*.sbatch")])
+COMPARE = [sys.executable, str(SCRIPTS / "compare_losses.py")]
+# A short debug run: about 5 s on 2 CPU cores.
+SHORT = ["--training.steps", "20", "--training.seq_len", "64", "--training.local_batch_size", "4",
+         "--lr_scheduler.warmup_steps", "2", "--validation.enable", "false",
+         "--job.print_config", "false", "--optimizer.lr", "3e-3"]
+
+
+def run(cmd, env=None, **kwargs):
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, text=True,
+                          capture_output=True, timeout=120, **kwargs)
+
+
+# ---- shell syntax ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["run_train.sh", "compare_fused_vs_unfused.sh",
+                                  "compare_losses.py", "slurm/train.sbatch",
+                                  "slurm/torchrun_cmd.sh"])
+def test_script_is_executable(name):
+    # compare_fused_vs_unfused.sh runs run_train.sh, and srun runs torchrun_cmd.sh, directly.
+    assert os.access(SCRIPTS / name, os.X_OK), f"chmod +x scripts/{name}"
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(script):
+    result = run(["bash", "-n", str(script)])
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck():
+    result = run(["shellcheck", "--shell=bash", *map(str, SHELL_SCRIPTS)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- the torchrun command of each node -------------------------------------------------------
+
+def slurm_env(node_id, nodelist="gpu[07-08]"):
+    env = {"SLURM_JOB_NODELIST": nodelist, "SLURM_NNODES": "2", "SLURM_JOB_ID": "123456",
+           "SLURM_NODEID": str(node_id), "GPUS_PER_NODE": "8", "CONFIG": "configs/llama_1b.toml"}
+    return env
+
+
+def torchrun_argv(env, *overrides):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    result = subprocess.run(["scripts/slurm/torchrun_cmd.sh", "--dry-run", *overrides],
+                            cwd=REPO, env={**clean, **env}, text=True, capture_output=True)
+    assert result.returncode == 0, result.stderr
+    return shlex.split(result.stdout)
+
+
+def option(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_torchrun_command_for_two_nodes():
+    overrides = ["--training.steps", "10", "--job.dump_folder", "out dir/with space"]
+    node0 = torchrun_argv(slurm_env(0), *overrides)
+    node1 = torchrun_argv(slurm_env(1), *overrides)
+    for argv in (node0, node1):
+        assert argv[0] == "torchrun"
+        assert option(argv, "--nnodes") == "2"
+        assert option(argv, "--nproc-per-node") == "8"
+        assert option(argv, "--rdzv-backend") == "c10d"
+        assert "SIGUSR1" in option(argv, "--signals-to-handle").split(",")
+        script = argv.index(str(REPO / "train.py"))
+        assert argv[script + 1:] == ["--config", "configs/llama_1b.toml", *overrides]
+    # Same rendezvous (the first node, a port from the job id); node 0 hosts the store.
+    assert option(node0, "--rdzv-endpoint") == option(node1, "--rdzv-endpoint")
+    assert option(node0, "--rdzv-endpoint").startswith("gpu07:")
+    assert option(node0, "--rdzv-id") == option(node1, "--rdzv-id") == "123456"
+    assert option(node0, "--rdzv-conf") == "is_host=true"
+    assert option(node1, "--rdzv-conf") == "is_host=false"
+    differ = [(a, b) for a, b in zip(node0, node1) if a != b]
+    assert differ == [("is_host=true", "is_host=false")]
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node[01-02]", "node01"), ("gpu-a,gpu-b", "gpu-a"), ("n[3,5-6],x", "n3"),
+    ("rack[1-2]-gpu[08-09]", "rack1-gpu08"), ("solo", "solo")])
+def test_first_node_of_a_nodelist(nodelist, first):
+    argv = torchrun_argv(slurm_env(0, nodelist))
+    assert option(argv, "--rdzv-endpoint").split(":")[0] == first
+
+
+def test_torchrun_command_needs_slurm_variables():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["scripts/slurm/torchrun_cmd.sh", "--dry-run"], cwd=REPO, env=env,
+                            text=True, capture_output=True)
+    assert result.returncode != 0 and "SLURM_JOB_NODELIST" in result.stderr
+
+
+def test_installed_torchrun_knows_the_options_we_pass():
+    result = run([sys.executable, "-m", "torch.distributed.run", "--help"])
+    assert "--signals-to-handle" in result.stdout and "--shutdown-timeout" in result.stdout
+
+
+@pytest.mark.parametrize("ngpu, expect", [
+    ("1", [sys.executable, str(REPO / "train.py")]),
+    ("2", ["torchrun", "--standalone", "--nproc-per-node", "2"])])
+def test_run_train_command(ngpu, expect):
+    result = run(["scripts/run_train.sh", "--training.steps", "5"],
+                 env={"NGPU": ngpu, "DRY_RUN": "1", "PYTHON": sys.executable,
+                      "CONFIG": "configs/debug.toml"})
+    argv = shlex.split(result.stdout)
+    assert result.returncode == 0, result.stderr
+    assert argv[:len(expect)] == expect
+    assert argv[-4:] == ["--config", "configs/debug.toml", "--training.steps", "5"]
+
+
+# ---- train.sbatch: USR1 -> forwarded to srun -> requeue --------------------------------------
+
+FAKE_SRUN = """#!/bin/bash
+echo "$@" > "$FAKE_DIR/srun_args"
+if [[ -n ${FAKE_SRUN_RC:-} ]]; then exit "$FAKE_SRUN_RC"; fi
+sleep 30 & sleeper=$!
+# Like torchrun after the trainers checkpointed: exits non-zero once told to stop.
+trap 'kill $sleeper; touch "$FAKE_DIR/srun_got_usr1"; exit 1' USR1
+touch "$FAKE_DIR/srun_started"
+wait $sleeper
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case $1 in
+  show) printf 'node01\\nnode02\\n' ;;
+  requeue) echo "$2" >> "$FAKE_DIR/requeued" ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path),
+           "SLURM_SUBMIT_DIR": str(REPO), "LOG_ROOT": str(tmp_path / "logs"),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "node[01-02]",
+           "SLURM_NNODES": "2"}
+    return tmp_path, env
+
+
+def start_sbatch(env):
+    return subprocess.Popen(["bash", "scripts/slurm/train.sbatch", "--training.steps", "5"],
+                            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def test_sbatch_requeues_after_usr1(fake_slurm):
+    tmp, env = fake_slurm
+    job = start_sbatch(env)
+    deadline = time.monotonic() + 10
+    while not (tmp / "srun_started").exists():
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 does
+    output = job.communicate(timeout=20)[0]
+    assert job.returncode == 0, output
+    assert (tmp / "srun_got_usr1").exists(), "the batch shell did not forward USR1 to srun"
+    assert (tmp / "requeued").read_text().split() == ["4242"], output
+    srun_args = (tmp / "srun_args").read_text()
+    assert "--kill-on-bad-exit=1" in srun_args
+    assert srun_args.rstrip().endswith("scripts/slurm/torchrun_cmd.sh --training.steps 5")
+    assert (tmp / "logs" / "t-4242").is_dir()
+
+
+@pytest.mark.parametrize("srun_rc", ["0", "3"])
+def test_sbatch_without_usr1_does_not_requeue(fake_slurm, srun_rc):
+    tmp, env = fake_slurm
+    job = start_sbatch({**env, "FAKE_SRUN_RC": srun_rc})
+    output = job.communicate(timeout=20)[0]
+    assert job.returncode == int(srun_rc), output
+    assert not (tmp / "requeued").exists()
+
+
+# ---- compare_losses.py on synthetic metrics --------------------------------------------------
+
+def write_metrics(path: Path, loss, steps=range(1, 31), val_every=10) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "metrics.jsonl", "w") as f:
+        for step in steps:
+            value = loss(step)
+            f.write(json.dumps({"step": step, "time": 0.0, "loss": value, "lr": 1e-3}) + "\n")
+            if step % val_every == 0:  # validation lines carry no "loss"
+                f.write(json.dumps({"step": step, "time": 0.0, "val_loss": 2.5}) + "\n")
+    return path
+
+
+def curve(step):
+    return 2.0 + 4.0 * math.exp(-step / 8)
+
+
+def compare(*args):
+    return run([*COMPARE, *map(str, args)])
+
+
+def first_divergent_step(stdout: str, run_path: Path) -> str:
+    """The last column of run_path's row in the "vs A" table."""
+    table = stdout[stdout.index("vs A"):]
+    return next(line for line in table.splitlines() if line.startswith(str(run_path))).split()[-1]
+
+
+def test_identical_runs_pass(tmp_path):
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", curve)
+    result = compare(a, b / "metrics.jsonl", "--out", tmp_path / "plot.png")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_divergence_fails_and_names_its_first_step(tmp_path):
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", lambda s: curve(s) + (0.2 if s >= 13 else 0.001))
+    result = compare(a, b, "--tolerance", "0.05")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert first_divergent_step(result.stdout, b) == "13"
+    assert "FAIL" in result.stdout
+    assert (a / "compare_loss.png").is_file()  # the default plot path
+    # A looser tolerance passes; a lower threshold only moves the reported first step.
+    loose = compare(a, b, "--tolerance", "0.5", "--threshold", "0.0005")
+    assert loose.returncode == 0, loose.stdout
+    assert first_divergent_step(loose.stdout, b) == "1"
+
+
+def test_seed_run_gives_the_relative_spread_and_is_not_judged(tmp_path):
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", lambda s: curve(s) + 0.01)
+    seed = write_metrics(tmp_path / "seed", lambda s: curve(s) + (0.1 if s % 2 else -0.1))
+    result = compare(a, b, "--seed-run", seed, "--tolerance", "0.05")
+    assert result.returncode == 0, result.stdout + result.stderr  # seed differs by 0.1: not judged
+    line = next(line for line in result.stdout.splitlines() if "relative to seed spread" in line)
+    assert float(line.rsplit("=", 1)[1]) == pytest.approx(0.1)
+
+
+def test_null_is_a_divergence(tmp_path):
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", lambda s: None if s == 17 else curve(s))
+    result = compare(a, b, "--tolerance", "10")
+    assert result.returncode == 1, result.stdout
+    assert "non-finite" in result.stdout and "step 17" in result.stdout
+
+
+def test_the_last_line_of_a_repeated_step_wins(tmp_path):
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", lambda s: curve(s) + 1.0)  # a run that was resumed ...
+    with open(b / "metrics.jsonl", "a") as f:  # ... and repeated every step correctly
+        for step in range(1, 31):
+            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
+    assert compare(a, b).returncode == 0
+
+
+@pytest.mark.parametrize("problem", ["missing", "no common steps", "metric absent"])
+def test_bad_input_exits_2(tmp_path, problem):
+    a = write_metrics(tmp_path / "a", curve)
+    if problem == "missing":
+        b = tmp_path / "nowhere"
+    elif problem == "no common steps":
+        b = write_metrics(tmp_path / "b", curve, steps=range(100, 110))
+    else:
+        b = write_metrics(tmp_path / "b", curve)
+    extra = ["--metric", "grad_norm"] if problem == "metric absent" else []
+    result = compare(a, b, *extra)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ")
+
+
+# ---- the real thing, on the CPU --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fused_vs_unfused(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    result = run(["scripts/compare_fused_vs_unfused.sh", "configs/debug.toml", *SHORT],
+                 env={"OUT_DIR": str(out), "PYTHON": sys.executable, "NGPU": "1"})
+    return result, out
+
+
+def test_fused_and_unfused_losses_agree(fused_vs_unfused):
+    result, out = fused_vs_unfused
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PASS" in result.stdout
+    assert (out / "fused_vs_unfused.png").is_file()
+
+
+def test_another_learning_rate_is_caught(fused_vs_unfused, tmp_path):
+    _, out = fused_vs_unfused  # its flce run is this test's lr 3e-3 run
+    other = tmp_path / "lr_1e-2"
+    train = run([sys.executable, "train.py", "--config", "configs/debug.toml", *SHORT,
+                 "--optimizer.lr", "1e-2", "--loss.impl", "flce", "--metrics.log_freq", "1",
+                 "--job.dump_folder", str(other)])
+    assert train.returncode == 0, train.stderr[-3000:]
+    result = compare(out / "flce", other, "--tolerance", "0.02")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL" in result.stdout
