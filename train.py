@@ -26,6 +26,7 @@ from components.data import build_data
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
 from components.metrics import MetricsLogger, StepMeter, peak_flops
 from components.optim import build_lr_schedule, build_optimizer
+from components.profiling import maybe_profile
 from components.tokenizer import build_tokenizer
 from models import FLAVORS, Llama, flops_per_token
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -75,6 +76,8 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
                                    cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
         compile_blocks(model.model)
+    if cfg.compile.enable and "loss" in cfg.compile.components:
+        model.loss.compile()  # matters for the unfused loss; the fused one is a custom op
     if dist.is_initialized():
         mesh = dims.build_mesh(device.type)
         bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
@@ -116,6 +119,47 @@ def evaluate(model, batches, steps: int, device) -> float:
     model.train()
     total = all_reduce_sum(total)
     return (total[0] / total[1].clamp(min=1)).item()
+
+
+def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: int, device):
+    """One optimizer step over the micro-batches. Returns the loss, the gradient norm and
+    whether either is non-finite, as device tensors: nothing here waits for the GPU."""
+    # The loss is a sum over tokens divided by the global count of non-ignored tokens, so
+    # micro-batches and ranks add up to the exact global mean (one all-reduce a step).
+    count = sum((labels != IGNORE_INDEX).sum() for _, labels in micro).to(device).float()
+    normalizer = (all_reduce_sum(count) / tp).clamp(min=1)
+    loss_sum = torch.zeros((), device=device)
+    for i, (inputs, labels) in enumerate(micro):
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce on the last micro-batch
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+        loss = model(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True),
+                     normalizer)
+        loss.backward()
+        loss_sum += loss.detach()
+    norm = grad_norm_and_clip(params, max_norm)
+    bad = ~(torch.isfinite(norm) & torch.isfinite(loss_sum))
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = bad.float()  # fused AdamW skips the update on the device
+        optimizer.step()
+    elif not bad.item():  # the other AdamW implementations need the host to decide
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, norm, bad
+
+
+def too_many_bad_steps(n_bad: int, step: int, cfg: JobConfig) -> bool:
+    """[training] nan_policy: "stop" at the first non-finite step, "skip" until max_bad_steps in a
+    row. Skipped steps leave the weights untouched, so no checkpoint holds a NaN."""
+    if n_bad and (cfg.training.nan_policy == "stop" or n_bad >= cfg.training.max_bad_steps):
+        log(f"stopping at step {step}: {n_bad} consecutive step(s) with a non-finite loss or "
+            f"gradient norm ([training] nan_policy = {cfg.training.nan_policy!r}, max_bad_steps = "
+            f"{cfg.training.max_bad_steps})")
+        return True
+    if n_bad:
+        log(f"warning: step {step}: non-finite loss or gradient norm; the optimizer step was "
+            f"skipped ({n_bad} in a row)")
+    return False
 
 
 class StopRequest:
@@ -196,70 +240,45 @@ def main(argv=None) -> int:
                             cfg.metrics.wandb_project, cfg.metrics.wandb_run_name or None,
                             cfg.metrics.wandb_mode, cfg.metrics.enable_tensorboard, cfg.to_dict())
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
-    skip_on_device = bool(optimizer.defaults.get("fused"))
     bad_run = torch.zeros((), device=device)  # consecutive non-finite steps, kept on the device
     exit_code = 0
-    for step in range(start_step, cfg.training.steps + 1):
-        with meter.waiting_for_data():
-            micro = [next(train_iter) for _ in range(accum)]
-        # The loss is a sum over tokens divided by the global count of non-ignored tokens,
-        # so micro-batches and ranks add up to the exact global mean (one all-reduce a step).
-        count = sum((labels != IGNORE_INDEX).sum() for _, labels in micro).to(device).float()
-        normalizer = (all_reduce_sum(count) / dims.tp).clamp(min=1)
-        loss_sum = torch.zeros((), device=device)
-        for i, (inputs, labels) in enumerate(micro):
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(i == accum - 1)
-            loss = model(inputs.to(device, non_blocking=True),
-                         labels.to(device, non_blocking=True), normalizer)
-            loss.backward()
-            loss_sum += loss.detach()
-        norm = grad_norm_and_clip(params, cfg.training.max_norm)
-        bad = ~(torch.isfinite(norm) & torch.isfinite(loss_sum))
-        if skip_on_device:
-            optimizer.found_inf = bad.float()  # fused AdamW skips the update on the device
-            optimizer.step()
-        elif not bad.item():  # other AdamW implementations need the host to decide
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        bad_run = (bad_run + 1) * bad
-        step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.tp
-        meter.step_done(step_tokens)
-        tokens_seen += step_tokens * world
+    with maybe_profile(cfg.profiling, dump, rank) as profiler:
+        for step in range(start_step, cfg.training.steps + 1):
+            with meter.waiting_for_data():
+                micro = [next(train_iter) for _ in range(accum)]
+            loss, norm, bad = train_step(model, micro, optimizer, scheduler, params,
+                                         cfg.training.max_norm, dims.tp, device)
+            bad_run = (bad_run + 1) * bad
+            step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.tp
+            meter.step_done(step_tokens)
+            tokens_seen += step_tokens * world
+            if profiler is not None:
+                profiler.step()
 
-        last = step == cfg.training.steps
-        log_step = step % cfg.metrics.log_freq == 0 or step == start_step or last
-        if log_step:
-            entry = {"loss": all_reduce_sum(loss_sum.clone()).item() / dims.tp,
-                     "grad_norm": norm.item(), "lr": scheduler.get_last_lr()[0], **meter.read()}
-            metrics.log(step, entry)
-            n_bad = int(bad_run.item())
-            if n_bad and (cfg.training.nan_policy == "stop" or n_bad >= cfg.training.max_bad_steps):
-                log(f"stopping at step {step}: {n_bad} consecutive step(s) with a non-finite loss "
-                    f"or gradient norm ([training] nan_policy = {cfg.training.nan_policy!r}, "
-                    f"max_bad_steps = {cfg.training.max_bad_steps})")
-                exit_code = 1
-                break
-            if n_bad:
-                log(f"warning: step {step}: non-finite loss or gradient norm; the optimizer step "
-                    f"was skipped ({n_bad} in a row)")
-        if cfg.checkpoint.enable_checkpoint and (step % cfg.checkpoint.interval == 0 or last):
-            ckpt.save(step, tokens_seen)
-            meter.reset()
-        if (log_step or world == 1) and stop.agreed(device):
-            if cfg.checkpoint.enable_checkpoint and not (step % cfg.checkpoint.interval == 0 or last):
+            last = step == cfg.training.steps
+            log_step = step % cfg.metrics.log_freq == 0 or step == start_step or last
+            if log_step:
+                metrics.log(step, {"loss": all_reduce_sum(loss).item() / dims.tp,
+                                   "grad_norm": norm.item(), "lr": scheduler.get_last_lr()[0],
+                                   **meter.read()})
+                if too_many_bad_steps(int(bad_run.item()), step, cfg):
+                    exit_code = 1
+                    break
+            if cfg.checkpoint.enable_checkpoint and (step % cfg.checkpoint.interval == 0 or last):
                 ckpt.save(step, tokens_seen)
-            ckpt.wait()
-            log(f"received {stop.signal_name or 'a stop request on another rank'}: stopped after "
-                f"step {step}" + (f", checkpoint in {ckpt.folder}/step-{step}; the same command "
-                                  "resumes" if cfg.checkpoint.enable_checkpoint else ""))
-            break
-        if val_batches is not None and (step % cfg.validation.freq == 0 or last):
-            val_batches.load_state_dict(val_start)
-            metrics.log(step, {"val_loss": evaluate(model, val_batches, cfg.validation.steps,
-                                                    device)})
-            meter.reset()  # evaluation time is not training time
+                meter.reset()
+            if (log_step or world == 1) and stop.agreed(device):
+                if cfg.checkpoint.enable_checkpoint and not (step % cfg.checkpoint.interval == 0 or last):
+                    ckpt.save(step, tokens_seen)
+                log(f"received {stop.signal_name or 'a stop request on another rank'}: stopped "
+                    f"after step {step}" + (f", checkpoint in {ckpt.folder}/step-{step}; the same "
+                                            "command resumes" if cfg.checkpoint.enable_checkpoint else ""))
+                break
+            if val_batches is not None and (step % cfg.validation.freq == 0 or last):
+                val_batches.load_state_dict(val_start)
+                metrics.log(step, {"val_loss": evaluate(model, val_batches, cfg.validation.steps,
+                                                        device)})
+                meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()
     if dist.is_initialized():

@@ -233,6 +233,7 @@ CHOICES = {
     ("loss", "parallel"): ("sequence", "vocab"),
     ("lr_scheduler", "decay_type"): ("cosine", "linear", "wsd"),
     ("optimizer", "name"): ("AdamW",),
+    ("model", "name"): ("llama",),
     ("optimizer", "implementation"): ("auto", "fused", "foreach", "for-loop"),
     ("tokenizer", "name"): ("byte", "hf"),
     ("checkpoint", "async_mode"): ("disabled", "async"),
@@ -241,7 +242,8 @@ CHOICES = {
 }
 POSITIVE = [("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
             ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
-            ("checkpoint", "interval"), ("validation", "freq"), ("validation", "steps")]
+            ("checkpoint", "interval"), ("validation", "freq"), ("validation", "steps"),
+            ("profiling", "profile_freq")]
 
 
 def check_values(cfg: JobConfig) -> None:
@@ -249,6 +251,9 @@ def check_values(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value not in valid:
             raise ConfigError(f"[{section}] {key} = {value!r}: expected one of {valid}")
+    for component in cfg.compile.components:
+        if component not in ("model", "loss"):
+            raise ConfigError(f"[compile] components: {component!r} is not one of 'model', 'loss'")
     for section, key in POSITIVE:
         value = getattr(getattr(cfg, section), key)
         if value < 1:

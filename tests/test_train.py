@@ -80,3 +80,11 @@ def test_torchrun_gloo_two_processes_match_one(tmp_path):
     assert len(single) == len(both) == 5
     for key in ("loss", "grad_norm"):
         assert max(abs(a[key] - b[key]) for a, b in zip(single, both)) <= 1e-5, key
+
+
+def test_profiling_writes_a_trace(tmp_path):
+    code, dump, _ = run(tmp_path, "prof", "--training.steps", "4", "--profiling.enable_profiling",
+                        "true", "--profiling.profile_freq", "2")
+    assert code == 0
+    traces = list((dump / "profile_traces").glob("step-*/rank-0.json"))
+    assert traces and json.loads(traces[0].read_text())["traceEvents"]
