@@ -13,12 +13,12 @@ import dataclasses
 import os
 import signal
 import sys
-import time
-from contextlib import nullcontext
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from components.checkpoint import Checkpointer
 from components.config import JobConfig, load_config, to_toml
@@ -34,6 +34,7 @@ from parallelisms.compile import compile_blocks
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
+from parallelisms.tp import apply_tp
 
 
 def log(msg: str) -> None:
@@ -80,6 +81,8 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
         model.loss.compile()  # matters for the unfused loss; the fused one is a custom op
     if dist.is_initialized():
         mesh = dims.build_mesh(device.type)
+        if dims.tp > 1:
+            apply_tp(model, mesh["tp"], cfg.loss.parallel)
         bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
         apply_fsdp(model, mesh, dims, torch.bfloat16 if bf16 else torch.float32)
     model.to_empty(device=device)
@@ -89,14 +92,26 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
 
 
 def grad_norm_and_clip(params: list, max_norm: float) -> torch.Tensor:
-    """Total gradient norm (DTensor-aware), clipping in place when max_norm > 0. No host sync."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    """Total gradient norm, clipping in place when max_norm > 0. No host sync.
+
+    Under FSDP + TP the gradients are DTensors on different meshes and placements (TP-sharded
+    blocks, the replicated output weight): each such group's norm is reduced over its own mesh,
+    then the groups are combined."""
+    groups = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            groups[(g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None].append(g)
+    squares = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -188,8 +203,6 @@ def main(argv=None) -> int:
     dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                 cfg.parallelism.data_parallel_shard_degree,
                                 cfg.parallelism.tensor_parallel_degree, world)
-    if dims.tp > 1:
-        raise NotImplementedError("[parallelism] tensor_parallel_degree > 1 is not built yet")
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     dump = Path(cfg.job.dump_folder)
     if rank == 0:

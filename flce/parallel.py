@@ -1,0 +1,120 @@
+"""Tensor-parallel styles for a loss module called as `loss(x, target, weight, bias, ...)`.
+
+LinearLossParallel (sequence parallel): x arrives sharded on the sequence dimension, each rank
+runs the loss on its own tokens with the full (replicated) output weight, and the partial sums
+are added over the TP ranks. The weight's gradient is declared Partial, so the per-rank
+contributions are summed (the published version called `weight.to_local()` and kept one rank's
+partial gradient under a Replicate label), and the loss is divided by the global token count
+rather than averaged per rank.
+
+VocabParallelLinearLoss: the output weight is sharded on the vocabulary; x is gathered, each
+rank computes its vocabulary slice's logits, and the softmax statistics are combined with
+all-reduces (`vocab_parallel.py`), so the weight is never gathered.
+"""
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def _as_local_replicated_weight(t, mesh: DeviceMesh):
+    """A weight used identically on every TP rank, as a local tensor whose gradient is summed
+    over the ranks (Partial) on its way back, whether it came as a DTensor or a plain tensor."""
+    if t is None:
+        return None
+    if not isinstance(t, DTensor):
+        t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+    if tuple(t.placements) != (Replicate(),):
+        raise ValueError(f"LinearLossParallel: weight/bias must be replicated on the TP mesh, got "
+                         f"{t.placements}")
+    return t.to_local(grad_placements=[Partial()])
+
+
+def _global_count(target, ignore_index: int, mesh: DeviceMesh):
+    count = (target != ignore_index).sum().float()
+    dist.all_reduce(count, group=mesh.get_group())
+    return count.clamp(min=1)
+
+
+class LinearLossParallel(ParallelStyle):
+    def __init__(self, seq_dim: int = 1):
+        super().__init__()
+        self.seq_dim = seq_dim
+
+    def _prepare_inputs(self, mesh: DeviceMesh, module, args, kwargs):
+        x, target, weight, *rest = args
+        bias = rest[0] if rest else kwargs.pop("bias", None)
+        if isinstance(x, DTensor):
+            if tuple(x.placements) != (Shard(self.seq_dim),):
+                raise ValueError(f"LinearLossParallel: x must be sharded on dim {self.seq_dim}, "
+                                 f"got {x.placements}")
+            x = x.to_local()
+        if isinstance(target, DTensor):
+            target = target.full_tensor()
+        # the global target, cut like DTensor cuts x (torch.chunk semantics)
+        target = torch.chunk(target, mesh.size(), dim=self.seq_dim)[mesh.get_local_rank()]
+        opts = getattr(module, "options", None)
+        normalizer = rest[1] if len(rest) > 1 else kwargs.pop("normalizer", None)
+        if normalizer is None and getattr(opts, "reduction", None) == "mean":
+            normalizer = _global_count(target, opts.ignore_index, mesh)
+        new_args = (x, target, _as_local_replicated_weight(weight, mesh),
+                    _as_local_replicated_weight(bias, mesh))
+        if normalizer is not None:
+            kwargs["normalizer"] = normalizer
+        return new_args, kwargs
+
+    def _prepare_output(self, mesh: DeviceMesh, module, inputs, output):
+        if output.dim() > 0:  # reduction="none": per-token losses of this rank's tokens
+            return DTensor.from_local(output, mesh, [Shard(self.seq_dim)], run_check=False)
+        # every rank holds a partial sum of the one global loss
+        return DTensor.from_local(output, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError("LinearLossParallel needs a 1-D (tensor-parallel) mesh")
+        module.register_forward_pre_hook(partial(self._prepare_inputs, device_mesh),
+                                         with_kwargs=True)
+        module.register_forward_hook(partial(self._prepare_output, device_mesh))
+        return module
+
+
+class VocabParallelLinearLoss(ParallelStyle):
+    """The output weight (and bias) sharded on dim 0 (vocabulary) over the TP mesh; x gathered
+    from the sequence shards; every rank returns the same global loss."""
+
+    def __init__(self, seq_dim: int = 1, chunk_size: int = 2048):
+        super().__init__()
+        self.seq_dim = seq_dim
+        self.chunk_size = chunk_size
+
+    def _forward(self, mesh: DeviceMesh, module, x, target, weight, bias=None, normalizer=None):
+        from flce.vocab_parallel import vocab_parallel_linear_cross_entropy
+
+        if isinstance(x, DTensor):  # all-gather the sequence; its gradient is reduce-scattered
+            x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        if isinstance(target, DTensor):
+            target = target.full_tensor()
+        if not (isinstance(weight, DTensor) and tuple(weight.placements) == (Shard(0),)):
+            raise ValueError("VocabParallelLinearLoss: the output weight must be a DTensor "
+                             "sharded on dim 0 over the TP mesh (see parallelisms/tp.py)")
+        vocab_size = weight.shape[0]
+        local = weight.to_local()
+        vocab_start = mesh.get_local_rank() * -(-vocab_size // mesh.size())  # torch.chunk sizes
+        opts = dict(module.options) if isinstance(getattr(module, "options", None), dict) else {
+            k: getattr(module.options, k) for k in ("ignore_index", "label_smoothing",
+                                                    "logit_scale", "z_loss", "softcap")}
+        return vocab_parallel_linear_cross_entropy(
+            x, target, local, None if bias is None else bias.to_local(), vocab_start=vocab_start,
+            vocab_size=vocab_size, group=mesh.get_group(), normalizer=normalizer,
+            reduction="sum" if normalizer is not None else getattr(module.options, "reduction", "mean"),
+            chunk_size=self.chunk_size, **opts)
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError("VocabParallelLinearLoss needs a 1-D (tensor-parallel) mesh")
+        module.forward = partial(self._forward, device_mesh, module)
+        return module

@@ -1,0 +1,110 @@
+"""The fused loss with the output weight sharded on the vocabulary across a process group.
+
+Per chunk of tokens, each rank computes the logits of its vocabulary slice; the row maximum, the
+sum of exponentials, the target logit and the sum of logits are combined with two all-reduces
+(MAX, then one SUM of three values), so every rank knows the global lse and loss without the
+weight or the full logits ever being gathered. The gradient of the slice follows as in the
+single-device loss: dW of the slice stays local, dx is a partial sum over the vocabulary slices
+(the caller sums it across ranks), and label smoothing averages over the full vocabulary.
+
+This version does the row math in PyTorch (fp32) on both CPU and GPU; the Triton row kernel of
+the single-device loss does not take a vocabulary offset yet.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from flce.options import LossOptions
+from flce.reference import scaled_logits
+
+
+def _chunk_grads(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: int,
+                 vocab_size: int, group) -> tuple[Tensor, Tensor]:
+    """Per-token losses (the same on every rank) and dlogits of this rank's slice, in place."""
+    z = scaled_logits(logits, opts)
+    keep = target != opts.ignore_index
+    y_local = target - vocab_start
+    owns = keep & (y_local >= 0) & (y_local < z.shape[1])
+    m = z.max(dim=1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    z_y = torch.where(owns, z.gather(1, y_local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0)
+    sums = torch.stack([torch.exp(z - m[:, None]).sum(1), z_y, z.sum(1)])
+    dist.all_reduce(sums, group=group)
+    lse = m + torch.log(sums[0])
+    ls = opts.label_smoothing
+    loss = (1 - ls) * (lse - sums[1]) + ls * (lse - sums[2] / vocab_size) + opts.z_loss * lse * lse
+    bad = keep & ((target < 0) | (target >= vocab_size))  # never silently wrong: NaN, as on GPU
+    loss = torch.where(keep, torch.where(bad, torch.full_like(loss, float("nan")), loss), 0.0)
+    g = torch.exp(z - lse[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / vocab_size
+    rows = owns.nonzero().squeeze(1)
+    g[rows, y_local[rows]] -= 1 - ls
+    g *= opts.logit_scale
+    if opts.softcap is not None:
+        g *= 1 - (z / opts.softcap) ** 2
+    g = torch.where(keep[:, None], g, 0.0)
+    g = torch.where(bad[:, None], float("nan"), g)
+    logits.copy_(g)
+    return loss
+
+
+class _VocabParallelLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target, weight, bias, loss_weight, opts, vocab_start, vocab_size, group,
+                chunk_size):
+        N, H = x.shape
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        need_db = bias is not None and ctx.needs_input_grad[3]
+        acc = torch.promote_types(torch.float32, weight.dtype)
+        dx = torch.zeros(N, H, device=x.device, dtype=acc) if need_dx else None
+        dw = torch.zeros(weight.shape, device=x.device, dtype=acc) if need_dw else None
+        db = torch.zeros(weight.shape[0], device=x.device, dtype=acc) if need_db else None
+        total = torch.zeros((), device=x.device, dtype=acc)
+        for start in range(0, N, chunk_size):
+            x_c, t_c = x[start:start + chunk_size], target[start:start + chunk_size]
+            logits = torch.nn.functional.linear(x_c, weight, bias)
+            total += _chunk_grads(logits, t_c, opts, vocab_start, vocab_size, group).sum()
+            if need_dx:
+                dx[start:start + chunk_size] = (logits @ weight).to(acc)
+            if need_dw:
+                dw += (logits.t() @ x_c).to(acc)
+            if need_db:
+                db += logits.sum(0, dtype=acc)
+        ctx.save_for_backward(dx, dw, db, loss_weight)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return total * loss_weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw, db, loss_weight = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        scale = grad * loss_weight
+        cast = lambda t, dtype: None if t is None else (t * scale).to(dtype)
+        return (cast(dx, x_dtype), None, cast(dw, w_dtype), cast(db, w_dtype), None, None, None,
+                None, None, None)
+
+
+def vocab_parallel_linear_cross_entropy(
+    x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
+    vocab_start: int, vocab_size: int, group=None, ignore_index: int = -100,
+    label_smoothing: float = 0.0, logit_scale: float = 1.0, z_loss: float = 0.0,
+    softcap: Optional[float] = None, reduction: str = "mean", normalizer=None,
+    chunk_size: int = 2048,
+) -> Tensor:
+    """Sum of token losses / normalizer (or the mean over non-ignored tokens), identical on
+    every rank of `group`; `weight` is this rank's rows [vocab_start, vocab_start + V_local)."""
+    opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
+    if reduction == "none":
+        raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
+    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    if normalizer is not None:
+        loss_weight = 1.0 / torch.as_tensor(normalizer, device=x.device, dtype=dtype)
+    elif reduction == "mean":
+        loss_weight = 1.0 / (t2 != ignore_index).sum().clamp(min=1).to(dtype)
+    else:
+        loss_weight = torch.ones((), device=x.device, dtype=dtype)
+    return _VocabParallelLoss.apply(x2, t2, weight, bias, loss_weight.reshape(()), opts,
+                                    vocab_start, vocab_size, group, chunk_size)

@@ -1,0 +1,55 @@
+"""Tensor and sequence parallelism for the Llama, and the loss style that goes with it.
+
+Embedding rowwise to sequence-sharded activations, norms SequenceParallel, attention and FFN
+colwise/rowwise (so each block all-gathers the sequence once before attention and once before
+the FFN, and reduce-scatters after each), then the loss: with `[loss] parallel = "sequence"` the
+output weight is replicated and each rank takes the loss of its own tokens (LinearLossParallel);
+with "vocab" the output weight is sharded on the vocabulary (VocabParallelLinearLoss)."""
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from flce.parallel import LinearLossParallel, VocabParallelLinearLoss
+
+LOSS_PARALLEL = ("sequence", "vocab")
+
+
+def _shard_rows(name, module, mesh):
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+
+def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str) -> None:
+    if loss_parallel not in LOSS_PARALLEL:
+        raise ValueError(f"[loss] parallel = {loss_parallel!r}: expected one of {LOSS_PARALLEL}")
+    model = model_with_loss.model
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    if loss_parallel == "sequence":
+        distribute_module(model.output, tp_mesh)  # replicated: every rank holds all of it
+        parallelize_module(model_with_loss.loss, tp_mesh, LinearLossParallel(seq_dim=1))
+    else:
+        distribute_module(model.output, tp_mesh, _shard_rows)  # rows = vocabulary
+        parallelize_module(model_with_loss.loss, tp_mesh, VocabParallelLinearLoss(seq_dim=1))
