@@ -1,0 +1,99 @@
+"""Every layout trains like one process (CPU, gloo, fp32): tp=2 and dp_shard=2 x tp=2, with the
+sequence- and vocab-parallel loss, fused and unfused: the losses and gradient norms of the
+first steps and the weights after them equal a single-process run; a checkpoint saved at
+dp_shard=2 x tp=2 resumes at dp_shard=4 and at one process with the same losses."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import train
+from parallelisms.mesh import ParallelDims
+
+ROOT = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 4
+BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.seq_len", "64",
+        "--metrics.log_freq", "1", "--job.print_config", "false", "--validation.enable", "false",
+        "--lr_scheduler.warmup_steps", "2", "--training.steps", "4", "--data.synthetic", "true",
+        "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2"]
+
+
+def torchrun(nproc: int, dump: Path, *overrides) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", str(nproc), str(ROOT / "train.py"), *BASE,
+                    "--job.dump_folder", str(dump), *overrides], check=True, cwd=ROOT, env=env,
+                   timeout=400, stdout=subprocess.DEVNULL)
+
+
+def metrics(dump: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+
+
+def weights(dump: Path, step: int, tmp: Path) -> dict:
+    out = tmp / f"{dump.name}-{step}.pt"
+    dcp_to_torch_save(dump / "checkpoint" / f"step-{step}", out)
+    return {k: v for k, v in torch.load(out, weights_only=False)["model"].items()}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("single")
+    assert train.main(BASE + ["--training.local_batch_size", str(GLOBAL_BATCH),
+                              "--job.dump_folder", str(dump)]) == 0
+    return dump
+
+
+LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl)
+    (2, 1, 2, "sequence", "flce"),
+    (2, 1, 2, "sequence", "unfused"),
+    (2, 1, 2, "vocab", "flce"),
+    (4, 1, 2, "sequence", "flce"),
+    (4, 1, 2, "vocab", "unfused"),
+    (4, 2, 1, "sequence", "flce"),  # HSDP: replicate 2 x shard 2
+]
+
+
+@pytest.mark.parametrize("nproc,replicate,tp,parallel,impl", LAYOUTS, ids=lambda v: str(v))
+def test_layout_matches_one_process(tmp_path, single, nproc, replicate, tp, parallel, impl):
+    dims = ParallelDims.resolve(replicate, -1, tp, nproc)
+    dump = tmp_path / "run"
+    torchrun(nproc, dump, "--parallelism.tensor_parallel_degree", str(tp),
+             "--parallelism.data_parallel_replicate_degree", str(replicate),
+             "--training.local_batch_size", str(GLOBAL_BATCH // dims.dp),
+             "--loss.parallel", parallel, "--loss.impl", impl)
+    ref, got = metrics(single), metrics(dump)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in got:
+        for key in ("loss", "grad_norm"):
+            assert abs(got[step][key] - ref[step][key]) <= 1e-5, (step, key)
+    w_ref, w_got = weights(single, 4, tmp_path), weights(dump, 4, tmp_path)
+    assert w_ref.keys() == w_got.keys()
+    for name in w_ref:
+        torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_checkpoint_reshards_across_layouts(tmp_path):
+    saved = tmp_path / "dp2_tp2"
+    torchrun(4, saved, "--parallelism.tensor_parallel_degree", "2",
+             "--training.local_batch_size", "2")
+    expected = metrics(saved)
+    for name, nproc, batch in (("dp4", 4, 1), ("one", 1, 4)):
+        dump = tmp_path / name
+        (dump / "checkpoint").mkdir(parents=True)
+        shutil.copytree(saved / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+        if nproc == 1:
+            assert train.main(BASE + ["--training.local_batch_size", str(batch),
+                                      "--job.dump_folder", str(dump)]) == 0
+        else:
+            torchrun(nproc, dump, "--training.local_batch_size", str(batch))
+        got = metrics(dump)
+        assert sorted(got) == [3, 4], name
+        assert all(abs(got[s]["loss"] - expected[s]["loss"]) <= 1e-5 for s in got), name
