@@ -99,6 +99,7 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1  # -1: whatever the other degrees leave
     tensor_parallel_degree: int = 1
+    fsdp_reshard_after_forward: str = "default"  # "default" | "always" | "never" (ZeRO-2 like)
 
 
 @dataclass
@@ -231,6 +232,7 @@ CHOICES = {
     ("training", "mixed_precision_param"): ("bfloat16", "float32"),
     ("loss", "impl"): ("flce", "unfused", "torch_chunked"),
     ("loss", "parallel"): ("sequence", "vocab"),
+    ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
     ("lr_scheduler", "decay_type"): ("cosine", "linear", "wsd"),
     ("optimizer", "name"): ("AdamW",),
     ("model", "name"): ("llama",),

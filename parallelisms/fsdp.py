@@ -8,7 +8,8 @@ from parallelisms.mesh import ParallelDims
 
 
 def apply_fsdp(model_with_loss: torch.nn.Module, mesh: DeviceMesh, dims: ParallelDims,
-               param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32) -> None:
+               param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
+               reshard_after_forward: str = "default") -> None:
     """Shard over dp_shard (HSDP: replicate over dp_replicate too).
 
     The root owns the final norm and the output projection, so the loss (run inside the root's
@@ -19,8 +20,10 @@ def apply_fsdp(model_with_loss: torch.nn.Module, mesh: DeviceMesh, dims: Paralle
     model = model_with_loss.model
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        # The last block is resharded by the root right after anyway: keep it to save a gather.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        # "default": the last block is needed first in backward, so keep it gathered; "never"
+        # keeps every block's parameters gathered until backward (more memory, less traffic).
+        reshard = {"always": True, "never": False}.get(reshard_after_forward, i < len(blocks) - 1)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model_with_loss, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     for module in model_with_loss.modules():

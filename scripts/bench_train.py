@@ -1,0 +1,711 @@
+#!/usr/bin/env python3
+"""End-to-end training throughput of the fused loss against the unfused ones, through train.py.
+
+Every configuration is its own train.py process on synthetic tokens, so an out-of-memory run
+cannot leave this process (or its GPU memory) in a bad state. Throughput is the median of the
+logged windows that start after --warmup-steps (compilation and allocator warm-up happen in the
+first steps); peak memory is the largest over the whole run.
+
+Two comparisons (--mode both runs the first, then the second):
+  equal   every loss at --batch with the first --ac mode (default: none)
+  search  per loss, for each --ac mode: the local batch doubles from --search-start up to
+          --max-batch until the first out-of-memory, then up to --bisect runs between the last
+          fit and the first OOM. A mode with more checkpointing starts at the batch that ran out
+          of memory with less: checkpointing only lowers memory, so the smaller batches fit too,
+          and at the same batch more recompute can only be slower. Reports, per loss, the largest
+          batch that fits (at ac none and with any mode) and the fastest configuration.
+
+    python scripts/bench_train.py --dry-run                  # the plan and the first command
+    python scripts/bench_train.py --mode equal               # 3 runs
+    python scripts/bench_train.py --budget-minutes 30 --out benchmarks/train_h200
+    python scripts/bench_train.py --nproc 2 --out benchmarks/train_2xh200   # torchrun + FSDP
+
+<out>.json and <out>.md are rewritten after every run, so a killed benchmark keeps what it
+measured; each run's dump folder (metrics.jsonl, config.toml, train.log) is under --runs-dir.
+The benchmark itself never imports torch: a CUDA context here would take GPU memory from the runs.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FUSED = "flce"
+# Benchmark name -> [loss] impl. unfused_compiled also compiles the loss module (--compile).
+LOSS_IMPLS = {"flce": "flce", "unfused": "unfused", "torch_chunked": "torch_chunked",
+              "unfused_compiled": "unfused"}
+AC_MODES = ("none", "selective", "full")
+# What a CUDA allocation failure prints, from torch, cuBLAS or a raw CUDA call (also under
+# torchrun, which reprints the failed worker's traceback).
+OOM_PATTERN = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|"
+                         r"CUBLAS_STATUS_ALLOC_FAILED")
+TAIL_LINES = 25
+STOP_GRACE_SECONDS = 20  # train.py stops cleanly after the current step on SIGTERM
+
+# Run in a child process with the trainer's Python: versions and the GPU, without a CUDA context
+# in the benchmark process. Free memory at the start shows whether something else used the GPU.
+ENV_PROBE = r"""
+import json, torch
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": None, "gpu_count": 0}
+try:
+    import triton
+    info["triton"] = triton.__version__
+except ImportError:
+    info["triton"] = None
+if torch.cuda.is_available():
+    free, total = torch.cuda.mem_get_info(0)
+    info.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
+                gpu_memory_gib=round(total / 2**30, 1), gpu_free_gib_at_start=round(free / 2**30, 1))
+print(json.dumps(info))
+"""
+
+
+class BudgetExhausted(Exception):
+    pass
+
+
+# ---- arguments --------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default="configs/llama_1b.toml", help="train.py config (TOML)")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=25, help="training steps per run")
+    p.add_argument("--warmup-steps", type=int, default=10,
+                   help="steps left out of the throughput (compilation happens in the first)")
+    p.add_argument("--log-freq", type=int, default=5, help="train.py --metrics.log_freq")
+    p.add_argument("--losses", default="flce,unfused,torch_chunked",
+                   help=f"comma-separated, from {', '.join(LOSS_IMPLS)}")
+    p.add_argument("--mode", choices=("equal", "search", "both"), default="both")
+    p.add_argument("--batch", type=int, default=4, help="local batch of the equal-batch runs")
+    p.add_argument("--ac", default=",".join(AC_MODES),
+                   help="activation-checkpointing modes the search tries, in order; the "
+                        "equal-batch runs use the first")
+    p.add_argument("--max-batch", type=int, default=32, help="largest local batch searched")
+    p.add_argument("--search-start", type=int, default=1, help="first local batch searched")
+    p.add_argument("--bisect", type=int, default=1,
+                   help="runs between the last fit and the first OOM, per loss and AC mode")
+    p.add_argument("--compile", choices=("config", "true", "false"), default="config",
+                   help="[compile] enable for every run (config: the config's setting)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes (GPUs) per run; > 1 runs under torchrun (FSDP)")
+    p.add_argument("--train-cmd", default=None,
+                   help="the trainer command, run as it is (default: this Python on train.py, "
+                        "under torch.distributed.run when --nproc > 1)")
+    p.add_argument("--extra", action="append", default=[],
+                   help='further train.py overrides, e.g. --extra="--loss.chunk_size 4096" '
+                        "(repeatable; the per-run loss, batch, AC and folder still win)")
+    p.add_argument("--budget-minutes", type=float, default=0,
+                   help="no run starts that would end past this (0: no limit); a run still "
+                        "going at the limit is stopped")
+    p.add_argument("--run-timeout", type=float, default=1200, help="seconds per run")
+    p.add_argument("--out", default="benchmarks/train_bench", help="output path without suffix")
+    p.add_argument("--runs-dir", default="outputs/train_bench", help="the runs' dump folders")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the first command")
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    args.losses = [x.strip() for x in args.losses.split(",") if x.strip()]
+    args.ac = [x.strip() for x in args.ac.split(",") if x.strip()]
+    unknown = [x for x in args.losses if x not in LOSS_IMPLS]
+    if unknown or not args.losses:
+        p.error(f"--losses {','.join(unknown) or '(empty)'}: expected some of {', '.join(LOSS_IMPLS)}")
+    bad_ac = [x for x in args.ac if x not in AC_MODES]
+    if bad_ac or not args.ac:
+        p.error(f"--ac {','.join(bad_ac) or '(empty)'}: expected some of {', '.join(AC_MODES)}")
+    for name in ("seq_len", "steps", "log_freq", "batch", "max_batch", "search_start", "nproc"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.bisect < 0 or args.warmup_steps < 0 or args.budget_minutes < 0:
+        p.error("--bisect, --warmup-steps and --budget-minutes must be >= 0")
+    if args.search_start > args.max_batch:
+        p.error(f"--search-start {args.search_start} is above --max-batch {args.max_batch}")
+    if not measured_steps(args.steps, args.log_freq, args.warmup_steps):
+        p.error(f"no logged window starts after --warmup-steps {args.warmup_steps} with "
+                f"--steps {args.steps} and --log-freq {args.log_freq}: raise --steps")
+    if args.train_cmd and args.nproc > 1:
+        p.error("--nproc launches torchrun around the default trainer; with --train-cmd, "
+                "put the launcher into that command instead")
+    if not Path(args.config).is_file():
+        p.error(f"--config {args.config}: no such file")
+    try:
+        with open(args.config, "rb") as f:
+            args.config_data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        p.error(f"--config {args.config}: invalid TOML: {e}")
+    args.extra = [token for chunk in args.extra for token in shlex.split(chunk)]
+
+
+# ---- which steps count ------------------------------------------------------------------------
+
+def logged_steps(steps: int, log_freq: int) -> list[int]:
+    """The steps train.py logs: every log_freq-th, the first and the last."""
+    return sorted({s for s in range(1, steps + 1) if s % log_freq == 0 or s in (1, steps)})
+
+
+def measured_steps(steps: int, log_freq: int, warmup: int) -> list[int]:
+    """Logged steps whose whole window (the steps since the previous log) is past the warm-up:
+    a logged value averages its window, so one that straddles the warm-up would mix it in."""
+    logged = logged_steps(steps, log_freq)
+    return [s for prev, s in zip([0, *logged], logged) if prev >= warmup]
+
+
+# ---- one run ----------------------------------------------------------------------------------
+
+def launcher(args) -> list[str]:
+    if args.train_cmd:
+        return shlex.split(args.train_cmd)
+    train_py = os.path.relpath(REPO / "train.py")
+    if args.nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(args.nproc), train_py]
+    return [sys.executable, train_py]
+
+
+def base_compile(args) -> tuple[bool, list[str]]:
+    """[compile] enable/components of every run before the loss variant's own change."""
+    section = args.config_data.get("compile", {})
+    enabled = section.get("enable", False) if args.compile == "config" else args.compile == "true"
+    return enabled, list(section.get("components", ["model"]))
+
+
+def compile_overrides(args, loss: str) -> list[str]:
+    enabled, components = base_compile(args)
+    if loss == "unfused_compiled":
+        # Compile the loss module on top of whatever the other runs compile.
+        components = [*components, "loss"] if enabled else ["loss"]
+        return ["--compile.enable", "true", "--compile.components", ",".join(components)]
+    return [] if args.compile == "config" else ["--compile.enable", args.compile]
+
+
+def compile_label(args, loss: str, dump: Path) -> str:
+    """What was compiled: the run's own resolved config.toml if it wrote one, else the plan."""
+    try:
+        section = tomllib.loads((dump / "config.toml").read_text())["compile"]
+        enabled, components = section["enable"], section["components"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        enabled, components = base_compile(args)
+        if loss == "unfused_compiled":
+            enabled, components = True, ([*components, "loss"] if enabled else ["loss"])
+    return ",".join(components) if enabled else "off"
+
+
+def train_command(args, loss: str, batch: int, ac: str, dump: Path) -> list[str]:
+    # train.py applies overrides in order: --extra may change the common settings, the
+    # per-run ones come last so that they always hold.
+    return [*launcher(args), "--config", args.config,
+            "--data.synthetic", "true", "--training.seq_len", str(args.seq_len),
+            "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
+            "--lr_scheduler.warmup_steps", str(max(0, min(5, args.steps - 1))),
+            "--validation.enable", "false", "--checkpoint.enable_checkpoint", "false",
+            "--job.print_config", "false", *args.extra,
+            "--loss.impl", LOSS_IMPLS[loss], *compile_overrides(args, loss),
+            "--training.local_batch_size", str(batch), "--activation_checkpoint.mode", ac,
+            "--job.dump_folder", str(dump)]
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM first (train.py then stops after its current step), SIGKILL for what is left."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.poll()
+
+
+def kill_leftovers(proc: subprocess.Popen) -> None:
+    """A worker that outlives its launcher would hold GPU memory and shrink the next run's."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_process(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, bool, float]:
+    """Run cmd in its own process group with output to log_path: (exit code, timed out, s)."""
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        # Its own session: the whole group (torchrun and its workers) can be stopped at once.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_process_group(proc)
+        except BaseException:  # Ctrl-C, SIGTERM: leave no trainer behind
+            stop_process_group(proc, grace=5)
+            raise
+        finally:
+            kill_leftovers(proc)
+    return proc.returncode, timed_out, time.monotonic() - start
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Training rows of metrics.jsonl by step (validation rows have no tokens_per_second)."""
+    rows = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        if row.get("tokens_per_second") is not None:
+            rows[row["step"]] = row  # the last line for a step wins
+    return [rows[s] for s in sorted(rows)]
+
+
+def throughput(rows: list[dict], warmup: int) -> dict:
+    """Medians over the windows past the warm-up; memory peaks over the whole run."""
+    steps = [r["step"] for r in rows]
+    measured = [r for prev, r in zip([0, *steps], rows) if prev >= warmup]
+
+    def median(key):
+        values = [r[key] for r in measured if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def peak(key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return max(values) if values else None
+
+    return {"tokens_per_second": median("tokens_per_second"),
+            "tokens_per_second_total": median("tokens_per_second_total"),
+            "mfu_percent": median("mfu_percent"), "tflops_per_device": median("tflops_per_device"),
+            "step_seconds": median("step_seconds"),
+            "memory_max_allocated_gib": peak("memory_max_allocated_gib"),
+            "memory_max_reserved_gib": peak("memory_max_reserved_gib"),
+            "measured_steps": [r["step"] for r in measured]}
+
+
+def log_tail(path: Path, max_bytes: int = 1 << 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - max_bytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def classify(returncode: int | None, timed_out: bool, output: str, measured: bool) -> str:
+    if timed_out:
+        return "timeout"  # even if train.py then exited cleanly on our SIGTERM
+    if returncode == 0:
+        return "ok" if measured else "error"
+    return "oom" if OOM_PATTERN.search(output) else "error"
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+class Bench:
+    """Runs configurations once each (the search reuses the equal-batch runs), keeps the records
+    and rewrites the report after every run."""
+
+    def __init__(self, args, meta: dict):
+        self.args = args
+        self.meta = meta
+        self.runs: list[dict] = []
+        self.by_key: dict[tuple, dict] = {}
+        self.state = "running"
+        self.start = time.monotonic()
+        self.max_runs = planned_max_runs(args)
+
+    def budget_left(self) -> float:
+        if not self.args.budget_minutes:
+            return float("inf")
+        return self.args.budget_minutes * 60 - (time.monotonic() - self.start)
+
+    def typical_run_seconds(self) -> float:
+        walls = [r["wall_seconds"] for r in self.runs if r["status"] == "ok"]
+        return statistics.median(walls) if walls else 0.0
+
+    def run(self, loss: str, batch: int, ac: str, phase: str) -> dict:
+        key = (loss, batch, ac)
+        if key in self.by_key:
+            return self.by_key[key]
+        left = self.budget_left()
+        if left <= 0 or left < self.typical_run_seconds():
+            raise BudgetExhausted(f"--budget-minutes {self.args.budget_minutes} reached "
+                                  f"({len(self.runs)} runs)")
+        record = self._execute(loss, batch, ac, phase, timeout=min(self.args.run_timeout, left))
+        self.runs.append(record)
+        self.by_key[key] = record
+        self.write()
+        print(progress_line(record, len(self.runs), self.max_runs), flush=True)
+        return record
+
+    def _execute(self, loss, batch, ac, phase, timeout) -> dict:
+        runs_dir = Path(self.args.runs_dir)
+        dump = runs_dir / f"{loss}_b{batch}_ac-{ac}"
+        # metrics.jsonl is appended to: a folder left by an earlier benchmark would mix in.
+        shutil.rmtree(dump, ignore_errors=True)
+        dump.mkdir(parents=True)
+        cmd = train_command(self.args, loss, batch, ac, dump)
+        returncode, timed_out, seconds = run_process(cmd, dump / "train.log", timeout)
+        output = log_tail(dump / "train.log")
+        stats = throughput(read_metrics(dump / "metrics.jsonl"), self.args.warmup_steps)
+        status = classify(returncode, timed_out, output, bool(stats["measured_steps"]))
+        record = {"loss": loss, "loss_impl": LOSS_IMPLS[loss], "batch": batch, "ac": ac,
+                  "compile": compile_label(self.args, loss, dump), "phase": phase,
+                  "status": status, "exit_code": returncode, "wall_seconds": round(seconds, 1),
+                  **stats, "command": shlex.join(cmd), "dump_folder": str(dump)}
+        if status != "ok":
+            lines = output.rstrip().splitlines()
+            if returncode == 0 and not timed_out:
+                lines.append(f"(no logged step after the warm-up of {self.args.warmup_steps} "
+                             "steps: raise --steps or lower --warmup-steps)")
+            record["output_tail"] = "\n".join(lines[-TAIL_LINES:])
+        return record
+
+    def report(self) -> dict:
+        return {"meta": {**self.meta, "elapsed_minutes": round((time.monotonic() - self.start)
+                                                                / 60, 1)},
+                "state": self.state, "runs": self.runs, "summary": summarize(self.runs, self.args)}
+
+    def write(self) -> None:
+        report = self.report()
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for suffix, text in ((".json", json.dumps(report, indent=1) + "\n"),
+                             (".md", markdown(report, self.args))):
+            tmp = out.with_suffix(suffix + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, out.with_suffix(suffix))  # a reader never sees half a file
+
+
+def progress_line(r: dict, index: int, max_runs: int) -> str:
+    head = f"[{index}/<={max_runs}] {r['loss']} batch {r['batch']} ac {r['ac']}: "
+    if r["status"] != "ok":
+        return head + f"{r['status']} ({r['wall_seconds']:.0f} s)"
+    parts = [f"{r['tokens_per_second']:,.0f} tok/s/device"]
+    if r["mfu_percent"] is not None:
+        parts.append(f"MFU {r['mfu_percent']:.1f}%")
+    if r["memory_max_reserved_gib"] is not None:
+        parts.append(f"{r['memory_max_reserved_gib']:.1f} GiB reserved")
+    return head + ", ".join(parts) + f" ({r['wall_seconds']:.0f} s)"
+
+
+def batches_from(start: int, cap: int) -> list[int]:
+    """start, 2*start, 4*start, ... below cap, then cap itself."""
+    out, b = [], start
+    while b < cap:
+        out.append(b)
+        b *= 2
+    return out + [cap]
+
+
+def search_one(bench: Bench, loss: str, ac: str, known_fit: int, known_oom: int | None):
+    """Largest batch that fits for (loss, ac) and the smallest that did not (None: unknown).
+
+    known_fit / known_oom come from the modes with less checkpointing: the former fits here too
+    and is not run again; the search starts at the latter (or above the former)."""
+    args = bench.args
+    if known_fit >= args.max_batch:
+        return known_fit, None
+    start = known_oom or (2 * known_fit if known_fit else args.search_start)
+    fit, oom = known_fit, None
+    for batch in batches_from(min(start, args.max_batch), args.max_batch):
+        status = bench.run(loss, batch, ac, "search")["status"]
+        if status == "ok":
+            fit = batch
+            continue
+        if status != "oom":
+            return fit, None  # an error or a timeout: larger batches would not tell more
+        oom = batch
+        break
+    if oom is None:
+        return fit, None  # fits --max-batch
+    batch = oom // 2
+    while fit == 0 and batch >= 1:  # nothing fit yet: halve down from the first OOM
+        status = bench.run(loss, batch, ac, "search")["status"]
+        if status == "ok":
+            fit = batch
+        elif status == "oom":
+            oom, batch = batch, batch // 2
+        else:
+            return fit, oom
+    for _ in range(args.bisect):
+        if fit == 0 or oom - fit <= 1:
+            break
+        mid = (fit + oom) // 2
+        status = bench.run(loss, mid, ac, "search")["status"]
+        if status not in ("ok", "oom"):
+            break
+        fit, oom = (mid, oom) if status == "ok" else (fit, mid)
+    return fit, oom
+
+
+def run_search(bench: Bench) -> None:
+    # AC mode by AC mode across all losses, so that a budget cut still compares every loss.
+    known = {loss: (0, None) for loss in bench.args.losses}
+    for ac in bench.args.ac:
+        for loss in bench.args.losses:
+            fit, oom = search_one(bench, loss, ac, *known[loss])
+            known[loss] = (fit, oom if oom is not None else known[loss][1])
+
+
+def run_equal(bench: Bench) -> None:
+    for loss in bench.args.losses:
+        bench.run(loss, bench.args.batch, bench.args.ac[0], "equal")
+
+
+def planned_max_runs(args) -> int:
+    equal = len(args.losses) if args.mode in ("equal", "both") else 0
+    per_mode = len(batches_from(args.search_start, args.max_batch)) + args.bisect
+    search = len(args.losses) * len(args.ac) * per_mode if args.mode in ("search", "both") else 0
+    return equal + search
+
+
+def print_plan(args) -> None:
+    measured = ", ".join(map(str, measured_steps(args.steps, args.log_freq, args.warmup_steps)))
+    print(f"Plan: {args.config}, seq {args.seq_len}, {args.nproc} process(es), {args.steps} steps "
+          f"a run (tokens/s: median of the windows logged at steps {measured}); "
+          f"losses {', '.join(args.losses)}")
+    if args.mode in ("equal", "both"):
+        print(f"  equal batch: {len(args.losses)} runs at local batch {args.batch}, "
+              f"ac {args.ac[0]}")
+    if args.mode in ("search", "both"):
+        batches = ", ".join(map(str, batches_from(args.search_start, args.max_batch)))
+        print(f"  search, per loss and AC mode ({', '.join(args.ac)}): local batch {batches} "
+              f"until the first OOM, then up to {args.bisect} bisection run(s); a mode with more "
+              "checkpointing starts at the batch that ran out of memory with less")
+    budget = f"budget {args.budget_minutes:g} min" if args.budget_minutes else "no time budget"
+    print(f"  at most {planned_max_runs(args)} runs (each search stops at its first OOM, so "
+          f"usually far fewer); {budget}; results to {args.out}.json/.md", flush=True)
+
+
+# ---- summary ----------------------------------------------------------------------------------
+
+def ok_runs(runs: list[dict], loss: str, acs=None) -> list[dict]:
+    return [r for r in runs if r["loss"] == loss and r["status"] == "ok"
+            and (acs is None or r["ac"] in acs)]
+
+
+def largest_fit(runs: list[dict], loss: str, acs) -> dict | None:
+    """The largest batch that ran (fastest at that batch) and what bounds it from above."""
+    fits = ok_runs(runs, loss, acs)
+    if not fits:
+        return None
+    best = max(fits, key=lambda r: (r["batch"], r["tokens_per_second"]))
+    ooms = [r["batch"] for r in runs if r["loss"] == loss and r["status"] == "oom"
+            and r["ac"] == best["ac"] and r["batch"] > best["batch"]]
+    return {"batch": best["batch"], "ac": best["ac"], "first_oom_above": min(ooms, default=None)}
+
+
+def loss_summary(runs: list[dict], loss: str, args) -> dict:
+    equal = next((r for r in runs if r["loss"] == loss and r["batch"] == args.batch
+                  and r["ac"] == args.ac[0]), None)
+    fits = ok_runs(runs, loss)
+    best = max(fits, key=lambda r: r["tokens_per_second"], default=None)
+    return {"equal": None if equal is None else {
+                "status": equal["status"], "tokens_per_second": equal["tokens_per_second"]},
+            "best": None if best is None else {
+                k: best[k] for k in ("batch", "ac", "compile", "tokens_per_second",
+                                     "mfu_percent", "memory_max_reserved_gib")},
+            "largest_batch_ac_none": largest_fit(runs, loss, ["none"]),
+            "largest_batch": largest_fit(runs, loss, AC_MODES)}
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def compare(fused: dict, base: dict) -> dict:
+    def tps(d, part):
+        return d[part]["tokens_per_second"] if d[part] else None
+
+    def batch(d, part):
+        return d[part]["batch"] if d[part] else None
+
+    return {"equal_batch_speedup": ratio(tps(fused, "equal"), tps(base, "equal")),
+            "best_speedup": ratio(tps(fused, "best"), tps(base, "best")),
+            "largest_batch_ratio_ac_none": ratio(batch(fused, "largest_batch_ac_none"),
+                                                 batch(base, "largest_batch_ac_none")),
+            "largest_batch_ratio": ratio(batch(fused, "largest_batch"),
+                                         batch(base, "largest_batch"))}
+
+
+def summarize(runs: list[dict], args) -> dict:
+    per_loss = {loss: loss_summary(runs, loss, args) for loss in args.losses}
+    comparisons = {}
+    if FUSED in per_loss:
+        comparisons = {f"{FUSED}_vs_{loss}": compare(per_loss[FUSED], per_loss[loss])
+                       for loss in args.losses if loss != FUSED}
+    return {"per_loss": per_loss, "comparisons": comparisons}
+
+
+# ---- markdown ---------------------------------------------------------------------------------
+
+def fmt(value, spec: str = "{:,.0f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def fit_text(fit: dict | None, args) -> str:
+    if fit is None:
+        return "none fit"
+    if fit["first_oom_above"] is not None:
+        bound = f"OOM at {fit['first_oom_above']}"
+    elif fit["batch"] >= args.max_batch:
+        bound = "= --max-batch"
+    else:
+        bound = "nothing larger ran"
+    return f"{fit['batch']} (ac {fit['ac']}; {bound})"
+
+
+def equal_text(eq: dict | None) -> str:
+    if eq is None:
+        return "not run"
+    return fmt(eq["tokens_per_second"]) if eq["status"] == "ok" else eq["status"]
+
+
+def best_text(best: dict | None) -> str:
+    if best is None:
+        return "-"
+    return f"{fmt(best['tokens_per_second'])} (batch {best['batch']}, ac {best['ac']})"
+
+
+def comparison_line(name: str, c: dict, per_loss: dict, args) -> str:
+    base = name.split("_vs_", 1)[1]
+    f, b = per_loss[FUSED], per_loss[base]
+
+    def x(v):
+        return "n/a" if v is None else f"{v:.2f}×"
+
+    return (f"- {FUSED} vs {base}: {x(c['equal_batch_speedup'])} tokens/s at equal batch "
+            f"{args.batch}, ac {args.ac[0]} ({equal_text(f['equal'])} vs {equal_text(b['equal'])}); "
+            f"{x(c['best_speedup'])} at each one's best ({best_text(f['best'])} vs "
+            f"{best_text(b['best'])}); largest batch {x(c['largest_batch_ratio_ac_none'])} at "
+            f"ac none, {x(c['largest_batch_ratio'])} with any ac")
+
+
+def markdown(report: dict, args) -> str:
+    m, runs, summary = report["meta"], report["runs"], report["summary"]
+    gpu = f"{m.get('gpu') or 'no GPU'} ×{m['nproc']}"
+    lines = [f"GPU: {gpu} · torch {m.get('torch')} · triton {m.get('triton')} · {m['date']}"
+             f" · git {m.get('git')}", f"Command: `{m['command']}`", "",
+             f"train.py {m['config']}, seq {m['seq_len']}, synthetic tokens, {m['steps']} steps a "
+             f"run; tokens/s per device = median of the windows logged at steps "
+             f"{', '.join(map(str, m['measured_steps']))}; memory = peak over the run. "
+             f"State: {report['state']} ({len(runs)} runs, {m['elapsed_minutes']} min).", ""]
+    per_loss = summary["per_loss"]
+    if summary["comparisons"]:
+        lines += [comparison_line(n, c, per_loss, args) for n, c in summary["comparisons"].items()]
+        lines.append("")
+    lines += [f"| loss | tok/s at batch {args.batch}, ac {args.ac[0]} | best tok/s | "
+              "largest batch, ac none | largest batch, any ac |", "|---|---|---|---|---|"]
+    for loss, s in per_loss.items():
+        lines.append(f"| {loss} | {equal_text(s['equal'])} | {best_text(s['best'])} | "
+                     f"{fit_text(s['largest_batch_ac_none'], args)} | "
+                     f"{fit_text(s['largest_batch'], args)} |")
+    lines += ["", "| loss | batch | ac | compile | tok/s/device | tok/s total | MFU % | "
+              "peak alloc GiB | peak reserved GiB | status | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['loss']} | {r['batch']} | {r['ac']} | {r['compile']} | "
+                     f"{fmt(r['tokens_per_second'])} | {fmt(r['tokens_per_second_total'])} | "
+                     f"{fmt(r['mfu_percent'], '{:.1f}')} | "
+                     f"{fmt(r['memory_max_allocated_gib'], '{:.1f}')} | "
+                     f"{fmt(r['memory_max_reserved_gib'], '{:.1f}')} | {r['status']} | "
+                     f"{r['wall_seconds']:.0f} |")
+    if runs:
+        lines += ["", f"First run: `{runs[0]['command']}`"]
+    for r in runs:
+        if r["status"] in ("error", "timeout"):
+            lines += ["", f"{r['loss']} batch {r['batch']} ac {r['ac']}: {r['status']} "
+                      f"(exit {r['exit_code']}), last lines:", "```", r["output_tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def probe_environment() -> dict:
+    try:
+        result = subprocess.run([sys.executable, "-c", ENV_PROBE], capture_output=True,
+                                text=True, timeout=120)
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, json.JSONDecodeError, IndexError, OSError) as e:
+        return {"probe_error": f"{type(e).__name__}: {e}"}
+
+
+def git_revision() -> str | None:
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
+def build_meta(args) -> dict:
+    return {**probe_environment(), "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "git": git_revision(),
+            "nproc": args.nproc, "config": args.config, "seq_len": args.seq_len,
+            "steps": args.steps, "warmup_steps": args.warmup_steps, "log_freq": args.log_freq,
+            "measured_steps": measured_steps(args.steps, args.log_freq, args.warmup_steps),
+            "losses": args.losses, "ac_modes": args.ac, "batch": args.batch,
+            "max_batch": args.max_batch, "extra": args.extra,
+            "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+
+
+def exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run_process, which stops the trainer
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print_plan(args)
+    if args.dry_run:
+        first = args.batch if args.mode != "search" else args.search_start
+        print(shlex.join(train_command(args, args.losses[0], first, args.ac[0],
+                                       Path(args.runs_dir) / "RUN")))
+        return 0
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    bench = Bench(args, build_meta(args))
+    bench.write()
+    try:
+        if args.mode in ("equal", "both"):
+            run_equal(bench)
+        if args.mode in ("search", "both"):
+            run_search(bench)
+        bench.state = "complete"
+    except BudgetExhausted as e:
+        bench.state = f"stopped: {e}"
+        print(f"stopped: {e}", flush=True)
+    except (KeyboardInterrupt, SystemExit):
+        bench.state = "interrupted"
+        bench.write()
+        raise
+    bench.write()
+    print(markdown(bench.report(), args), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
