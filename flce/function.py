@@ -1,106 +1,17 @@
-"""The public function: input checks, the custom ops (opaque to torch.compile) and autograd."""
+"""The public function: input checks, implementation choice and the autograd wiring."""
 
 import os
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from flce.ops import chunked_pass
+from flce.custom_ops import (_scale_to, fused_forward, stat_dtype, token_losses,
+                             token_losses_backward)
 from flce.options import LossOptions
 
 IMPLS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_EMPTY = (0,)
-
-
-def _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap) -> LossOptions:
-    return LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-
-
-def stat_dtype(x: Tensor) -> torch.dtype:
-    """Loss and lse are fp32, or float64 for float64 inputs."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
-    return like.new_empty(_EMPTY) if t is None else t
-
-
-@torch.library.custom_op("flce::fused_forward", mutates_args=())
-def fused_forward(
-    x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor], loss_weight: Tensor,
-    ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
-    softcap: Optional[float], chunk_size: Optional[int], lean: bool,
-    use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Loss (sum of token losses times loss_weight) and the gradients of the unweighted sum,
-    left in their accumulators (fp32, or the parameter dtypes when lean)."""
-    opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    lse = x.new_empty(x.shape[0], dtype=stat_dtype(x))
-    # The kernel writes unweighted dlogits: their bf16 rounding then does not depend on the batch's
-    # token count, and loss_weight is applied exactly, in fp32, with the upstream gradient.
-    one = torch.ones((), device=x.device, dtype=lse.dtype)
-    loss, dx, dw, db = chunked_pass(
-        x, target, weight, bias, one, lse, False, opts, chunk_size, lean,
-        use_triton, need_dx, need_dw, need_db, cast_grads=False)
-    return loss.sum() * loss_weight, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
-
-
-@fused_forward.register_fake
-def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit_scale, z_loss,
-      softcap, chunk_size, lean, use_triton, need_dx, need_dw, need_db):
-    acc = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
-    return (x.new_empty((), dtype=stat_dtype(x)),
-            torch.empty_like(x, dtype=x.dtype if lean else stat_dtype(x)) if need_dx
-            else x.new_empty(_EMPTY),
-            torch.empty_like(weight, dtype=acc) if need_dw else weight.new_empty(_EMPTY),
-            torch.empty_like(bias, dtype=stat_dtype(x)) if need_db else weight.new_empty(_EMPTY))
-
-
-@torch.library.custom_op("flce::token_losses", mutates_args=())
-def token_losses(
-    x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
-    ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
-    softcap: Optional[float], chunk_size: Optional[int], use_triton: bool,
-) -> Tuple[Tensor, Tensor]:
-    """Per-token losses and lse, no gradients (reduction "none" forward, and evaluation)."""
-    opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    lse = x.new_empty(x.shape[0], dtype=stat_dtype(x))
-    one = torch.ones((), device=x.device, dtype=lse.dtype)
-    loss, _, _, _ = chunked_pass(x, target, weight, bias, one, lse, False, opts, chunk_size,
-                                 False, use_triton, False, False, False, cast_grads=True)
-    return loss, lse
-
-
-@token_losses.register_fake
-def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_loss, softcap,
-      chunk_size, use_triton):
-    n = x.shape[0]
-    return x.new_empty((n,), dtype=stat_dtype(x)), x.new_empty((n,), dtype=stat_dtype(x))
-
-
-@torch.library.custom_op("flce::token_losses_backward", mutates_args=())
-def token_losses_backward(
-    grad: Tensor, x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tensor,
-    ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
-    softcap: Optional[float], chunk_size: Optional[int], lean: bool,
-    use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients for any per-token upstream gradient: recomputes each chunk's logits."""
-    opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    _, dx, dw, db = chunked_pass(
-        x, target, weight, bias, grad.to(lse.dtype), lse, True, opts, chunk_size, lean,
-        use_triton, need_dx, need_dw, need_db, cast_grads=True)
-    return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
-
-
-@token_losses_backward.register_fake
-def _(grad, x, target, weight, bias, lse, ignore_index, label_smoothing, logit_scale, z_loss,
-      softcap, chunk_size, lean, use_triton, need_dx, need_dw, need_db):
-    return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
-            torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
-            torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
 
 
 class _ReducedLoss(torch.autograd.Function):
@@ -124,46 +35,6 @@ class _ReducedLoss(torch.autograd.Function):
         return (_scale_to(dx, grad, x_dtype) if need[0] else None, None,
                 _scale_to(dw, grad, w_dtype) if need[2] else None,
                 _scale_to(db, grad, w_dtype) if need[3] else None, None, None)
-
-
-def _scale_to(acc: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
-    """acc * grad computed in acc's precision and rounded once to dtype (in place if same)."""
-    if acc.dtype == dtype:
-        scale_(acc, grad)
-        return acc
-    return scale_cast(acc, grad, dtype)
-
-
-def _fast_scale(t: Tensor) -> bool:
-    return t.is_cuda and triton_usable(t.device)
-
-
-@torch.library.custom_op("flce::scale_cast", mutates_args=())
-def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    dst = torch.empty_like(src, dtype=dtype)
-    if _fast_scale(src):
-        from flce.kernels import scale_cast as triton_scale_cast
-        return triton_scale_cast(src, dst, scale)
-    return torch.mul(src, scale, out=dst)
-
-
-@scale_cast.register_fake
-def _(src, scale, dtype):
-    return torch.empty_like(src, dtype=dtype)
-
-
-@torch.library.custom_op("flce::scale_", mutates_args=("t",))
-def scale_(t: Tensor, scale: Tensor) -> None:
-    if _fast_scale(t):
-        from flce.kernels import scale_cast as triton_scale_cast
-        triton_scale_cast(t, t, scale)
-    else:
-        t.mul_(scale)
-
-
-@scale_.register_fake
-def _(t, scale):
-    return None
 
 
 class _TokenLosses(torch.autograd.Function):

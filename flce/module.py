@@ -2,7 +2,6 @@
 
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from flce.function import IMPLS, fused_linear_cross_entropy
