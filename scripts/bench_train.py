@@ -67,7 +67,8 @@ except ImportError:
 if torch.cuda.is_available():
     free, total = torch.cuda.mem_get_info(0)
     info.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
-                gpu_memory_gib=round(total / 2**30, 1), gpu_free_gib_at_start=round(free / 2**30, 1))
+                gpu_memory_gib=round(total / 2**30, 1),
+                gpu_free_gib_at_start=round(free / 2**30, 1))
 print(json.dumps(info))
 """
 
@@ -91,8 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("equal", "search", "both"), default="both")
     p.add_argument("--batch", type=int, default=4, help="local batch of the equal-batch runs")
     p.add_argument("--ac", default=",".join(AC_MODES),
-                   help="activation-checkpointing modes the search tries, in order; the "
-                        "equal-batch runs use the first")
+                   help="activation-checkpointing modes the search tries (least checkpointing "
+                        "first); the equal-batch runs use the first one listed")
     p.add_argument("--max-batch", type=int, default=32, help="largest local batch searched")
     p.add_argument("--search-start", type=int, default=1, help="first local batch searched")
     p.add_argument("--bisect", type=int, default=1,
@@ -120,11 +121,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    args.losses = [x.strip() for x in args.losses.split(",") if x.strip()]
-    args.ac = [x.strip() for x in args.ac.split(",") if x.strip()]
+    args.losses = list(dict.fromkeys(x.strip() for x in args.losses.split(",") if x.strip()))
+    args.ac = list(dict.fromkeys(x.strip() for x in args.ac.split(",") if x.strip()))
     unknown = [x for x in args.losses if x not in LOSS_IMPLS]
     if unknown or not args.losses:
-        p.error(f"--losses {','.join(unknown) or '(empty)'}: expected some of {', '.join(LOSS_IMPLS)}")
+        p.error(f"--losses {','.join(unknown) or '(empty)'}: expected some of "
+                f"{', '.join(LOSS_IMPLS)}")
     bad_ac = [x for x in args.ac if x not in AC_MODES]
     if bad_ac or not args.ac:
         p.error(f"--ac {','.join(bad_ac) or '(empty)'}: expected some of {', '.join(AC_MODES)}")
@@ -459,10 +461,15 @@ def search_one(bench: Bench, loss: str, ac: str, known_fit: int, known_oom: int 
     return fit, oom
 
 
+def search_order(acs: list[str]) -> list[str]:
+    """Least checkpointing first, whatever the --ac order: each mode builds on the previous."""
+    return [mode for mode in AC_MODES if mode in acs]
+
+
 def run_search(bench: Bench) -> None:
     # AC mode by AC mode across all losses, so that a budget cut still compares every loss.
     known = {loss: (0, None) for loss in bench.args.losses}
-    for ac in bench.args.ac:
+    for ac in search_order(bench.args.ac):
         for loss in bench.args.losses:
             fit, oom = search_one(bench, loss, ac, *known[loss])
             known[loss] = (fit, oom if oom is not None else known[loss][1])
@@ -475,7 +482,9 @@ def run_equal(bench: Bench) -> None:
 
 def planned_max_runs(args) -> int:
     equal = len(args.losses) if args.mode in ("equal", "both") else 0
-    per_mode = len(batches_from(args.search_start, args.max_batch)) + args.bisect
+    # Doubling up, or halving down from --search-start when it does not fit, then bisection.
+    per_mode = (len(batches_from(args.search_start, args.max_batch)) + args.bisect
+                + args.search_start.bit_length() - 1)
     search = len(args.losses) * len(args.ac) * per_mode if args.mode in ("search", "both") else 0
     return equal + search
 
@@ -490,9 +499,10 @@ def print_plan(args) -> None:
               f"ac {args.ac[0]}")
     if args.mode in ("search", "both"):
         batches = ", ".join(map(str, batches_from(args.search_start, args.max_batch)))
-        print(f"  search, per loss and AC mode ({', '.join(args.ac)}): local batch {batches} "
-              f"until the first OOM, then up to {args.bisect} bisection run(s); a mode with more "
-              "checkpointing starts at the batch that ran out of memory with less")
+        print(f"  search, per loss and AC mode ({', '.join(search_order(args.ac))}): local "
+              f"batch {batches} until the first OOM, then up to {args.bisect} bisection "
+              "run(s); a mode with more checkpointing starts at the batch that ran out of "
+              "memory with less")
     budget = f"budget {args.budget_minutes:g} min" if args.budget_minutes else "no time budget"
     print(f"  at most {planned_max_runs(args)} runs (each search stops at its first OOM, so "
           f"usually far fewer); {budget}; results to {args.out}.json/.md", flush=True)
@@ -506,12 +516,15 @@ def ok_runs(runs: list[dict], loss: str, acs=None) -> list[dict]:
 
 
 def largest_fit(runs: list[dict], loss: str, acs) -> dict | None:
-    """The largest batch that ran (fastest at that batch) and what bounds it from above."""
-    fits = ok_runs(runs, loss, acs)
+    """The largest batch that ran (fastest at that batch) and the smallest OOM above it at the
+    same AC mode; batch None: runs, none fitted; None: no run with these AC modes."""
+    tried = [r for r in runs if r["loss"] == loss and r["ac"] in acs]
+    fits = ok_runs(tried, loss)
     if not fits:
-        return None
+        ooms = [r["batch"] for r in tried if r["status"] == "oom"]
+        return {"batch": None, "ac": None, "first_oom_above": min(ooms)} if ooms else None
     best = max(fits, key=lambda r: (r["batch"], r["tokens_per_second"]))
-    ooms = [r["batch"] for r in runs if r["loss"] == loss and r["status"] == "oom"
+    ooms = [r["batch"] for r in tried if r["status"] == "oom"
             and r["ac"] == best["ac"] and r["batch"] > best["batch"]]
     return {"batch": best["batch"], "ac": best["ac"], "first_oom_above": min(ooms, default=None)}
 
@@ -566,7 +579,9 @@ def fmt(value, spec: str = "{:,.0f}") -> str:
 
 def fit_text(fit: dict | None, args) -> str:
     if fit is None:
-        return "none fit"
+        return "-"
+    if fit["batch"] is None:
+        return f"none fit (OOM from {fit['first_oom_above']})"
     if fit["first_oom_above"] is not None:
         bound = f"OOM at {fit['first_oom_above']}"
     elif fit["batch"] >= args.max_batch:
@@ -596,7 +611,8 @@ def comparison_line(name: str, c: dict, per_loss: dict, args) -> str:
         return "n/a" if v is None else f"{v:.2f}×"
 
     return (f"- {FUSED} vs {base}: {x(c['equal_batch_speedup'])} tokens/s at equal batch "
-            f"{args.batch}, ac {args.ac[0]} ({equal_text(f['equal'])} vs {equal_text(b['equal'])}); "
+            f"{args.batch}, ac {args.ac[0]} ({equal_text(f['equal'])} vs "
+            f"{equal_text(b['equal'])}); "
             f"{x(c['best_speedup'])} at each one's best ({best_text(f['best'])} vs "
             f"{best_text(b['best'])}); largest batch {x(c['largest_batch_ratio_ac_none'])} at "
             f"ac none, {x(c['largest_batch_ratio'])} with any ac")

@@ -123,10 +123,11 @@ def test_out_of_memory_runs_are_reported_not_fatal(tmp_path, fake_trainer):
     assert all(r["exit_code"] == 1 and r["tokens_per_second"] is None for r in runs)
     assert "CUDA out of memory" in runs[0]["output_tail"]
     s = report["summary"]["per_loss"]["flce"]
-    assert s["equal"]["status"] == "oom" and s["best"] is None and s["largest_batch"] is None
+    assert s["equal"]["status"] == "oom" and s["best"] is None
+    assert s["largest_batch"] == {"batch": None, "ac": None, "first_oom_above": 1}
     assert report["summary"]["comparisons"]["flce_vs_unfused"]["equal_batch_speedup"] is None
     assert report["state"] == "complete"
-    assert "| flce | 2 | none |" in md and "| oom |" in md and "none fit" in md and "n/a" in md
+    assert "| flce | 2 | none |" in md and "| oom |" in md and "none fit (OOM from 1)" in md and "n/a" in md
 
 
 def test_a_failed_run_keeps_its_last_lines(tmp_path, fake_trainer):
