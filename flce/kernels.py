@@ -40,15 +40,41 @@ def _scaled(a, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _row_stats(row_ptr, V, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+               HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 1 over one row: max, sum of exp(z - max), and sum of z (for label smoothing)."""
+    cols = tl.arange(0, BLOCK_V)
+    # Per-lane running max and sum-exp; lanes are merged once at the end.
+    m_vec = tl.full([BLOCK_V], -1.0e30, dtype=tl.float32)
+    s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    sum_z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
+        z_m = tl.where(mask, z, -float("inf"))
+        m_new = tl.maximum(m_vec, z_m)
+        s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(z_m - m_new)
+        m_vec = m_new
+        if HAS_SMOOTHING:
+            sum_z_vec += tl.where(mask, z, 0.0)
+    m = tl.max(m_vec, axis=0)
+    s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
+    return m, s, tl.sum(sum_z_vec, axis=0)
+
+
+@triton.jit
 def flce_rows_kernel(
     logits_ptr,        # [C, V] raw logits in, dlogits out (when COMPUTE_GRAD)
     stride_row,
-    target_ptr,        # [C] int
-    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens)
+    target_ptr,        # [C] int, global class ids
+    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens); not written when LSE_GIVEN
     lse_ptr,           # [C] fp32 out (or in, when LSE_GIVEN)
     weight_ptr,        # fp32 gradient weight: one scalar (weight_stride 0) or one per row
     weight_stride,
-    V,
+    V,                 # the columns of this chunk: the vocabulary slice [vocab_start, vocab_start + V)
+    vocab_start,
+    V_total,           # the full vocabulary (V and 0 on one device)
     ignore_index,
     logit_scale,
     softcap,
@@ -77,68 +103,50 @@ def flce_rows_kernel(
                 tl.store(row_ptr + start + cols, zero, mask=start + cols < V)
         return
 
-    # A target outside [0, V) poisons its row with NaN (loss and gradient) instead of reading
-    # out of bounds: loud downstream, and no host sync to check it here.
-    in_range = (y >= 0) & (y < V)
-    y_safe = tl.where(in_range, y, 0)
-    z_y = _scaled(tl.load(row_ptr + y_safe).to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
+    # A target outside [0, V_total) poisons its row with NaN (loss and gradient) instead of
+    # reading out of bounds: loud downstream, and no host sync to check it here. Under vocab
+    # parallelism a valid target may belong to another rank's slice (owns is then false).
+    valid = (y >= 0) & (y < V_total)
+    y_local = y - vocab_start
+    owns = (y_local >= 0) & (y_local < V)
 
-    if LSE_GIVEN:
-        lse = tl.load(lse_ptr + row)
-        sum_z = 0.0
-        if HAS_SMOOTHING:
-            sum_z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
-            for start in range(0, V, BLOCK_V):
-                mask = start + cols < V
-                a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-                z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
-                sum_z_vec += tl.where(mask, z, 0.0)
-            sum_z = tl.sum(sum_z_vec, axis=0)
+    if LSE_GIVEN:  # a gradient pass: the caller already has the loss
+        shift = tl.load(lse_ptr + row)
+        log_s = 0.0
+        lse = shift
     else:
-        # Per-lane running max and sum-exp; lanes are merged once at the end.
-        m_vec = tl.full([BLOCK_V], -1.0e30, dtype=tl.float32)
-        s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
-        sum_z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
-        for start in range(0, V, BLOCK_V):
-            mask = start + cols < V
-            a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-            z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
-            z_m = tl.where(mask, z, -float("inf"))
-            m_new = tl.maximum(m_vec, z_m)
-            s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(z_m - m_new)
-            m_vec = m_new
-            if HAS_SMOOTHING:
-                sum_z_vec += tl.where(mask, z, 0.0)
-        m = tl.max(m_vec, axis=0)
-        s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
-        lse = m + tl.log(s)
-        sum_z = tl.sum(sum_z_vec, axis=0)
+        a_y = tl.load(row_ptr + tl.where(owns, y_local, 0)).to(tl.float32)
+        z_y = tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0)
+        shift, s, sum_z = _row_stats(row_ptr, V, logit_scale, softcap, HAS_SOFTCAP,
+                                     HAS_SMOOTHING, BLOCK_V)
+        # Differences are taken against the row max before log(s) is added: with logits ~1e4
+        # an fp32 lse has an ulp of ~1e-3, while z - max is exact.
+        log_s = tl.log(s)
+        lse = shift + log_s
         tl.store(lse_ptr + row, lse)
-
-    loss = lse - z_y
-    if HAS_SMOOTHING:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_z / V)
-    if HAS_Z_LOSS:
-        loss += z_loss * lse * lse
-    loss = tl.where(in_range, loss, float("nan"))
-    tl.store(loss_ptr + row, loss)
+        loss = log_s - (z_y - shift)
+        if HAS_SMOOTHING:
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_s - (sum_z / V_total - shift))
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(loss_ptr + row, tl.where(valid, loss, float("nan")))
 
     if COMPUTE_GRAD:
         w = tl.load(weight_ptr + row * weight_stride).to(tl.float32)
-        w = tl.where(in_range, w, float("nan"))
+        w = tl.where(valid, w, float("nan"))
         p_coef = 1.0
         if HAS_Z_LOSS:
             p_coef = 1.0 + 2.0 * z_loss * lse
         uniform = 0.0
         if HAS_SMOOTHING:
-            uniform = label_smoothing / V
+            uniform = label_smoothing / V_total
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             mask = offs < V
             a = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
-            g = tl.exp(z - lse) * p_coef - uniform
-            g = tl.where(offs == y, g - (1.0 - label_smoothing), g)
+            g = tl.exp(z - shift - log_s) * p_coef - uniform
+            g = tl.where(offs == y_local, g - (1.0 - label_smoothing), g)
             g = g * (w * logit_scale)
             if HAS_SOFTCAP:
                 r = z / softcap
@@ -146,23 +154,54 @@ def flce_rows_kernel(
             tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def flce_row_stats_kernel(
+    logits_ptr, stride_row, target_ptr,
+    stats_ptr,         # [C, 4] fp32 out: max, sum exp(z - max), target logit (0 if not here), sum z
+    V, vocab_start, ignore_index, logit_scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Pass 1 of the vocab-parallel loss: what each rank's slice contributes to lse and loss."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    y = tl.load(target_ptr + row).to(tl.int64)
+    out = stats_ptr + row * 4
+    if y == ignore_index:  # neutral values: the caller masks these rows
+        tl.store(out, 0.0)
+        tl.store(out + 1, 1.0)
+        tl.store(out + 2, 0.0)
+        tl.store(out + 3, 0.0)
+        return
+    y_local = y - vocab_start
+    owns = (y_local >= 0) & (y_local < V)
+    a_y = tl.load(row_ptr + tl.where(owns, y_local, 0)).to(tl.float32)
+    m, s, sum_z = _row_stats(row_ptr, V, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0))
+    tl.store(out + 3, sum_z)
+
+def _block_and_warps(C, V, block_v, num_warps):
+    # Few rows: more warps per row to keep enough bytes in flight (tuned on an H200 with
+    # scripts/tune_rows_kernel.py; many rows: small programs, more of them per SM).
+    default_block, default_warps = (8192, 32) if C <= 512 else (4096, 16) if C <= 2048 else (2048, 4)
+    block_v = block_v or min(triton.next_power_of_2(V), default_block)
+    return block_v, num_warps or min(default_warps, max(1, block_v // 256))
+
+
 def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, compute_grad,
-                block_v=None, num_warps=None):
-    """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows`."""
+                block_v=None, num_warps=None, vocab_start=0, vocab_total=None):
+    """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
+    vocabulary slice, the gradient pass of `vocab_parallel`)."""
     C, V = logits.shape
     if C == 0:
         return
-    if block_v is None or num_warps is None:
-        # Few rows: more warps per row to keep enough bytes in flight (tuned on an H200 with
-        # scripts/tune_rows_kernel.py; many rows: small programs, more of them per SM).
-        default_block, default_warps = (8192, 32) if C <= 512 else (4096, 16) if C <= 2048 else (2048, 4)
-        block_v = block_v or min(triton.next_power_of_2(V), default_block)
-        num_warps = num_warps or min(default_warps, max(1, block_v // 256))
+    block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
     flce_rows_kernel[(C,)](
         logits, logits.stride(0), target, loss_out, lse_out,
         weight, 0 if weight.dim() == 0 else weight.stride(0),
-        V, opts.ignore_index, float(opts.logit_scale), float(opts.softcap or 1.0),
-        float(opts.label_smoothing), float(opts.z_loss),
+        V, vocab_start, vocab_total or V, opts.ignore_index, float(opts.logit_scale),
+        float(opts.softcap or 1.0), float(opts.label_smoothing), float(opts.z_loss),
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=opts.label_smoothing > 0,
         HAS_Z_LOSS=opts.z_loss > 0,
@@ -171,6 +210,19 @@ def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, comp
         BLOCK_V=block_v,
         num_warps=num_warps,
     )
+
+
+def launch_row_stats(logits, target, stats_out, opts, vocab_start, block_v=None, num_warps=None):
+    """Per-row (max, sum-exp, target logit, sum z) of a vocabulary slice into stats_out [C, 4]."""
+    C, V = logits.shape
+    if C == 0:
+        return
+    block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
+    flce_row_stats_kernel[(C,)](
+        logits, logits.stride(0), target, stats_out, V, vocab_start, opts.ignore_index,
+        float(opts.logit_scale), float(opts.softcap or 1.0),
+        HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
+        BLOCK_V=block_v, num_warps=num_warps)
 
 
 @triton.jit

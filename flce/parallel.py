@@ -86,10 +86,11 @@ class VocabParallelLinearLoss(ParallelStyle):
     """The output weight (and bias) sharded on dim 0 (vocabulary) over the TP mesh; x gathered
     from the sequence shards; every rank returns the same global loss."""
 
-    def __init__(self, seq_dim: int = 1, chunk_size: int = 2048):
+    def __init__(self, seq_dim: int = 1, chunk_size: int = 2048, impl: str = "auto"):
         super().__init__()
         self.seq_dim = seq_dim
         self.chunk_size = chunk_size
+        self.impl = impl
 
     def _forward(self, mesh: DeviceMesh, module, x, target, weight, bias=None, normalizer=None):
         from flce.vocab_parallel import vocab_parallel_linear_cross_entropy
@@ -111,7 +112,7 @@ class VocabParallelLinearLoss(ParallelStyle):
             x, target, local, None if bias is None else bias.to_local(), vocab_start=vocab_start,
             vocab_size=vocab_size, group=mesh.get_group(), normalizer=normalizer,
             reduction="sum" if normalizer is not None else getattr(module.options, "reduction", "mean"),
-            chunk_size=self.chunk_size, **opts)
+            chunk_size=self.chunk_size, impl=self.impl, **opts)
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         if device_mesh.ndim != 1:

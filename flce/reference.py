@@ -22,16 +22,26 @@ def scaled_logits(a: Tensor, opts: LossOptions) -> Tensor:
     return z
 
 
-def per_token_loss(z: Tensor, target: Tensor, lse: Tensor, opts: LossOptions) -> Tensor:
-    """Loss per row of fp32 logits z [N, V]; rows whose target is ignore_index get 0."""
+def per_token_loss(z: Tensor, target: Tensor, shift: Tensor, log_s: Tensor,
+                   opts: LossOptions) -> Tensor:
+    """Loss per row of fp32 logits z [N, V] with lse = shift + log_s; rows whose target is
+    ignore_index get 0. Differences are taken against shift (the row max) before log_s is
+    added: with logits ~1e4 an fp32 lse has an ulp of ~1e-3, z - shift is exact."""
     keep = target != opts.ignore_index
     y = torch.where(keep, target, torch.zeros_like(target))
-    loss = lse - z.gather(1, y[:, None]).squeeze(1)
+    loss = log_s - (z.gather(1, y[:, None]).squeeze(1) - shift)
     if opts.label_smoothing:
-        loss = (1 - opts.label_smoothing) * loss + opts.label_smoothing * (lse - z.mean(1))
+        loss = (1 - opts.label_smoothing) * loss + opts.label_smoothing * (log_s - (z.mean(1) - shift))
     if opts.z_loss:
+        lse = shift + log_s
         loss = loss + opts.z_loss * lse * lse
     return torch.where(keep, loss, torch.zeros_like(loss))
+
+
+def row_max_and_log_sum(z: Tensor) -> tuple[Tensor, Tensor]:
+    """(max, log sum exp(z - max)) per row: lse = max + log_sum, kept apart for precision."""
+    m = z.max(dim=1).values
+    return m, torch.logsumexp(z - m[:, None], dim=1)
 
 
 def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor,
@@ -43,19 +53,22 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor
     """
     V = logits.shape[1]
     z = scaled_logits(logits, opts)
-    lse = lse_out if lse_given else torch.logsumexp(z, dim=1)
     keep = target != opts.ignore_index
     bad = keep & ((target < 0) | (target >= V))
     if bad.any():  # CPU path only: a host check is free here
         raise IndexError(f"target id {int(target[bad][0])} is outside [0, {V}) "
                          f"and is not ignore_index={opts.ignore_index}")
-    loss_out.copy_(per_token_loss(z, target, lse, opts))
-    if not lse_given:
-        lse_out.copy_(torch.where(keep, lse, torch.zeros_like(lse)))
+    if lse_given:  # a gradient pass: the caller has the loss
+        shift, log_s = lse_out, torch.zeros_like(lse_out)
+    else:
+        shift, log_s = row_max_and_log_sum(z)
+        loss_out.copy_(per_token_loss(z, target, shift, log_s, opts))
+        lse_out.copy_(torch.where(keep, shift + log_s, torch.zeros_like(shift)))
     if not compute_grad:
         return
     ls = opts.label_smoothing
-    g = torch.exp(z - lse[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / V
+    lse = shift + log_s
+    g = torch.exp(z - shift[:, None] - log_s[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / V
     y = torch.where(keep, target, torch.zeros_like(target))
     g.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -(1 - ls)))
     g *= (weight.expand(lse.shape) * opts.logit_scale)[:, None]
@@ -88,7 +101,7 @@ def linear_cross_entropy(
         loss = F.cross_entropy(z, target, ignore_index=opts.ignore_index,
                                label_smoothing=opts.label_smoothing, reduction="none")
     else:
-        loss = per_token_loss(z, target, torch.logsumexp(z, dim=1), opts)
+        loss = per_token_loss(z, target, *row_max_and_log_sum(z), opts)
     return reduce_loss(loss, target, opts, normalizer, shape)
 
 

@@ -7,8 +7,8 @@ weight or the full logits ever being gathered. The gradient of the slice follows
 single-device loss: dW of the slice stays local, dx is a partial sum over the vocabulary slices
 (the caller sums it across ranks), and label smoothing averages over the full vocabulary.
 
-This version does the row math in PyTorch (fp32) on both CPU and GPU; the Triton row kernel of
-the single-device loss does not take a vocabulary offset yet.
+On CUDA the row math runs in the Triton kernels (a statistics pass, then the single-device
+gradient kernel with a vocabulary offset); the PyTorch version is the CPU path and the reference.
 """
 
 from typing import Optional
@@ -33,12 +33,14 @@ def _chunk_grads(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start:
     z_y = torch.where(owns, z.gather(1, y_local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0)
     sums = torch.stack([torch.exp(z - m[:, None]).sum(1), z_y, z.sum(1)])
     dist.all_reduce(sums, group=group)
-    lse = m + torch.log(sums[0])
+    log_s = torch.log(sums[0])  # kept apart from m: see reference.per_token_loss
+    lse = m + log_s
     ls = opts.label_smoothing
-    loss = (1 - ls) * (lse - sums[1]) + ls * (lse - sums[2] / vocab_size) + opts.z_loss * lse * lse
+    loss = ((1 - ls) * (log_s - (sums[1] - m)) + ls * (log_s - (sums[2] / vocab_size - m))
+            + opts.z_loss * lse * lse)
     bad = keep & ((target < 0) | (target >= vocab_size))  # never silently wrong: NaN, as on GPU
     loss = torch.where(keep, torch.where(bad, torch.full_like(loss, float("nan")), loss), 0.0)
-    g = torch.exp(z - lse[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / vocab_size
+    g = torch.exp(z - m[:, None] - log_s[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / vocab_size
     rows = owns.nonzero().squeeze(1)
     g[rows, y_local[rows]] -= 1 - ls
     g *= opts.logit_scale
@@ -50,10 +52,43 @@ def _chunk_grads(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start:
     return loss
 
 
+def _combine(stats: Tensor, target: Tensor, opts: LossOptions, vocab_size: int, group):
+    """Global lse and per-token loss from every rank's (max, sum-exp, target logit, sum z)."""
+    m = stats[:, 0].clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sums = torch.stack([stats[:, 1] * torch.exp(stats[:, 0] - m), stats[:, 2], stats[:, 3]])
+    dist.all_reduce(sums, group=group)
+    log_s = torch.log(sums[0])
+    ls = opts.label_smoothing
+    loss = (1 - ls) * (log_s - (sums[1] - m)) + ls * (log_s - (sums[2] / vocab_size - m))
+    lse = m + log_s
+    loss = loss + opts.z_loss * lse * lse
+    keep = target != opts.ignore_index
+    bad = keep & ((target < 0) | (target >= vocab_size))
+    loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
+    return torch.where(keep, loss, 0.0), lse
+
+
+def _chunk_grads_triton(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: int,
+                        vocab_size: int, group) -> Tensor:
+    """The Triton twin of _chunk_grads: a stats pass, two all-reduces, a gradient pass."""
+    from flce.kernels import launch_row_stats, launch_rows
+
+    C = logits.shape[0]
+    stats = torch.empty(C, 4, device=logits.device, dtype=torch.float32)
+    launch_row_stats(logits, target, stats, opts, vocab_start)
+    loss, lse = _combine(stats, target, opts, vocab_size, group)
+    scratch = torch.empty(C, device=logits.device, dtype=torch.float32)
+    one = torch.ones((), device=logits.device, dtype=torch.float32)
+    launch_rows(logits, target, scratch, lse, one, opts, True, True, vocab_start=vocab_start,
+                vocab_total=vocab_size)
+    return loss
+
+
 class _VocabParallelLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, weight, bias, loss_weight, opts, vocab_start, vocab_size, group,
-                chunk_size):
+                chunk_size, use_triton):
         N, H = x.shape
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_db = bias is not None and ctx.needs_input_grad[3]
@@ -65,7 +100,8 @@ class _VocabParallelLoss(torch.autograd.Function):
         for start in range(0, N, chunk_size):
             x_c, t_c = x[start:start + chunk_size], target[start:start + chunk_size]
             logits = torch.nn.functional.linear(x_c, weight, bias)
-            total += _chunk_grads(logits, t_c, opts, vocab_start, vocab_size, group).sum()
+            rows = _chunk_grads_triton if use_triton else _chunk_grads
+            total += rows(logits, t_c, opts, vocab_start, vocab_size, group).sum()
             if need_dx:
                 dx[start:start + chunk_size] = (logits @ weight).to(acc)
             if need_dw:
@@ -83,7 +119,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         scale = grad * loss_weight
         cast = lambda t, dtype: None if t is None else (t * scale).to(dtype)
         return (cast(dx, x_dtype), None, cast(dw, w_dtype), cast(db, w_dtype), None, None, None,
-                None, None, None)
+                None, None, None, None)
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -91,7 +127,7 @@ def vocab_parallel_linear_cross_entropy(
     vocab_start: int, vocab_size: int, group=None, ignore_index: int = -100,
     label_smoothing: float = 0.0, logit_scale: float = 1.0, z_loss: float = 0.0,
     softcap: Optional[float] = None, reduction: str = "mean", normalizer=None,
-    chunk_size: int = 2048,
+    chunk_size: int = 2048, impl: str = "auto",
 ) -> Tensor:
     """Sum of token losses / normalizer (or the mean over non-ignored tokens), identical on
     every rank of `group`; `weight` is this rank's rows [vocab_start, vocab_start + V_local)."""
@@ -106,5 +142,7 @@ def vocab_parallel_linear_cross_entropy(
         loss_weight = 1.0 / (t2 != ignore_index).sum().clamp(min=1).to(dtype)
     else:
         loss_weight = torch.ones((), device=x.device, dtype=dtype)
+    from flce.function import _use_triton
     return _VocabParallelLoss.apply(x2, t2, weight, bias, loss_weight.reshape(()), opts,
-                                    vocab_start, vocab_size, group, chunk_size)
+                                    vocab_start, vocab_size, group, chunk_size,
+                                    _use_triton(impl, x2))

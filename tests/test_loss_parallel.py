@@ -27,7 +27,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, style_name, reduction, result_path):
+def _worker(rank, world, port, style_name, reduction, result_path, impl="torch"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)  # the same global data on every rank
@@ -38,13 +38,15 @@ def _worker(rank, world, port, style_name, reduction, result_path):
     t = torch.randint(0, V, (B, T))
     t[0, :3] = -100
     mesh = init_device_mesh("cpu", (world,))
-    loss_fn = flce.FusedLinearCrossEntropyLoss(reduction=reduction, impl="torch", **OPTIONS)
-    style = LinearLossParallel() if style_name == "sequence" else VocabParallelLinearLoss(chunk_size=7)
+    dtype = torch.float64 if impl == "torch" else torch.float32  # Triton: fp32
+    loss_fn = flce.FusedLinearCrossEntropyLoss(reduction=reduction, impl=impl, **OPTIONS)
+    style = (LinearLossParallel() if style_name == "sequence"
+             else VocabParallelLinearLoss(chunk_size=7, impl=impl))
     parallelize_module(loss_fn, mesh, style)
-    xd = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+    xd = distribute_tensor(x.to(dtype), mesh, [Shard(1)]).requires_grad_()
     placement = [Replicate()] if style_name == "sequence" else [Shard(0)]
-    wd = distribute_tensor(w, mesh, placement).requires_grad_()
-    bd = distribute_tensor(b, mesh, placement).requires_grad_()
+    wd = distribute_tensor(w.to(dtype), mesh, placement).requires_grad_()
+    bd = distribute_tensor(b.to(dtype), mesh, placement).requires_grad_()
     loss = loss_fn(xd, t, wd, bd)
     (loss * 0.7).backward()
     out = {"loss": loss.detach(), "dx": xd.grad.full_tensor(), "dw": wd.grad.full_tensor(),
@@ -67,3 +69,16 @@ def test_loss_parallel_styles_match_float64(tmp_path, style, reduction):
     torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-10, atol=1e-12)
     for g in ("dx", "dw", "db"):
         torch.testing.assert_close(r[g], r[f"ref_{g}"], rtol=1e-9, atol=1e-12, msg=g)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the kernels on CPU tensors through Triton's interpreter")
+@pytest.mark.parametrize("style", ["sequence", "vocab"])
+def test_loss_parallel_styles_triton_kernels(tmp_path, style):
+    """The Triton kernels (vocab offset, statistics pass) in fp32 against float64."""
+    path = tmp_path / "result.pt"
+    mp.spawn(_worker, args=(2, _free_port(), style, "mean", str(path), "triton"), nprocs=2)
+    r = torch.load(path)
+    torch.testing.assert_close(r["loss"].double(), r["ref_loss"], rtol=1e-5, atol=1e-6)
+    for g in ("dx", "dw", "db"):
+        torch.testing.assert_close(r[g].double(), r[f"ref_{g}"], rtol=1e-4, atol=1e-6, msg=g)

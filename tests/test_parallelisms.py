@@ -74,10 +74,13 @@ def test_layout_matches_one_process(tmp_path, single, nproc, replicate, tp, para
     for step in got:
         for key in ("loss", "grad_norm"):
             assert abs(got[step][key] - ref[step][key]) <= 1e-5, (step, key)
+    # Weights after 4 AdamW steps: Adam divides by sqrt(v), so for near-zero gradients the fp32
+    # summation-order differences of another layout (~1e-9) move an update by up to ~1e-5 of
+    # lr 3e-3; the styles themselves match float64 to 1e-9 (test_loss_parallel.py).
     w_ref, w_got = weights(single, 4, tmp_path), weights(dump, 4, tmp_path)
     assert w_ref.keys() == w_got.keys()
     for name in w_ref:
-        torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=3e-5, msg=name)
 
 
 def test_checkpoint_reshards_across_layouts(tmp_path):
