@@ -22,10 +22,9 @@ class TrainingLoss(nn.Module):
         if cfg.impl not in IMPLS:
             raise ValueError(f"[loss] impl = {cfg.impl!r}: expected one of {IMPLS}")
         self.impl = cfg.impl
-        self.options = dict(ignore_index=IGNORE_INDEX, label_smoothing=cfg.label_smoothing,
-                            logit_scale=cfg.logit_scale, z_loss=cfg.z_loss,
-                            softcap=cfg.softcap or None)
-        flce.LossOptions(**self.options)  # bad values fail here, at start-up
+        # sums: the trainer always divides by the global token count (normalizer)
+        self.options = flce.LossOptions(IGNORE_INDEX, cfg.label_smoothing, cfg.logit_scale,
+                                        cfg.z_loss, cfg.softcap or None, reduction="sum")
         self.chunk_size = cfg.chunk_size or None
         self.memory_lean = cfg.memory_lean
 
@@ -34,13 +33,13 @@ class TrainingLoss(nn.Module):
         if self.impl == "flce":
             return flce.fused_linear_cross_entropy(
                 hidden, labels, weight, bias, normalizer=normalizer, chunk_size=self.chunk_size,
-                memory_lean=self.memory_lean, **self.options)
+                memory_lean=self.memory_lean, **self.options.loss_kwargs())
         if self.impl == "torch_chunked":
             return flce.chunked_linear_cross_entropy(
                 hidden, labels, weight, bias, normalizer=normalizer,
-                chunk_size=self.chunk_size or 4096, **self.options)
+                chunk_size=self.chunk_size or 4096, **self.options.loss_kwargs())
         return flce.linear_cross_entropy(hidden, labels, weight, bias, normalizer=normalizer,
-                                         **self.options)
+                                         **self.options.loss_kwargs())
 
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, {self.options}"

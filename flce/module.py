@@ -36,9 +36,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
                 normalizer=None) -> Tensor:
         o = self.options
         return fused_linear_cross_entropy(
-            x, target, weight, bias, ignore_index=o.ignore_index,
-            label_smoothing=o.label_smoothing, logit_scale=o.logit_scale, z_loss=o.z_loss,
-            softcap=o.softcap, reduction=o.reduction, normalizer=normalizer,
+            x, target, weight, bias, **o.loss_kwargs(), reduction=o.reduction,
+            normalizer=normalizer,
             chunk_size=self.chunk_size, memory_lean=self.memory_lean, impl=self.impl)
 
     def extra_repr(self) -> str:

@@ -29,3 +29,8 @@ class LossOptions:
             raise ValueError(f"softcap={self.softcap}: must be None or a finite number > 0")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index={self.ignore_index!r}: must be an int")
+
+    def loss_kwargs(self) -> dict:
+        """The options as keyword arguments of the loss functions (reduction excluded)."""
+        return {k: getattr(self, k) for k in
+                ("ignore_index", "label_smoothing", "logit_scale", "z_loss", "softcap")}

@@ -105,14 +105,12 @@ class VocabParallelLinearLoss(ParallelStyle):
         vocab_size = weight.shape[0]
         local = weight.to_local()
         vocab_start = mesh.get_local_rank() * -(-vocab_size // mesh.size())  # torch.chunk sizes
-        opts = dict(module.options) if isinstance(getattr(module, "options", None), dict) else {
-            k: getattr(module.options, k) for k in ("ignore_index", "label_smoothing",
-                                                    "logit_scale", "z_loss", "softcap")}
+        opts = module.options
         return vocab_parallel_linear_cross_entropy(
             x, target, local, None if bias is None else bias.to_local(), vocab_start=vocab_start,
             vocab_size=vocab_size, group=mesh.get_group(), normalizer=normalizer,
-            reduction="sum" if normalizer is not None else getattr(module.options, "reduction", "mean"),
-            chunk_size=self.chunk_size, impl=self.impl, **opts)
+            reduction="sum" if normalizer is not None else opts.reduction,
+            chunk_size=self.chunk_size, impl=self.impl, **opts.loss_kwargs())
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         if device_mesh.ndim != 1:

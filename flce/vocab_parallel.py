@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flce.function import _loss_weight, _use_triton
 from flce.options import LossOptions
 from flce.reference import scaled_logits
 
@@ -135,14 +136,8 @@ def vocab_parallel_linear_cross_entropy(
     if reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    if normalizer is not None:
-        loss_weight = 1.0 / torch.as_tensor(normalizer, device=x.device, dtype=dtype)
-    elif reduction == "mean":
-        loss_weight = 1.0 / (t2 != ignore_index).sum().clamp(min=1).to(dtype)
-    else:
-        loss_weight = torch.ones((), device=x.device, dtype=dtype)
-    from flce.function import _use_triton
+    loss_weight = _loss_weight(t2, opts, normalizer, x.device,
+                               torch.promote_types(x.dtype, torch.float32))
     return _VocabParallelLoss.apply(x2, t2, weight, bias, loss_weight.reshape(()), opts,
                                     vocab_start, vocab_size, group, chunk_size,
                                     _use_triton(impl, x2))

@@ -21,13 +21,6 @@ BYTE = ByteTokenizer()
 ALPHABET = "abcdefghij klmnop qrstuvwxyz 0123456789 .,;:!? éüß Ωπ 漢字 🙂"
 
 
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(2**32)
-    print(f"random seed {seed}")  # shown by pytest when a test fails
-    return random.Random(seed)
-
-
 def random_texts(rng: random.Random, count: int, max_length: int = 40) -> list[str]:
     # The number makes every document distinct, so a document can be recognised in a rank's stream.
     return [f"{i}:" + "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, max_length)))

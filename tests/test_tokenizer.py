@@ -10,13 +10,6 @@ from components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 ALPHABET = "abcdefghij klmnop\nqrstuvwxyz ABC 0123456789 .,;:!? éüßñ ÆØ Ωπ 漢字かな 🙂🚀"
 
 
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(2**32)
-    print(f"random seed {seed}")  # shown by pytest when a test fails
-    return random.Random(seed)
-
-
 def random_text(rng: random.Random, length: int) -> str:
     return "".join(rng.choice(ALPHABET) for _ in range(length))
 
