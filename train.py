@@ -296,6 +296,7 @@ def main(argv=None) -> int:
     ckpt.wait()
     metrics.close()
     if dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down while another still talks to it (seen to abort)
         dist.destroy_process_group()
     return exit_code
 
