@@ -29,6 +29,7 @@ from components.optim import build_lr_schedule, build_optimizer
 from components.profiling import maybe_profile
 from components.tokenizer import build_tokenizer
 from models import FLAVORS, Llama, flops_per_token
+from models.sdpa import set_sdpa_backend
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.fsdp import apply_fsdp
@@ -42,10 +43,13 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]:
     """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process. On CUDA even one
-    process gets a (single-rank) process group: FSDP then handles bf16 parameters uniformly."""
-    cuda = torch.cuda.is_available()
+    process gets a (single-rank) process group: FSDP then handles bf16 parameters uniformly.
+    device_type is [training] device: "auto" takes CUDA when there is one."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("[training] device = \"cuda\", but torch sees no CUDA device")
+    cuda = device_type != "cpu" and torch.cuda.is_available()
     if "RANK" in os.environ:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -71,6 +75,7 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
     if args.vocab_size < vocab_floor:
         raise ValueError(f"[model] vocab_size {args.vocab_size} is smaller than the tokenizer's "
                          f"{vocab_floor} ids")
+    set_sdpa_backend(cfg.model.sdpa_backend, device)  # before compile traces the attention
     with torch.device("meta"):
         model = ModelWithLoss(Llama(args, seq_len=cfg.training.seq_len), TrainingLoss(cfg.loss))
     apply_activation_checkpointing(model.model, cfg.activation_checkpoint.mode,
@@ -200,7 +205,20 @@ class StopRequest:
 
 def main(argv=None) -> int:
     cfg = load_config(argv)
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(cfg.training.device)
+    finished = False
+    try:
+        exit_code = train(cfg, rank, world, device)
+        finished = True
+        return exit_code
+    finally:  # also after an error: the next main() in this process can initialise again
+        if dist.is_initialized():
+            if finished:  # no rank tears gloo down while another still talks to it (seen to abort)
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+def train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> int:
     dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                 cfg.parallelism.data_parallel_shard_degree,
                                 cfg.parallelism.tensor_parallel_degree, world)
@@ -295,9 +313,6 @@ def main(argv=None) -> int:
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears gloo down while another still talks to it (seen to abort)
-        dist.destroy_process_group()
     return exit_code
 
 

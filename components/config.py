@@ -29,6 +29,7 @@ class Model:
     name: str = "llama"
     flavor: str = "debug"
     vocab_size: int = 0  # 0: the flavor's; may exceed the tokenizer's (padding rows)
+    sdpa_backend: str = "auto"  # CUDA attention kernel: auto | cudnn | flash | efficient | math
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Training:
     gradient_accumulation_steps: int = 1
     max_norm: float = 1.0
     mixed_precision_param: str = "bfloat16"  # used on CUDA; the CPU trains in float32
+    device: str = "auto"  # "auto": CUDA when available, else the CPU (gloo); or "cuda" / "cpu"
     seed: int = 0
     deterministic: bool = False
     nan_policy: str = "skip"  # "skip": skip the optimizer step with a warning; "stop": exit
@@ -230,12 +232,14 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, from_text: bool) ->
 CHOICES = {
     ("training", "nan_policy"): ("skip", "stop"),
     ("training", "mixed_precision_param"): ("bfloat16", "float32"),
+    ("training", "device"): ("auto", "cuda", "cpu"),
     ("loss", "impl"): ("flce", "unfused", "torch_chunked"),
     ("loss", "parallel"): ("sequence", "vocab"),
     ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
     ("lr_scheduler", "decay_type"): ("cosine", "linear", "wsd"),
     ("optimizer", "name"): ("AdamW",),
     ("model", "name"): ("llama",),
+    ("model", "sdpa_backend"): ("auto", "cudnn", "flash", "efficient", "math"),
     ("optimizer", "implementation"): ("auto", "fused", "foreach", "for-loop"),
     ("tokenizer", "name"): ("byte", "hf"),
     ("checkpoint", "async_mode"): ("disabled", "async"),

@@ -84,7 +84,8 @@ def load_module():
 # ---- real train.py runs on the CPU ------------------------------------------------------------
 
 def test_equal_batch_and_search_on_the_cpu(tmp_path):
-    report, md, stdout = bench(tmp_path, *CPU_RUN, "--mode", "both")
+    # CUDA hidden: the runs must be CPU runs also on a GPU machine (MFU and memory are None)
+    report, md, stdout = bench(tmp_path, *CPU_RUN, "--mode", "both", env={"CUDA_VISIBLE_DEVICES": ""})
     runs = report["runs"]
     # The search's batch-2 runs are the equal-batch runs, not run twice.
     assert [(r["loss"], r["batch"]) for r in runs] == [

@@ -15,7 +15,8 @@ import pytest
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.seq_len", "64",
+BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+        "--training.seq_len", "64",
         "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--job.print_config",
         "false", "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
         "--checkpoint.enable_checkpoint", "true"]

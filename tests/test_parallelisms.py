@@ -19,7 +19,8 @@ from parallelisms.mesh import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 4
-BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.seq_len", "64",
+BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+        "--training.seq_len", "64",
         "--metrics.log_freq", "1", "--job.print_config", "false", "--validation.enable", "false",
         "--lr_scheduler.warmup_steps", "2", "--training.steps", "4", "--data.synthetic", "true",
         "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2"]

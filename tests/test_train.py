@@ -12,7 +12,8 @@ import pytest
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--config", str(ROOT / "configs/debug.toml"), "--training.seq_len", "64",
+SMALL = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+         "--training.seq_len", "64",
          "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--job.print_config",
          "false", "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2"]
 
@@ -88,3 +89,41 @@ def test_profiling_writes_a_trace(tmp_path):
     assert code == 0
     traces = list((dump / "profile_traces").glob("step-*/rank-0.json"))
     assert traces and json.loads(traces[0].read_text())["traceEvents"]
+    # summarize_trace.py lists GPU kernels; a CPU trace has none, which it says.
+    summary = subprocess.run([sys.executable, str(ROOT / "scripts/summarize_trace.py"),
+                              str(traces[0])], capture_output=True, text=True)
+    assert summary.returncode != 0 and "no GPU kernel events" in summary.stderr
+
+
+def test_trace_summary_groups_kernels_by_name():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from summarize_trace import kernel_totals
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm_abc", "dur": 5.0},
+              {"ph": "X", "cat": "kernel", "name": "gemm_abd", "dur": 2.5},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9.0},
+              {"ph": "X", "cat": "kernel", "name": "softmax", "dur": 1.0}]
+    totals = kernel_totals({"traceEvents": events}, width=4)
+    assert {k: tuple(v) for k, v in totals.items()} == {"gemm": (7.5, 2), "soft": (1.0, 1)}
+
+
+def test_device_and_attention_choices_fail_clearly(tmp_path):
+    from models.sdpa import set_sdpa_backend
+    import torch
+    with pytest.raises(ValueError, match=r"sdpa_backend = 'cudnn' selects a CUDA kernel"):
+        set_sdpa_backend("cudnn", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"sdpa_backend = 'fast'"):
+        set_sdpa_backend("fast", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"\[training\] device = \"cuda\""):
+            train.main(SMALL + ["--training.device", "cuda", "--job.dump_folder", str(tmp_path)])
+
+
+def test_a_failed_run_leaves_no_process_group_behind(tmp_path):
+    import torch.distributed as dist
+    # Fails after the process group exists (a CUDA host) or before (the CPU): either way the next
+    # run in this process must be able to start.
+    with pytest.raises(ValueError, match="vocab_size"):
+        train.main(SMALL + ["--model.vocab_size", "3", "--job.dump_folder", str(tmp_path / "a")])
+    assert not dist.is_initialized()
+    code, _, rows = run(tmp_path, "b", "--training.steps", "3")
+    assert code == 0 and rows

@@ -1,0 +1,35 @@
+"""Which scaled-dot-product-attention kernel the model runs on CUDA: `[model] sdpa_backend`.
+
+Attention is about a third of a training step of the 1B model at seq 8192, and the kernels differ
+by 1.6x there (`scripts/bench_attention.py`, benchmarks/attention_h200.md: cuDNN 9.3 ms, flash
+15.0 ms forward+backward per layer at batch 4). "auto" keeps PyTorch's choice, which on an H200
+with torch 2.11 is already cuDNN (seen in a profile of train.py); naming a backend pins it, e.g.
+when another PyTorch or GPU would choose differently. It disables the others, so a shape the
+named kernel cannot run fails with PyTorch's "No available kernel" error instead of silently
+falling back to the math kernel.
+"""
+
+import torch
+
+BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+_SWITCHES = {
+    "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+    "flash": torch.backends.cuda.enable_flash_sdp,
+    "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+    "math": torch.backends.cuda.enable_math_sdp,
+}
+
+
+def set_sdpa_backend(name: str, device: torch.device) -> None:
+    """Enable only `name`'s kernel for F.scaled_dot_product_attention ("auto": PyTorch's order).
+
+    Process-wide, and read when torch.compile traces the model: call it before compiling."""
+    if name not in BACKENDS:
+        raise ValueError(f"[model] sdpa_backend = {name!r}: expected one of {BACKENDS}")
+    if name == "auto":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"[model] sdpa_backend = {name!r} selects a CUDA kernel, but the model "
+                         f"runs on {device.type}: use \"auto\"")
+    for backend, enable in _SWITCHES.items():
+        enable(backend == name)

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Forward+backward time of causal scaled-dot-product attention per SDPA backend, on one GPU.
+
+Attention is about a third of a training step of the 1B model at seq 8192, and PyTorch's default
+order (flash first, cuDNN last) is not the fastest there. This times each backend at the model's
+shapes (grouped-query attention through `enable_gqa`), so `[model] sdpa_backend` can be chosen
+from a measurement. Writes JSON and a markdown table.
+
+    python scripts/bench_attention.py --out benchmarks/attention_h200
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+# batch x query heads x kv heads x seq x head dim: llama_1b at local batch 4 (and its TP=2
+# half), llama_8b at batch 1.
+SHAPES = "4x32x8x8192x64,4x16x4x8192x64,1x32x8x8192x128"
+
+
+def time_ms(fn, warmup=3, reps=10):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", default=SHAPES, help="comma-separated BxHQxHKVxTxD")
+    p.add_argument("--out", default="benchmarks/attention_bench", help="output path without suffix")
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    results = []
+    for shape in args.shapes.split(","):
+        B, HQ, HKV, T, D = map(int, shape.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, HQ, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        dout = torch.randn(B, HQ, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        # causal: half of the 4·B·HQ·T²·D forward FLOPs; backward 2.5x forward (recompute)
+        flops = 3.5 * 2 * B * HQ * T * T * D
+        ref, first = None, None
+        for name, backend in BACKENDS.items():
+            qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+            def run():
+                with sdpa_kernel([backend]):
+                    out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                                         enable_gqa=HKV != HQ)
+                out.backward(dout)
+                return out
+            try:
+                out = run()
+                ms = time_ms(run)
+            except RuntimeError as e:  # "No available kernel": this backend cannot run the shape
+                print(f"{shape} {name}: not available ({str(e).splitlines()[0][:120]})")
+                results.append({"shape": shape, "backend": name, "ms": None})
+                continue
+            if ref is None:
+                ref, first = out.detach().float(), name
+            err = ((out.detach().float() - ref).norm() / ref.norm()).item()
+            results.append({"shape": shape, "backend": name, "ms": ms,
+                            "tflops": flops / ms / 1e9, "out_diff_vs_first": err})
+            print(f"{shape} {name:9s} {ms:7.2f} ms {flops / ms / 1e9:5.0f} TFLOP/s "
+                  f"(output vs {first}: {err:.1e})")
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python " + " ".join(sys.argv)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    cell = {(r["shape"], r["backend"]): r for r in results}
+    lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · bf16 · "
+             f"{meta['date']}", f"Command: `{meta['command']}`", "",
+             "Causal attention forward+backward, median ms (TFLOP/s counting the causal half).", "",
+             "| backend | " + " | ".join(f"{s} (B×HQ×HKV×T×D)" for s in shapes) + " |",
+             "|---|" + "---|" * len(shapes)]
+    for name in BACKENDS:
+        row = []
+        for s in shapes:
+            r = cell[(s, name)]
+            row.append("n/a" if r["ms"] is None else f"{r['ms']:.2f} ({r['tflops']:.0f})")
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
