@@ -21,7 +21,6 @@ from typing import Iterator, Protocol
 import datasets
 import numpy as np
 import torch
-from datasets.distributed import split_dataset_by_node
 
 from components.tokenizer import Tokenizer
 
@@ -171,6 +170,10 @@ def _is_held_out(_example: dict, index: int, val_every: int, validation: bool) -
     return (index % val_every == 0) == validation
 
 
+def _is_rank_share(_example: dict, index: int, dp_rank: int, dp_world: int) -> bool:
+    return index % dp_world == dp_rank
+
+
 def _hold_out(documents: Documents, val_every: int, validation: bool) -> Documents:
     if isinstance(documents, datasets.IterableDataset):
         # The index counts the whole stream, because TokenWindows splits streams by example (not by
@@ -211,9 +214,10 @@ class TokenWindows:
         self.text_field = text_field
         self._documents = documents
         if isinstance(documents, datasets.IterableDataset):
-            # By example, so document i of the stream goes to rank i % dp_world as without streaming.
-            self._stream = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_world,
-                                                 strategy="examples")
+            # By example, so document i of the stream goes to rank i % dp_world as without
+            # streaming (split_dataset_by_node's strategy="examples" needs datasets >= 5).
+            self._stream = documents.filter(functools.partial(
+                _is_rank_share, dp_rank=dp_rank, dp_world=dp_world), with_indices=True)
             self._share = None
         else:
             self._stream = None
