@@ -39,9 +39,11 @@ if ((NGPU == 1)); then
   cmd=("$PYTHON" "$repo/train.py" --config "$CONFIG" "$@")
 else
   # torchrun forwards only SIGTERM/SIGINT/SIGHUP/SIGQUIT unless told: add SIGUSR1 so a
-  # `kill -USR1 <torchrun pid>` still asks the trainer for a checkpoint.
-  cmd=(torchrun --standalone --nproc-per-node "$NGPU"
-       --signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+  # `kill -USR1 <this script's pid>` still asks the trainer for a checkpoint.
+  # shellcheck source=scripts/lib/torchrun.sh
+  source "$repo/scripts/lib/torchrun.sh"
+  probe_torchrun "${SHUTDOWN_TIMEOUT:-240}"
+  cmd=(torchrun --standalone --nproc-per-node "$NGPU" "${torchrun_signal_options[@]}"
        "$repo/train.py" --config "$CONFIG" "$@")
 fi
 
@@ -50,4 +52,7 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then
   echo
   exit 0
 fi
-exec "${cmd[@]}"
+if ((NGPU == 1)); then
+  exec "${cmd[@]}"
+fi
+run_torchrun "${cmd[@]}"

@@ -20,9 +20,24 @@ SCRIPTS = REPO / "scripts"
 SHELL_SCRIPTS = sorted([*SCRIPTS.rglob("*.sh"), *SCRIPTS.rglob("*.sbatch")])
 COMPARE = [sys.executable, str(SCRIPTS / "compare_losses.py")]
 # A short debug run: about 5 s on 2 CPU cores.
-SHORT = ["--training.steps", "20", "--training.seq_len", "64", "--training.local_batch_size", "4",
-         "--lr_scheduler.warmup_steps", "2", "--validation.enable", "false",
-         "--job.print_config", "false", "--optimizer.lr", "3e-3"]
+SHORT = ["--training.device", "cpu", "--training.steps", "20", "--training.seq_len", "64",
+         "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
+         "--validation.enable", "false", "--job.print_config", "false", "--optimizer.lr", "3e-3"]
+# A stand-in torchrun: `--help` lists the signal options or not (newer torchrun vs torch 2.11's),
+# and a run records the signals it gets, exiting 143 on SIGTERM as torchrun does.
+FAKE_TORCHRUN = """#!/bin/bash
+if [[ $1 == --help ]]; then
+  echo "usage: torchrun [--nnodes NNODES] [--standalone] ${FAKE_TORCHRUN_HELP:-}"
+  exit 0
+fi
+echo "$@" > "$FAKE_DIR/torchrun_args"
+trap 'echo TERM >> "$FAKE_DIR/torchrun_signals"; kill $sleeper; exit 143' TERM
+trap 'echo USR1 >> "$FAKE_DIR/torchrun_signals"' USR1
+sleep 30 & sleeper=$!
+touch "$FAKE_DIR/torchrun_started"
+wait $sleeper
+"""
+NEW_TORCHRUN_HELP = "[--signals-to-handle SIGNALS] [--shutdown-timeout SHUTDOWN_TIMEOUT]"
 
 
 def run(cmd, env=None, **kwargs):
@@ -60,8 +75,21 @@ def slurm_env(node_id, nodelist="gpu[07-08]"):
     return env
 
 
-def torchrun_argv(env, *overrides):
+@pytest.fixture
+def fake_torchrun(tmp_path):
+    bin_dir = tmp_path / "torchrun_bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
+
+
+def torchrun_argv(env, *overrides, torchrun_help=NEW_TORCHRUN_HELP, fake=None):
+    """The dry-run command of torchrun_cmd.sh, with the fake torchrun `fake` whose --help says
+    torchrun_help; torchrun_help=None: with the installed torchrun."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    if torchrun_help is not None:
+        clean.update(fake, FAKE_TORCHRUN_HELP=torchrun_help)
     result = subprocess.run(["scripts/slurm/torchrun_cmd.sh", "--dry-run", *overrides],
                             cwd=REPO, env={**clean, **env}, text=True, capture_output=True)
     assert result.returncode == 0, result.stderr
@@ -72,10 +100,10 @@ def option(argv, name):
     return argv[argv.index(name) + 1]
 
 
-def test_torchrun_command_for_two_nodes():
+def test_torchrun_command_for_two_nodes(fake_torchrun):
     overrides = ["--training.steps", "10", "--job.dump_folder", "out dir/with space"]
-    node0 = torchrun_argv(slurm_env(0), *overrides)
-    node1 = torchrun_argv(slurm_env(1), *overrides)
+    node0 = torchrun_argv(slurm_env(0), *overrides, fake=fake_torchrun)
+    node1 = torchrun_argv(slurm_env(1), *overrides, fake=fake_torchrun)
     for argv in (node0, node1):
         assert argv[0] == "torchrun"
         assert option(argv, "--nnodes") == "2"
@@ -97,8 +125,8 @@ def test_torchrun_command_for_two_nodes():
 @pytest.mark.parametrize("nodelist, first", [
     ("node[01-02]", "node01"), ("gpu-a,gpu-b", "gpu-a"), ("n[3,5-6],x", "n3"),
     ("rack[1-2]-gpu[08-09]", "rack1-gpu08"), ("solo", "solo")])
-def test_first_node_of_a_nodelist(nodelist, first):
-    argv = torchrun_argv(slurm_env(0, nodelist))
+def test_first_node_of_a_nodelist(nodelist, first, fake_torchrun):
+    argv = torchrun_argv(slurm_env(0, nodelist), fake=fake_torchrun)
     assert option(argv, "--rdzv-endpoint").split(":")[0] == first
 
 
@@ -109,9 +137,33 @@ def test_torchrun_command_needs_slurm_variables():
     assert result.returncode != 0 and "SLURM_JOB_NODELIST" in result.stderr
 
 
-def test_installed_torchrun_knows_the_options_we_pass():
-    result = run([sys.executable, "-m", "torch.distributed.run", "--help"])
-    assert "--signals-to-handle" in result.stdout and "--shutdown-timeout" in result.stdout
+def test_signal_options_follow_the_installed_torchrun():
+    installed = run(["torchrun", "--help"]).stdout
+    argv = torchrun_argv(slurm_env(0), torchrun_help=None)
+    assert ("--signals-to-handle" in argv) == ("--signals-to-handle" in installed)
+    assert ("--shutdown-timeout" in argv) == ("--shutdown-timeout" in installed)
+
+
+def test_old_torchrun_gets_usr1_as_sigterm(fake_torchrun, tmp_path):
+    # torch 2.11's torchrun: no --signals-to-handle. The script then stays its parent and turns
+    # the pre-time-limit SIGUSR1 into SIGTERM, which the trainer also answers with a checkpoint.
+    argv = torchrun_argv(slurm_env(0), torchrun_help="", fake=fake_torchrun)
+    assert "--signals-to-handle" not in argv and "--shutdown-timeout" not in argv
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    job = subprocess.Popen(["scripts/slurm/torchrun_cmd.sh", "--training.steps", "5"], cwd=REPO,
+                           env={**clean, **slurm_env(0), **fake_torchrun, "FAKE_TORCHRUN_HELP": ""},
+                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "torchrun_started").exists():
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    output = job.communicate(timeout=20)[0]
+    assert (tmp_path / "torchrun_signals").read_text().split() == ["TERM"], output
+    assert job.returncode == 143, output  # torchrun's status, passed on
+    assert "SIGUSR1 is passed on as SIGTERM" in output
+    assert (tmp_path / "torchrun_args").read_text().split()[-3:] == ["configs/llama_1b.toml",
+                                                                      "--training.steps", "5"]
 
 
 @pytest.mark.parametrize("ngpu, expect", [

@@ -45,6 +45,9 @@ master_port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 # The c10d rendezvous guesses which node hosts its store by matching hostnames, which fails
 # when the nodelist's names are not the machines' own (short vs. FQDN): say it explicitly.
 if [[ $node_id == 0 ]]; then is_host=true; else is_host=false; fi
+# shellcheck source=scripts/lib/torchrun.sh
+source "$repo/scripts/lib/torchrun.sh"
+probe_torchrun "${SHUTDOWN_TIMEOUT:-240}"
 
 cmd=(torchrun
   --nnodes "$SLURM_NNODES" --nproc-per-node "$gpus"
@@ -53,9 +56,9 @@ cmd=(torchrun
   # No elastic restarts: a failed rank ends the job; a requeue resumes from the checkpoint.
   --max-restarts 0
   # Forward SIGUSR1 (the pre-time-limit warning) to the trainers, then wait up to
-  # SHUTDOWN_TIMEOUT for them to checkpoint before SIGKILL (torchrun's default wait is 30 s).
-  --signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-  --shutdown-timeout "${SHUTDOWN_TIMEOUT:-240}"
+  # SHUTDOWN_TIMEOUT for them to checkpoint before SIGKILL (torchrun's default wait is 30 s);
+  # empty for a torchrun without these options (run_torchrun then forwards it).
+  "${torchrun_signal_options[@]}"
   "$repo/train.py" --config "$config" "$@")
 
 if ((dry_run)); then
@@ -64,4 +67,4 @@ if ((dry_run)); then
   exit 0
 fi
 echo "node $node_id/$SLURM_NNODES on $(hostname): ${cmd[*]}" >&2
-exec "${cmd[@]}"
+run_torchrun "${cmd[@]}"
