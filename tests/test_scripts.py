@@ -364,3 +364,51 @@ def test_another_learning_rate_is_caught(fused_vs_unfused, tmp_path):
     result = compare(out / "flce", other, "--tolerance", "0.02")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL" in result.stdout
+
+
+# ---- compare_layouts.py ----------------------------------------------------------------------
+
+LAYOUTS = [sys.executable, str(SCRIPTS / "compare_layouts.py"), "--config", "configs/debug.toml"]
+
+
+def test_layout_commands(tmp_path):
+    result = run([*LAYOUTS, "--nproc", "8", "--layouts", "fsdp,tp2_vocab,hsdp2", "--seed-runs",
+                  "--runs-dir", str(tmp_path), "--extra=--training.local_batch_size 2",
+                  "--dry-run"])
+    assert result.returncode == 0, result.stderr
+    commands = [shlex.split(line) for line in result.stdout.splitlines()]
+    assert len(commands) == 9  # 3 layouts x (flce, unfused, unfused at seed + 1)
+    for argv in commands:
+        assert argv[argv.index("--nproc_per_node") + 1] == "8"
+        assert argv.index("--training.local_batch_size") < argv.index("--loss.impl")
+    tp_vocab = commands[3]
+    assert option(tp_vocab, "--parallelism.tensor_parallel_degree") == "2"
+    assert option(tp_vocab, "--loss.parallel") == "vocab"
+    assert option(tp_vocab, "--loss.impl") == "flce"
+    assert option(commands[5], "--training.seed") == "1"
+    assert option(commands[6], "--parallelism.data_parallel_replicate_degree") == "2"
+    assert option(commands[7], "--job.dump_folder") == str(tmp_path / "hsdp2_unfused")
+    bad = run([*LAYOUTS, "--layouts", "fsdp,tp2_rows", "--dry-run"])
+    assert bad.returncode == 2 and "layout 'tp2_rows'" in bad.stderr
+
+
+def test_layouts_on_two_cpu_processes(tmp_path):
+    """Two real torchrun runs (gloo) of the vocab-parallel layout: report, plot and verdict."""
+    out = tmp_path / "report"
+    result = run([*LAYOUTS, "--nproc", "2", "--layouts", "tp2_vocab", "--steps", "4",
+                  "--warmup-steps", "1", "--log-freq", "1", "--out", str(out),
+                  "--runs-dir", str(tmp_path / "runs"),
+                  "--extra=--training.device cpu --training.seq_len 64 "
+                  "--training.local_batch_size 2 --lr_scheduler.warmup_steps 2 "
+                  "--validation.enable false"], env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["layout"], r["loss"], r["status"]) for r in report["runs"]] == [
+        ("tp2_vocab", "flce", "ok"), ("tp2_vocab", "unfused", "ok")]
+    for r in report["runs"]:
+        assert r["final_step"] == 4 and r["tokens_per_second"] > 0 and r["final_loss"] > 0
+    [comparison] = report["comparisons"]
+    assert comparison["exit_code"] == 0 and comparison["verdict"].startswith("PASS")
+    assert (tmp_path / "report_tp2_vocab.png").stat().st_size > 0
+    md = out.with_suffix(".md").read_text()
+    assert "| tp2_vocab | flce | ok |" in md and "- **tp2_vocab**: PASS" in md

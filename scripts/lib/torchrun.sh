@@ -32,13 +32,15 @@ run_torchrun() {
   fi
   echo "torchrun without --signals-to-handle: SIGUSR1 is passed on as SIGTERM" >&2
   "$@" &
-  local pid=$! status=0
-  trap 'kill -TERM "$pid" 2> /dev/null || true' USR1 TERM
-  trap 'kill -INT "$pid" 2> /dev/null || true' INT
-  # wait returns early (> 128) when a trapped signal arrives: wait again until the child is gone.
+  local pid=$! status=0 interrupted
+  trap 'interrupted=1; kill -TERM "$pid" 2> /dev/null || true' USR1 TERM
+  trap 'interrupted=1; kill -INT "$pid" 2> /dev/null || true' INT
+  # A trapped signal cuts wait short (status > 128) without consuming the child's status:
+  # wait again until a wait was not interrupted, which returns torchrun's own status.
   while true; do
+    interrupted=0
     wait "$pid" && status=0 || status=$?
-    kill -0 "$pid" 2> /dev/null || break
+    ((interrupted)) || break
   done
   exit "$status"
 }
