@@ -53,7 +53,7 @@ def _row_fn(use_triton: bool):
     return chunk_rows
 
 
-def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+def matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
     """out = a @ b, or out += a @ b, with out possibly fp32 while a, b are bf16/fp16."""
     if out.dtype == a.dtype:
         if accumulate:
@@ -69,6 +69,37 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         out.addmm_(a.to(out.dtype), b.to(out.dtype))
     else:
         torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def weight_grad_buffer(weight: Tensor, dtype: torch.dtype, n_tokens: int) -> Tensor:
+    """dW's accumulator: the first chunk overwrites it (no memset pass over V x H), unless there
+    is no chunk."""
+    make = torch.empty if n_tokens else torch.zeros
+    return make(weight.shape, device=weight.device, dtype=dtype)
+
+
+def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: int, row_pass,
+               dx: Optional[Tensor], dw_acc: Optional[Tensor], db_acc: Optional[Tensor]) -> None:
+    """Per chunk of tokens [start, end): logits = x_c @ W.T (+ b) into one reused buffer;
+    row_pass(logits, start, end) turns them into dlogits in place; then dx_c = dlogits @ W,
+    dW += dlogits.T @ x_c, db += sum(dlogits), into whichever of dx, dw_acc, db_acc is given."""
+    N = x.shape[0]
+    buf = torch.empty(min(chunk_size, N), weight.shape[0], device=x.device, dtype=x.dtype)
+    w_t = weight.t()
+    for start in range(0, N, chunk_size):
+        end = min(start + chunk_size, N)
+        x_c, logits = x[start:end], buf[: end - start]
+        if bias is None:
+            torch.mm(x_c, w_t, out=logits)
+        else:
+            torch.addmm(bias, x_c, w_t, out=logits)
+        row_pass(logits, start, end)
+        if dx is not None:
+            matmul_into(dx[start:end], logits, weight, accumulate=False)
+        if dw_acc is not None:
+            matmul_into(dw_acc, logits.t(), x_c, accumulate=start > 0)
+        if db_acc is not None:
+            db_acc.add_(logits.sum(0, dtype=db_acc.dtype))
 
 
 def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -94,31 +125,16 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     loss = torch.empty(N, device=x.device, dtype=stat_dtype)
     dx_dtype = x.dtype if cast_grads or lean else stat_dtype
     dx = torch.empty(N, H, device=x.device, dtype=dx_dtype) if need_dx else None
-    # The first chunk overwrites dw_acc (no memset pass over V x H), unless there is none.
-    dw_acc = torch.empty(V, H, device=x.device, dtype=accum_dtype) if need_dw else None
-    if need_dw and N == 0:
-        dw_acc.zero_()
+    dw_acc = weight_grad_buffer(weight, accum_dtype, N) if need_dw else None
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
-    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
-    buf = torch.empty(min(C, N), V, device=x.device, dtype=x.dtype)
-    w_t = weight.t()
-    for start in range(0, N, C):
-        end = min(start + C, N)
-        x_c, logits = x[start:end], buf[: end - start]
-        if bias is None:
-            torch.mm(x_c, w_t, out=logits)
-        else:
-            torch.addmm(bias, x_c, w_t, out=logits)
+
+    def row_pass(logits, start, end):
         rw = row_weight if row_weight.dim() == 0 else row_weight[start:end]
         rows(logits, target[start:end], loss[start:end], lse[start:end], rw, opts,
              lse_given, compute_grad)
-        if need_dx:
-            _matmul_into(dx[start:end], logits, weight, accumulate=False)
-        if need_dw:
-            _matmul_into(dw_acc, logits.t(), x_c, accumulate=start > 0)
-        if need_db:
-            db_acc += logits.sum(0, dtype=stat_dtype)
-    del buf
+
+    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
+    chunk_loop(x, weight, bias, C, row_pass, dx, dw_acc, db_acc)
     if not cast_grads:
         return loss, dx, dw_acc, db_acc
     dw = None if dw_acc is None else dw_acc.to(weight.dtype)

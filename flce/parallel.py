@@ -13,6 +13,7 @@ all-reduces (`vocab_parallel.py`), so the weight is never gathered.
 """
 
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ class VocabParallelLinearLoss(ParallelStyle):
     """The output weight (and bias) sharded on dim 0 (vocabulary) over the TP mesh; x gathered
     from the sequence shards; every rank returns the same global loss."""
 
-    def __init__(self, seq_dim: int = 1, chunk_size: int = 2048, impl: str = "auto"):
+    def __init__(self, seq_dim: int = 1, chunk_size: Optional[int] = None, impl: str = "auto"):
         super().__init__()
         self.seq_dim = seq_dim
         self.chunk_size = chunk_size

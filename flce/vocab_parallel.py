@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flce.custom_ops import _scale_to
 from flce.function import _loss_weight, _use_triton
+from flce.ops import chunk_loop, pick_chunk_size, weight_grad_buffer
 from flce.options import LossOptions
 from flce.reference import scaled_logits
 
@@ -87,6 +89,10 @@ def _chunk_grads_triton(logits: Tensor, target: Tensor, opts: LossOptions, vocab
 
 
 class _VocabParallelLoss(torch.autograd.Function):
+    """Gradients formed in forward by the single-device chunk loop (ops.chunk_loop) over this
+    rank's vocabulary slice; backward scales them by the upstream gradient and rounds once to
+    the parameter dtypes."""
+
     @staticmethod
     def forward(ctx, x, target, weight, bias, loss_weight, opts, vocab_start, vocab_size, group,
                 chunk_size, use_triton):
@@ -94,21 +100,19 @@ class _VocabParallelLoss(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_db = bias is not None and ctx.needs_input_grad[3]
         acc = torch.promote_types(torch.float32, weight.dtype)
-        dx = torch.zeros(N, H, device=x.device, dtype=acc) if need_dx else None
-        dw = torch.zeros(weight.shape, device=x.device, dtype=acc) if need_dw else None
+        dx = torch.empty(N, H, device=x.device, dtype=acc) if need_dx else None
+        dw = weight_grad_buffer(weight, acc, N) if need_dw else None
         db = torch.zeros(weight.shape[0], device=x.device, dtype=acc) if need_db else None
-        total = torch.zeros((), device=x.device, dtype=acc)
-        for start in range(0, N, chunk_size):
-            x_c, t_c = x[start:start + chunk_size], target[start:start + chunk_size]
-            logits = torch.nn.functional.linear(x_c, weight, bias)
-            rows = _chunk_grads_triton if use_triton else _chunk_grads
-            total += rows(logits, t_c, opts, vocab_start, vocab_size, group).sum()
-            if need_dx:
-                dx[start:start + chunk_size] = (logits @ weight).to(acc)
-            if need_dw:
-                dw += (logits.t() @ x_c).to(acc)
-            if need_db:
-                db += logits.sum(0, dtype=acc)
+        losses = torch.zeros(N, device=x.device, dtype=acc)
+        rows = _chunk_grads_triton if use_triton else _chunk_grads
+
+        def row_pass(logits, start, end):
+            losses[start:end] = rows(logits, target[start:end], opts, vocab_start, vocab_size,
+                                     group)
+
+        C = pick_chunk_size(N, H, weight.shape[0], x.element_size(), chunk_size, lean=False)
+        chunk_loop(x, weight, bias, C, row_pass, dx, dw, db)
+        total = losses.sum()
         ctx.save_for_backward(dx, dw, db, loss_weight)
         ctx.dtypes = (x.dtype, weight.dtype)
         return total * loss_weight
@@ -118,7 +122,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         dx, dw, db, loss_weight = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         scale = grad * loss_weight
-        cast = lambda t, dtype: None if t is None else (t * scale).to(dtype)
+        cast = lambda t, dtype: None if t is None else _scale_to(t, scale, dtype)
         return (cast(dx, x_dtype), None, cast(dw, w_dtype), cast(db, w_dtype), None, None, None,
                 None, None, None, None)
 
@@ -128,7 +132,7 @@ def vocab_parallel_linear_cross_entropy(
     vocab_start: int, vocab_size: int, group=None, ignore_index: int = -100,
     label_smoothing: float = 0.0, logit_scale: float = 1.0, z_loss: float = 0.0,
     softcap: Optional[float] = None, reduction: str = "mean", normalizer=None,
-    chunk_size: int = 2048, impl: str = "auto",
+    chunk_size: Optional[int] = None, impl: str = "auto",
 ) -> Tensor:
     """Sum of token losses / normalizer (or the mean over non-ignored tokens), identical on
     every rank of `group`; `weight` is this rank's rows [vocab_start, vocab_start + V_local)."""
