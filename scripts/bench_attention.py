@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,25 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_flce import cuda_time  # noqa: E402
+
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 # batch x query heads x kv heads x seq x head dim: llama_1b at local batch 4 (and its TP=2
 # half), llama_8b at batch 1.
 SHAPES = "4x32x8x8192x64,4x16x4x8192x64,1x32x8x8192x128"
-
-
-def time_ms(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main():
@@ -70,7 +58,7 @@ def main():
                 return out
             try:
                 out = run()
-                ms = time_ms(run)
+                ms = cuda_time(run, warmup=3, reps=10)
             except RuntimeError as e:  # "No available kernel": this backend cannot run the shape
                 print(f"{shape} {name}: not available ({str(e).splitlines()[0][:120]})")
                 results.append({"shape": shape, "backend": name, "ms": None})
@@ -102,6 +90,8 @@ def main():
             r = cell[(s, name)]
             row.append("n/a" if r["ms"] is None else f"{r['ms']:.2f} ({r['tflops']:.0f})")
         lines.append(f"| {name} | " + " | ".join(row) + " |")
+    lines += ["", "n/a: PyTorch reported no available kernel of that backend for the call "
+              "(grouped-query attention through enable_gqa)."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
