@@ -9,7 +9,9 @@ rather than averaged per rank.
 
 VocabParallelLinearLoss: the output weight is sharded on the vocabulary; x is gathered, each
 rank computes its vocabulary slice's logits, and the softmax statistics are combined with
-all-reduces (`vocab_parallel.py`), so the weight is never gathered.
+all-reduces (`vocab_parallel.py`), so the weight is never gathered. Its fused=False form is the
+unfused baseline (the slice's logits materialised), so fused and unfused runs of a vocab-parallel
+layout compare the loss implementations and nothing else.
 """
 
 from functools import partial
@@ -85,16 +87,20 @@ class LinearLossParallel(ParallelStyle):
 
 class VocabParallelLinearLoss(ParallelStyle):
     """The output weight (and bias) sharded on dim 0 (vocabulary) over the TP mesh; x gathered
-    from the sequence shards; every rank returns the same global loss."""
+    from the sequence shards; every rank returns the same global loss. fused=False runs the
+    unfused baseline instead (the slice's logits materialised, autograd), for comparisons."""
 
-    def __init__(self, seq_dim: int = 1, chunk_size: Optional[int] = None, impl: str = "auto"):
+    def __init__(self, seq_dim: int = 1, chunk_size: Optional[int] = None, impl: str = "auto",
+                 fused: bool = True):
         super().__init__()
         self.seq_dim = seq_dim
         self.chunk_size = chunk_size
         self.impl = impl
+        self.fused = fused
 
     def _forward(self, mesh: DeviceMesh, module, x, target, weight, bias=None, normalizer=None):
-        from flce.vocab_parallel import vocab_parallel_linear_cross_entropy
+        from flce.vocab_parallel import (vocab_parallel_linear_cross_entropy,
+                                         vocab_parallel_linear_cross_entropy_unfused)
 
         if isinstance(x, DTensor):  # all-gather the sequence; its gradient is reduce-scattered
             x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
@@ -107,11 +113,15 @@ class VocabParallelLinearLoss(ParallelStyle):
         local = weight.to_local()
         vocab_start = mesh.get_local_rank() * -(-vocab_size // mesh.size())  # torch.chunk sizes
         opts = module.options
-        return vocab_parallel_linear_cross_entropy(
-            x, target, local, None if bias is None else bias.to_local(), vocab_start=vocab_start,
-            vocab_size=vocab_size, group=mesh.get_group(), normalizer=normalizer,
-            reduction="sum" if normalizer is not None else opts.reduction,
-            chunk_size=self.chunk_size, impl=self.impl, **opts.loss_kwargs())
+        kwargs = dict(vocab_start=vocab_start, vocab_size=vocab_size, group=mesh.get_group(),
+                      normalizer=normalizer,
+                      reduction="sum" if normalizer is not None else opts.reduction,
+                      **opts.loss_kwargs())
+        bias = None if bias is None else bias.to_local()
+        if not self.fused:
+            return vocab_parallel_linear_cross_entropy_unfused(x, target, local, bias, **kwargs)
+        return vocab_parallel_linear_cross_entropy(x, target, local, bias, **kwargs,
+                                                   chunk_size=self.chunk_size, impl=self.impl)
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         if device_mesh.ndim != 1:

@@ -24,43 +24,45 @@ from flce.options import LossOptions
 from flce.reference import scaled_logits
 
 
+def _target_logit(z: Tensor, target: Tensor, opts: LossOptions, vocab_start: int) -> Tensor:
+    """z[target] where this rank's slice holds the target, else 0 (summed over ranks later)."""
+    y_local = target - vocab_start
+    owns = (target != opts.ignore_index) & (y_local >= 0) & (y_local < z.shape[1])
+    return torch.where(owns, z.gather(1, y_local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0)
+
+
 def _chunk_grads(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: int,
-                 vocab_size: int, group) -> tuple[Tensor, Tensor]:
+                 vocab_size: int, group) -> Tensor:
     """Per-token losses (the same on every rank) and dlogits of this rank's slice, in place."""
     z = scaled_logits(logits, opts)
-    keep = target != opts.ignore_index
-    y_local = target - vocab_start
-    owns = keep & (y_local >= 0) & (y_local < z.shape[1])
     m = z.max(dim=1).values
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    z_y = torch.where(owns, z.gather(1, y_local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0)
-    sums = torch.stack([torch.exp(z - m[:, None]).sum(1), z_y, z.sum(1)])
+    sums = torch.stack([torch.exp(z - m[:, None]).sum(1),
+                        _target_logit(z, target, opts, vocab_start), z.sum(1)])
     dist.all_reduce(sums, group=group)
-    log_s = torch.log(sums[0])  # kept apart from m: see reference.per_token_loss
+    loss, log_s = _loss_from_sums(m, sums, target, opts, vocab_size)
     lse = m + log_s
     ls = opts.label_smoothing
-    loss = ((1 - ls) * (log_s - (sums[1] - m)) + ls * (log_s - (sums[2] / vocab_size - m))
-            + opts.z_loss * lse * lse)
-    bad = keep & ((target < 0) | (target >= vocab_size))  # never silently wrong: NaN, as on GPU
-    loss = torch.where(keep, torch.where(bad, torch.full_like(loss, float("nan")), loss), 0.0)
     g = torch.exp(z - m[:, None] - log_s[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / vocab_size
+    y_local = target - vocab_start
+    owns = (target != opts.ignore_index) & (y_local >= 0) & (y_local < z.shape[1])
     rows = owns.nonzero().squeeze(1)
     g[rows, y_local[rows]] -= 1 - ls
     g *= opts.logit_scale
     if opts.softcap is not None:
         g *= 1 - (z / opts.softcap) ** 2
+    keep = target != opts.ignore_index
     g = torch.where(keep[:, None], g, 0.0)
-    g = torch.where(bad[:, None], float("nan"), g)
+    g = torch.where(torch.isnan(loss)[:, None], float("nan"), g)  # a bad target: never silent
     logits.copy_(g)
     return loss
 
 
-def _combine(stats: Tensor, target: Tensor, opts: LossOptions, vocab_size: int, group):
-    """Global lse and per-token loss from every rank's (max, sum-exp, target logit, sum z)."""
-    m = stats[:, 0].clone()
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    sums = torch.stack([stats[:, 1] * torch.exp(stats[:, 0] - m), stats[:, 2], stats[:, 3]])
-    dist.all_reduce(sums, group=group)
+def _loss_from_sums(m: Tensor, sums: Tensor, target: Tensor, opts: LossOptions,
+                    vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Per-token loss and log sum exp(z - m) from the global row max m and the global
+    (sum exp(z - m), target logit, sum z); the loss is 0 for ignored tokens and NaN for a target
+    outside [0, vocab_size). log_s is kept apart from m: see reference.per_token_loss."""
     log_s = torch.log(sums[0])
     ls = opts.label_smoothing
     loss = (1 - ls) * (log_s - (sums[1] - m)) + ls * (log_s - (sums[2] / vocab_size - m))
@@ -69,7 +71,17 @@ def _combine(stats: Tensor, target: Tensor, opts: LossOptions, vocab_size: int, 
     keep = target != opts.ignore_index
     bad = keep & ((target < 0) | (target >= vocab_size))
     loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
-    return torch.where(keep, loss, 0.0), lse
+    return torch.where(keep, loss, 0.0), log_s
+
+
+def _combine(stats: Tensor, target: Tensor, opts: LossOptions, vocab_size: int, group):
+    """Global lse and per-token loss from every rank's (max, sum-exp, target logit, sum z)."""
+    m = stats[:, 0].clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sums = torch.stack([stats[:, 1] * torch.exp(stats[:, 0] - m), stats[:, 2], stats[:, 3]])
+    dist.all_reduce(sums, group=group)
+    loss, log_s = _loss_from_sums(m, sums, target, opts, vocab_size)
+    return loss, m + log_s
 
 
 def _chunk_grads_triton(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: int,
@@ -145,3 +157,43 @@ def vocab_parallel_linear_cross_entropy(
     return _VocabParallelLoss.apply(x2, t2, weight, bias, loss_weight.reshape(()), opts,
                                     vocab_start, vocab_size, group, chunk_size,
                                     _use_triton(impl, x2))
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the identity: every rank goes on to compute the same
+    global loss, so the gradient of its own summand is the gradient of the sum (an all-reduce in
+    backward, as torch.distributed.nn does, would count it once per rank)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def vocab_parallel_linear_cross_entropy_unfused(
+    x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
+    vocab_start: int, vocab_size: int, group=None, ignore_index: int = -100,
+    label_smoothing: float = 0.0, logit_scale: float = 1.0, z_loss: float = 0.0,
+    softcap: Optional[float] = None, reduction: str = "mean", normalizer=None,
+) -> Tensor:
+    """The unfused baseline of vocab_parallel_linear_cross_entropy (Megatron's vocab-parallel
+    cross-entropy): this rank's [N, V / TP] logits materialised in fp32, the same statistics
+    combined over the ranks, gradients by autograd."""
+    opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
+    if reduction == "none":
+        raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
+    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    stat = torch.promote_types(x.dtype, torch.float32)
+    z = scaled_logits(torch.nn.functional.linear(x2, weight, bias).to(stat), opts)
+    m = z.detach().max(dim=1).values  # a shift: lse does not depend on it
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sums = _SumOverRanks.apply(torch.stack([torch.exp(z - m[:, None]).sum(1),
+                                            _target_logit(z, t2, opts, vocab_start), z.sum(1)]),
+                               group)
+    loss, _ = _loss_from_sums(m, sums, t2, opts, vocab_size)
+    return loss.sum() * _loss_weight(t2, opts, normalizer, x.device, stat).reshape(())

@@ -26,6 +26,10 @@ def _shard_rows(name, module, mesh):
 def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str) -> None:
     if loss_parallel not in LOSS_PARALLEL:
         raise ValueError(f"[loss] parallel = {loss_parallel!r}: expected one of {LOSS_PARALLEL}")
+    loss = model_with_loss.loss
+    if loss_parallel == "vocab" and loss.impl not in ("flce", "unfused"):
+        raise ValueError(f"[loss] impl = {loss.impl!r} has no vocab-parallel form: use \"flce\" "
+                         "or \"unfused\" with [loss] parallel = \"vocab\"")
     model = model_with_loss.model
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -49,7 +53,9 @@ def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str
         })
     if loss_parallel == "sequence":
         distribute_module(model.output, tp_mesh)  # replicated: every rank holds all of it
-        parallelize_module(model_with_loss.loss, tp_mesh, LinearLossParallel(seq_dim=1))
+        parallelize_module(loss, tp_mesh, LinearLossParallel(seq_dim=1))
     else:
         distribute_module(model.output, tp_mesh, _shard_rows)  # rows = vocabulary
-        parallelize_module(model_with_loss.loss, tp_mesh, VocabParallelLinearLoss(seq_dim=1))
+        # impl "unfused" gets the unfused vocab-parallel loss, so curves stay comparable
+        parallelize_module(loss, tp_mesh, VocabParallelLinearLoss(
+            seq_dim=1, chunk_size=loss.chunk_size, fused=loss.impl == "flce"))

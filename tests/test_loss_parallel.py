@@ -44,10 +44,11 @@ def _worker(rank, world, port, style_name, reduction, result_path, impl="torch",
     dtype = torch.float64 if impl == "torch" else torch.float32  # Triton: fp32
     loss_fn = flce.FusedLinearCrossEntropyLoss(reduction=reduction, impl=impl, **OPTIONS)
     style = (LinearLossParallel() if style_name == "sequence"
-             else VocabParallelLinearLoss(chunk_size=7, impl=impl))
+             else VocabParallelLinearLoss(chunk_size=7, impl=impl,
+                                          fused=style_name != "vocab_unfused"))
     parallelize_module(loss_fn, mesh, style)
     xd = distribute_tensor(x.to(dtype), mesh, [Shard(1)]).requires_grad_()
-    placement = [Replicate()] if style_name == "sequence" else [Shard(0)]
+    placement = [Replicate()] if style_name == "sequence" else [Shard(0)]  # vocab: W sharded
     wd = distribute_tensor(w.to(dtype), mesh, placement).requires_grad_()
     bd = distribute_tensor(b.to(dtype), mesh, placement).requires_grad_()
     loss = loss_fn(xd, t, wd, bd)
@@ -64,7 +65,7 @@ def _worker(rank, world, port, style_name, reduction, result_path, impl="torch",
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("style", ["sequence", "vocab"])
+@pytest.mark.parametrize("style", ["sequence", "vocab", "vocab_unfused"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_loss_parallel_styles_match_float64(tmp_path, style, reduction):
     path = tmp_path / "result.pt"

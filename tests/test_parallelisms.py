@@ -101,3 +101,24 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
         got = metrics(dump)
         assert sorted(got) == [3, 4], name
         assert all(abs(got[s]["loss"] - expected[s]["loss"]) <= 1e-5 for s in got), name
+
+
+def test_vocab_parallel_loss_needs_a_fused_or_unfused_impl():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from components.config import Loss
+    from components.loss import ModelWithLoss, TrainingLoss
+    from models import FLAVORS, Llama
+    from parallelisms.tp import apply_tp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with torch.device("meta"):
+            model = ModelWithLoss(Llama(FLAVORS["debug"], seq_len=64),
+                                  TrainingLoss(Loss(impl="torch_chunked")))
+        with pytest.raises(ValueError, match="'torch_chunked' has no vocab-parallel form"):
+            apply_tp(model, mesh, "vocab")
+    finally:
+        dist.destroy_process_group()
