@@ -12,6 +12,8 @@ records each rank's peak extra memory, for the two `[loss] parallel` modes:
             inside the timing because training needs it too.
   vocab     W sharded on the vocabulary: x is all-gathered (N×H), each rank runs its V/TP slice
             with two small all-reduces per chunk, and dx is reduce-scattered; dW stays local.
+  vocab_unfused  (with --modes) the unfused vocab-parallel baseline: the [N, V/TP] logit slice
+            materialised in fp32, gradients by autograd.
 
 Both do the same 6·N·H·V/TP FLOPs per rank; they differ in what crosses the links (V×H against
 N×H, roughly) and in memory (sequence mode holds the whole W and its gradient on every rank).
@@ -62,7 +64,8 @@ def timer(cuda: bool):
 def make_step(mode: str, mesh, x, w, target):
     """One forward+backward of the loss in `mode`, ending with gradients in their final
     placement; returns (step function, loss tensor holder)."""
-    style = LinearLossParallel() if mode == "sequence" else VocabParallelLinearLoss()
+    style = (LinearLossParallel() if mode == "sequence"
+             else VocabParallelLinearLoss(fused=mode == "vocab"))
     loss_fn = parallelize_module(flce.FusedLinearCrossEntropyLoss(), mesh, style)
     xd = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
     wd = distribute_tensor(w, mesh, [Replicate()] if mode == "sequence" else [Shard(0)])
@@ -142,7 +145,7 @@ def markdown(meta, rows) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma-separated global NxHxV")
-    p.add_argument("--modes", default="sequence,vocab")
+    p.add_argument("--modes", default="sequence,vocab", help="of sequence, vocab, vocab_unfused")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="benchmarks/loss_parallel_bench", help="path without suffix")
