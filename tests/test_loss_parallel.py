@@ -90,7 +90,7 @@ def test_loss_parallel_styles_triton_kernels(tmp_path, style):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
-@pytest.mark.parametrize("style", ["sequence", "vocab"])
+@pytest.mark.parametrize("style", ["sequence", "vocab", "vocab_unfused"])
 def test_loss_parallel_styles_triton_on_cuda(tmp_path, style):
     """The same on two GPUs with NCCL: the compiled Triton kernels."""
     path = tmp_path / "result.pt"
