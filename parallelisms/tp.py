@@ -30,6 +30,9 @@ def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str
     if loss_parallel == "vocab" and loss.impl not in ("flce", "unfused"):
         raise ValueError(f"[loss] impl = {loss.impl!r} has no vocab-parallel form: use \"flce\" "
                          "or \"unfused\" with [loss] parallel = \"vocab\"")
+    if loss_parallel == "vocab" and loss.memory_lean:
+        raise ValueError("[loss] memory_lean has no vocab-parallel form (that loss keeps only its "
+                         "vocabulary slice's dW): set it false with [loss] parallel = \"vocab\"")
     model = model_with_loss.model
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),

@@ -103,7 +103,7 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
         assert all(abs(got[s]["loss"] - expected[s]["loss"]) <= 1e-5 for s in got), name
 
 
-def test_vocab_parallel_loss_needs_a_fused_or_unfused_impl():
+def test_vocab_parallel_loss_rejects_settings_it_cannot_honour():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -119,6 +119,11 @@ def test_vocab_parallel_loss_needs_a_fused_or_unfused_impl():
             model = ModelWithLoss(Llama(FLAVORS["debug"], seq_len=64),
                                   TrainingLoss(Loss(impl="torch_chunked")))
         with pytest.raises(ValueError, match="'torch_chunked' has no vocab-parallel form"):
+            apply_tp(model, mesh, "vocab")
+        with torch.device("meta"):
+            model = ModelWithLoss(Llama(FLAVORS["debug"], seq_len=64),
+                                  TrainingLoss(Loss(impl="flce", memory_lean=True)))
+        with pytest.raises(ValueError, match="memory_lean has no vocab-parallel form"):
             apply_tp(model, mesh, "vocab")
     finally:
         dist.destroy_process_group()
