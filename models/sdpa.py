@@ -26,7 +26,9 @@ def set_sdpa_backend(name: str, device: torch.device) -> None:
     Process-wide, and read when torch.compile traces the model: call it before compiling."""
     if name not in BACKENDS:
         raise ValueError(f"[model] sdpa_backend = {name!r}: expected one of {BACKENDS}")
-    if name == "auto":
+    if name == "auto":  # PyTorch's defaults: every backend enabled (undoes an earlier choice)
+        for enable in _SWITCHES.values():
+            enable(True)
         return
     if device.type != "cuda":
         raise ValueError(f"[model] sdpa_backend = {name!r} selects a CUDA kernel, but the model "
