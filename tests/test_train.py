@@ -113,6 +113,9 @@ def test_device_and_attention_choices_fail_clearly(tmp_path):
         set_sdpa_backend("cudnn", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"sdpa_backend = 'fast'"):
         set_sdpa_backend("fast", torch.device("cpu"))
+    torch.backends.cuda.enable_flash_sdp(False)  # as an earlier "cudnn" run would leave it
+    set_sdpa_backend("auto", torch.device("cpu"))
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match=r"\[training\] device = \"cuda\""):
             train.main(SMALL + ["--training.device", "cuda", "--job.dump_folder", str(tmp_path)])
