@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import (git_revision, log_tail, probe_environment, read_metrics,  # noqa: E402
-                         run_process, throughput)
+from bench_train import (git_revision, launcher, log_tail, probe_environment,  # noqa: E402
+                         read_metrics, run_process, throughput)
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = re.compile(r"^(fsdp|tp(\d+)_(sequence|vocab)|hsdp(\d+))$")
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='further train.py overrides, e.g. --extra="--training.local_batch_size 2"')
     p.add_argument("--train-cmd", default=None,
                    help="the launcher, run as it is (default: this Python's torch.distributed.run "
-                        "--standalone --nproc_per_node NPROC train.py)")
+                        "--standalone --nproc_per_node NPROC train.py; plain train.py for 1)")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--out", default="benchmarks/layouts", help="report path without suffix")
     p.add_argument("--runs-dir", default="outputs/layouts", help="the runs' dump folders")
@@ -89,13 +89,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not Path(args.config).is_file():
         p.error(f"--config {args.config}: no such file")
     return args
-
-
-def launcher(args) -> list[str]:
-    if args.train_cmd:
-        return shlex.split(args.train_cmd)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(args.nproc), os.path.relpath(REPO / "train.py")]
 
 
 def plan(args) -> list[dict]:
