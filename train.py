@@ -89,7 +89,9 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
         if dims.tp > 1:
             apply_tp(model, mesh["tp"], cfg.loss.parallel)
         bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
+        reduce_bf16 = device.type == "cuda" and cfg.training.mixed_precision_reduce == "bfloat16"
         apply_fsdp(model, mesh, dims, torch.bfloat16 if bf16 else torch.float32,
+                   reduce_dtype=torch.bfloat16 if reduce_bf16 else torch.float32,
                    reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
     model.to_empty(device=device)
     torch.manual_seed(cfg.training.seed)

@@ -40,6 +40,7 @@ class Training:
     gradient_accumulation_steps: int = 1
     max_norm: float = 1.0
     mixed_precision_param: str = "bfloat16"  # used on CUDA; the CPU trains in float32
+    mixed_precision_reduce: str = "float32"  # FSDP gradient reduce-scatter dtype (CUDA)
     device: str = "auto"  # "auto": CUDA when available, else the CPU (gloo); or "cuda" / "cpu"
     seed: int = 0
     deterministic: bool = False
@@ -232,6 +233,7 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, from_text: bool) ->
 CHOICES = {
     ("training", "nan_policy"): ("skip", "stop"),
     ("training", "mixed_precision_param"): ("bfloat16", "float32"),
+    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
     ("training", "device"): ("auto", "cuda", "cpu"),
     ("loss", "impl"): ("flce", "unfused", "torch_chunked"),
     ("loss", "parallel"): ("sequence", "vocab"),

@@ -42,6 +42,8 @@ def test_resolved_config_round_trips(tmp_path):
     (["--training.steps", "three"], r"\[training\] steps: expected int, got 'three'"),
     (["--training.deterministic", "maybe"], r"\[training\] deterministic: expected bool"),
     (["--loss.impl", "fused"], r"\[loss\] impl = 'fused': expected one of"),
+    (["--training.mixed_precision_reduce", "float16"],
+     r"\[training\] mixed_precision_reduce = 'float16': expected one of"),
     (["--training.steps", "0"], r"\[training\] steps = 0: must be >= 1"),
     (["--training.steps"], r"needs a value"),
     (["steps=3"], r"unexpected argument"),
