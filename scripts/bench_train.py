@@ -313,9 +313,12 @@ def log_tail(path: Path, max_bytes: int = 1 << 20) -> str:
         return ""
 
 
-def classify(returncode: int | None, timed_out: bool, output: str, measured: bool) -> str:
+def classify(returncode: int | None, timed_out: bool, output: str, measured: bool,
+             finished: bool = False) -> str:
     if timed_out:
-        return "timeout"  # even if train.py then exited cleanly on our SIGTERM
+        # Stopped after its last step was logged (in teardown): the measurement is whole.
+        # Otherwise a timeout, even if train.py then exited cleanly on our SIGTERM.
+        return "ok" if finished and measured else "timeout"
     if returncode == 0:
         return "ok" if measured else "error"
     return "oom" if OOM_PATTERN.search(output) else "error"
@@ -370,10 +373,12 @@ class Bench:
         returncode, timed_out, seconds = run_process(cmd, dump / "train.log", timeout)
         output = log_tail(dump / "train.log")
         stats = throughput(read_metrics(dump / "metrics.jsonl"), self.args.warmup_steps)
-        status = classify(returncode, timed_out, output, bool(stats["measured_steps"]))
+        finished = self.args.steps in stats["measured_steps"]
+        status = classify(returncode, timed_out, output, bool(stats["measured_steps"]), finished)
         record = {"loss": loss, "loss_impl": LOSS_IMPLS[loss], "batch": batch, "ac": ac,
                   "compile": compile_label(self.args, loss, dump), "phase": phase,
-                  "status": status, "exit_code": returncode, "wall_seconds": round(seconds, 1),
+                  "status": status, "stopped_at_limit": timed_out, "exit_code": returncode,
+                  "wall_seconds": round(seconds, 1),
                   **stats, "command": shlex.join(cmd), "dump_folder": str(dump)}
         if status != "ok":
             lines = output.rstrip().splitlines()

@@ -222,4 +222,6 @@ def test_measured_windows_and_status():
     assert m.classify(1, False, "triton OutOfResources: shared memory", False) == "error"
     assert m.classify(0, False, "", False) == "error"  # nothing measured
     assert m.classify(0, True, "", True) == "timeout"
+    assert m.classify(0, True, "", True, finished=True) == "ok"  # stopped in teardown
+    assert m.classify(None, True, "", False, finished=False) == "timeout"
     assert m.classify(0, False, "", True) == "ok"
