@@ -78,16 +78,18 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
     set_sdpa_backend(cfg.model.sdpa_backend, device)  # before compile traces the attention
     with torch.device("meta"):
         model = ModelWithLoss(Llama(args, seq_len=cfg.training.seq_len), TrainingLoss(cfg.loss))
+    # torchtitan's order: TP's plan names the blocks' submodules, so it goes before the
+    # checkpoint wrapper renames them; compile wraps what AC built; FSDP comes last.
+    mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
+    if mesh is not None and dims.tp > 1:
+        apply_tp(model, mesh["tp"], cfg.loss.parallel)
     apply_activation_checkpointing(model.model, cfg.activation_checkpoint.mode,
                                    cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
         compile_blocks(model.model)
     if cfg.compile.enable and "loss" in cfg.compile.components:
         model.loss.compile()  # matters for the unfused loss; the fused one is a custom op
-    if dist.is_initialized():
-        mesh = dims.build_mesh(device.type)
-        if dims.tp > 1:
-            apply_tp(model, mesh["tp"], cfg.loss.parallel)
+    if mesh is not None:
         bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
         reduce_bf16 = device.type == "cuda" and cfg.training.mixed_precision_reduce == "bfloat16"
         apply_fsdp(model, mesh, dims, torch.bfloat16 if bf16 else torch.float32,

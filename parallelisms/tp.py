@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss
+from models.llama import TransformerBlock
 
 LOSS_PARALLEL = ("sequence", "vocab")
 
@@ -38,7 +39,12 @@ def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
     })
-    for block in model.layers.values():
+    for name, block in model.layers.items():
+        if not isinstance(block, TransformerBlock):
+            # parallelize_module skips plan entries it cannot find, so a block wrapped (by
+            # activation checkpointing or compile) would silently stay unsharded.
+            raise TypeError(f"layers.{name} is a {type(block).__name__}: apply tensor "
+                            "parallelism before activation checkpointing and compile wrap blocks")
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None),

@@ -52,24 +52,28 @@ def single(tmp_path_factory):
     return dump
 
 
-LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl)
+LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, activation checkpointing])
     (2, 1, 2, "sequence", "flce"),
     (2, 1, 2, "sequence", "unfused"),
     (2, 1, 2, "vocab", "flce"),
     (4, 1, 2, "sequence", "flce"),
     (4, 1, 2, "vocab", "unfused"),
     (4, 2, 1, "sequence", "flce"),  # HSDP: replicate 2 x shard 2
+    (2, 1, 2, "sequence", "flce", "full"),  # with activation checkpointing (TP plan before AC)
+    (4, 1, 2, "vocab", "flce", "selective"),
 ]
 
 
-@pytest.mark.parametrize("nproc,replicate,tp,parallel,impl", LAYOUTS, ids=lambda v: str(v))
-def test_layout_matches_one_process(tmp_path, single, nproc, replicate, tp, parallel, impl):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_layout_matches_one_process(tmp_path, single, layout):
+    nproc, replicate, tp, parallel, impl, ac = (*layout, "none")[:6]
     dims = ParallelDims.resolve(replicate, -1, tp, nproc)
     dump = tmp_path / "run"
     torchrun(nproc, dump, "--parallelism.tensor_parallel_degree", str(tp),
              "--parallelism.data_parallel_replicate_degree", str(replicate),
              "--training.local_batch_size", str(GLOBAL_BATCH // dims.dp),
-             "--loss.parallel", parallel, "--loss.impl", impl)
+             "--loss.parallel", parallel, "--loss.impl", impl,
+             "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", "2")
     ref, got = metrics(single), metrics(dump)
     assert sorted(got) == [1, 2, 3, 4]
     for step in got:
@@ -103,7 +107,7 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
         assert all(abs(got[s]["loss"] - expected[s]["loss"]) <= 1e-5 for s in got), name
 
 
-def test_vocab_parallel_loss_rejects_settings_it_cannot_honour():
+def test_tp_rejects_settings_it_cannot_honour():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -125,5 +129,12 @@ def test_vocab_parallel_loss_rejects_settings_it_cannot_honour():
                                   TrainingLoss(Loss(impl="flce", memory_lean=True)))
         with pytest.raises(ValueError, match="memory_lean has no vocab-parallel form"):
             apply_tp(model, mesh, "vocab")
+        # A block already wrapped by activation checkpointing would be skipped by the plan.
+        from parallelisms.activation_checkpoint import apply_activation_checkpointing
+        with torch.device("meta"):
+            model = ModelWithLoss(Llama(FLAVORS["debug"], seq_len=64), TrainingLoss(Loss()))
+        apply_activation_checkpointing(model.model, "full")
+        with pytest.raises(TypeError, match="layers.0 is a CheckpointWrapper: apply tensor"):
+            apply_tp(model, mesh, "sequence")
     finally:
         dist.destroy_process_group()
