@@ -1,6 +1,7 @@
-"""Every layout trains like one process (CPU, gloo, fp32): tp=2 and dp_shard=2 x tp=2, with the
-sequence- and vocab-parallel loss, fused and unfused: the losses and gradient norms of the
-first steps and the weights after them equal a single-process run; a checkpoint saved at
+"""Every layout trains like one process (CPU, gloo, fp32): dp_shard=2, tp=2, dp_shard=2 x tp=2 and
+HSDP, with the sequence- and vocab-parallel loss, fused and unfused, with activation
+checkpointing: the losses and gradient norms of the first 5 steps and the weights after them
+equal a single-process run; a checkpoint saved at
 dp_shard=2 x tp=2 resumes at dp_shard=4 and at one process with the same losses."""
 
 import json
@@ -22,7 +23,7 @@ GLOBAL_BATCH = 4
 BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
         "--training.seq_len", "64",
         "--metrics.log_freq", "1", "--job.print_config", "false", "--validation.enable", "false",
-        "--lr_scheduler.warmup_steps", "2", "--training.steps", "4", "--data.synthetic", "true",
+        "--lr_scheduler.warmup_steps", "2", "--training.steps", "5", "--data.synthetic", "true",
         "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2"]
 
 
@@ -53,6 +54,8 @@ def single(tmp_path_factory):
 
 
 LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, activation checkpointing])
+    (2, 1, 1, "sequence", "flce"),  # FSDP: dp_shard=2 (the loss-parallel mode needs tp > 1)
+    (2, 1, 1, "sequence", "unfused"),
     (2, 1, 2, "sequence", "flce"),
     (2, 1, 2, "sequence", "unfused"),
     (2, 1, 2, "vocab", "flce"),
@@ -75,14 +78,14 @@ def test_layout_matches_one_process(tmp_path, single, layout):
              "--loss.parallel", parallel, "--loss.impl", impl,
              "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", "2")
     ref, got = metrics(single), metrics(dump)
-    assert sorted(got) == [1, 2, 3, 4]
+    assert sorted(got) == [1, 2, 3, 4, 5]
     for step in got:
         for key in ("loss", "grad_norm"):
             assert abs(got[step][key] - ref[step][key]) <= 1e-5, (step, key)
-    # Weights after 4 AdamW steps: Adam divides by sqrt(v), so for near-zero gradients the fp32
+    # Weights after 5 AdamW steps: Adam divides by sqrt(v), so for near-zero gradients the fp32
     # summation-order differences of another layout (~1e-9) move an update by up to ~1e-5 of
     # lr 3e-3; the styles themselves match float64 to 1e-9 (test_loss_parallel.py).
-    w_ref, w_got = weights(single, 4, tmp_path), weights(dump, 4, tmp_path)
+    w_ref, w_got = weights(single, 5, tmp_path), weights(dump, 5, tmp_path)
     assert w_ref.keys() == w_got.keys()
     for name in w_ref:
         torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=3e-5, msg=name)
@@ -103,7 +106,7 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
         else:
             torchrun(nproc, dump, "--training.local_batch_size", str(batch))
         got = metrics(dump)
-        assert sorted(got) == [3, 4], name
+        assert sorted(got) == [3, 4, 5], name
         assert all(abs(got[s]["loss"] - expected[s]["loss"]) <= 1e-5 for s in got), name
 
 
