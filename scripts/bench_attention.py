@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flce import cuda_time  # noqa: E402
+from bench_flce import cuda_time, grid_table  # noqa: E402
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -77,23 +77,23 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    shapes = list(dict.fromkeys(r["shape"] for r in results))
-    cell = {(r["shape"], r["backend"]): r for r in results}
+    text = markdown(meta, results)
+    out.with_suffix(".md").write_text(text)
+    print(text, end="")
+
+
+def _backend_cell(_, r):
+    return "n/a" if r["ms"] is None else f"{r['ms']:.2f} ({r['tflops']:.0f})"
+
+
+def markdown(meta, results) -> str:
     lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · bf16 · "
              f"{meta['date']}", f"Command: `{meta['command']}`", "",
              "Causal attention forward+backward, median ms (TFLOP/s counting the causal half).", "",
-             "| backend | " + " | ".join(f"{s} (B×HQ×HKV×T×D)" for s in shapes) + " |",
-             "|---|" + "---|" * len(shapes)]
-    for name in BACKENDS:
-        row = []
-        for s in shapes:
-            r = cell[(s, name)]
-            row.append("n/a" if r["ms"] is None else f"{r['ms']:.2f} ({r['tflops']:.0f})")
-        lines.append(f"| {name} | " + " | ".join(row) + " |")
-    lines += ["", "n/a: PyTorch reported no available kernel of that backend for the call "
-              "(grouped-query attention through enable_gqa)."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+             *grid_table(results, "backend", "B×HQ×HKV×T×D", _backend_cell),
+             "", "n/a: PyTorch reported no available kernel of that backend for the call "
+             "(grouped-query attention through enable_gqa)."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -206,28 +206,35 @@ def main():
     print(markdown(meta, results, accuracy))
 
 
-def markdown(meta, results, accuracy):
+def grid_table(results, key, shape_label, cell_text):
+    """Markdown table: a row per value of r[key], a column per shape (both in first-seen order);
+    cell_text(name, result or None) fills each cell."""
     shapes = list(dict.fromkeys(r["shape"] for r in results))
-    names = list(dict.fromkeys(r["method"] for r in results))
-    cell = {(r["shape"], r["method"]): r for r in results}
+    names = list(dict.fromkeys(r[key] for r in results))
+    cell = {(r["shape"], r[key]): r for r in results}
+    lines = [f"| {key} | " + " | ".join(f"{s} ({shape_label})" for s in shapes) + " |",
+             "|---|" + "---|" * len(shapes)]
+    for n in names:
+        cells = (cell_text(n, cell.get((s, n))) for s in shapes)
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _method_cell(name, r):
+    if r is None:
+        return "-"
+    if name == "bare_gemms":
+        return f"{r['ms']:.1f} ({r['tflops']:.0f} TFLOP/s)"
+    if r["ms"] is None:
+        return "OOM"
+    return f"{r['ms']:.1f} / {r['extra_mib']:.0f} ({r['vs_gemms']:.2f}×)"
+
+
+def markdown(meta, results, accuracy):
     lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
              f"{meta['dtype']} · {meta['date']}", f"Command: `{meta['command']}`", "",
              "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time).", "",
-             "| method | " + " | ".join(f"{s} (N×H×V)" for s in shapes) + " |",
-             "|---|" + "---|" * len(shapes)]
-    for n in names:
-        row = []
-        for s in shapes:
-            r = cell.get((s, n))
-            if r is None:
-                row.append("-")
-            elif n == "bare_gemms":
-                row.append(f"{r['ms']:.1f} ({r['tflops']:.0f} TFLOP/s)")
-            elif r["ms"] is None:
-                row.append("OOM")
-            else:
-                row.append(f"{r['ms']:.1f} / {r['extra_mib']:.0f} ({r['vs_gemms']:.2f}×)")
-        lines.append(f"| {n} | " + " | ".join(row) + " |")
+             *grid_table(results, "method", "N×H×V", _method_cell)]
     if accuracy:
         lines += ["", f"Relative error against float64 at {accuracy['shape']} (loss / dx / dW):", "",
                   "| method | loss | dx | dW |", "|---|---|---|---|"]
