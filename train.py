@@ -12,7 +12,6 @@ metrics, validation).
 import dataclasses
 import os
 import signal
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from parallelisms.compile import compile_blocks
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
+from parallelisms.teardown import exit_without_teardown
 from parallelisms.tp import apply_tp
 
 
@@ -321,4 +321,4 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # everything is written and closed by now
