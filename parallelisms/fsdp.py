@@ -20,9 +20,12 @@ def apply_fsdp(model_with_loss: torch.nn.Module, mesh: DeviceMesh, dims: Paralle
     model = model_with_loss.model
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        # "default": the last block is needed first in backward, so keep it gathered; "never"
-        # keeps every block's parameters gathered until backward (more memory, less traffic).
-        reshard = {"always": True, "never": False}.get(reshard_after_forward, i < len(blocks) - 1)
+        # "default": the last block is needed first in backward, so keep it gathered; with
+        # nothing sharded (dp_shard 1, e.g. one GPU) resharding would only drop the bf16 copy
+        # and cast it again for backward, so keep every block gathered. "never" keeps every
+        # block's parameters gathered until backward (more memory, less traffic).
+        default = i < len(blocks) - 1 and dims.dp_shard > 1
+        reshard = {"always": True, "never": False}.get(reshard_after_forward, default)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model_with_loss, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

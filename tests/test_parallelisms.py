@@ -141,3 +141,36 @@ def test_tp_rejects_settings_it_cannot_honour():
             apply_tp(model, mesh, "sequence")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("policy, gathered", [("default", True), ("always", False),
+                                              ("never", True)])
+def test_fsdp_reshard_policy_with_nothing_sharded(policy, gathered):
+    """With dp_shard 1 (one GPU) "default" keeps every block gathered from forward to backward:
+    resharding would only drop the bf16 copy and cast it again."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from components.config import Loss
+    from components.loss import ModelWithLoss, TrainingLoss
+    from models import FLAVORS, Llama
+    from parallelisms.fsdp import apply_fsdp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dims = ParallelDims.resolve(1, -1, 1, 1)
+        with torch.device("meta"):
+            model = ModelWithLoss(Llama(FLAVORS["debug"], seq_len=16), TrainingLoss(Loss()))
+        apply_fsdp(model, dims.build_mesh("cpu"), dims, torch.float32,
+                   reshard_after_forward=policy)
+        model.to_empty(device="cpu")
+        model.model.init_weights()
+        vocab = model.model.args.vocab_size
+        tokens, labels = (torch.randint(0, vocab, (2, 16)) for _ in range(2))
+        loss = model(tokens, labels, torch.tensor(32.0))
+        first_block = model.model.layers["0"].attention.wq.weight
+        assert isinstance(first_block, DTensor) != gathered
+        loss.backward()  # and backward works from either state
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
