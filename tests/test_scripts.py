@@ -431,3 +431,10 @@ def test_loss_parallel_benchmark_on_two_cpu_processes(tmp_path):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and a["ms"] > 0
         assert math.isclose(a["loss"], c["loss"], rel_tol=1e-5)
     assert "| 90x24x101 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("script", ["bench_flce.py", "bench_attention.py", "bench_step_floor.py"])
+def test_gpu_benchmarks_import_and_parse_without_a_gpu(script):
+    """They run only on a GPU; here, that their imports resolve and their options parse."""
+    result = run([sys.executable, str(SCRIPTS / script), "--help"])
+    assert result.returncode == 0 and "--out" in result.stdout, result.stdout + result.stderr

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""The compute-bound floor of one training step: the model's GEMMs, attention, the loss and the
+optimizer, each timed alone at the trainer's shapes on one GPU, summed.
+
+A step can be no faster than this sum (everything else — norms, SwiGLU, RoPE, residual adds,
+FSDP's casts, gradient clipping — only adds to it), so tokens / sum bounds tokens/s and MFU
+before any of that is paid. Given a trainer's measured tokens/s at the same shapes
+(--measured), the gap to this bound is what the memory-bound rest of the step costs.
+
+    python scripts/bench_step_floor.py --flavor llama_1b --batch 8 --seq-len 8192 \\
+        --out benchmarks/step_floor_h200
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flce  # noqa: E402
+from bench_flce import cuda_time  # noqa: E402
+from components.metrics import peak_flops  # noqa: E402
+from models.args import FLAVORS, flops_per_token  # noqa: E402
+from models.llama import Llama  # noqa: E402
+
+DT = torch.bfloat16
+
+
+def randn(*shape, scale=1.0, grad=False):
+    return (torch.randn(*shape, device="cuda", dtype=DT) * scale).requires_grad_(grad)
+
+
+def projections_fwd_bwd(tokens, dim, outs):
+    """x [tokens, dim] through projections of widths `outs` (as the model: one GEMM each), then
+    dX (autograd sums the projections' parts) and every dW."""
+    x = randn(tokens, dim, grad=True)
+    ws = [randn(n, dim, scale=dim ** -0.5, grad=True) for n in outs]
+    dys = [randn(tokens, n) for n in outs]
+
+    def run():
+        torch.autograd.grad([F.linear(x, w) for w in ws], [x, *ws], dys)
+    return run
+
+
+def attention_fwd_bwd(batch, n_heads, n_kv_heads, seq_len, head_dim):
+    q = randn(batch, n_heads, seq_len, head_dim, grad=True)
+    k, v = (randn(batch, n_kv_heads, seq_len, head_dim, grad=True) for _ in range(2))
+    dout = randn(batch, n_heads, seq_len, head_dim)
+
+    def run():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=n_kv_heads != n_heads)
+        torch.autograd.grad(out, (q, k, v), dout)
+    return run
+
+
+def loss_fwd_bwd(tokens, dim, vocab):
+    x = randn(tokens, dim, grad=True)
+    w = randn(vocab, dim, scale=dim ** -0.5, grad=True)
+    t = torch.randint(0, vocab, (tokens,), device="cuda")
+
+    def run():
+        torch.autograd.grad(flce.fused_linear_cross_entropy(x, t, w), (x, w))
+    return run
+
+
+def optimizer_step(args):
+    """One fused AdamW step over fp32 parameters shaped like the model's (gradients given)."""
+    with torch.device("meta"):
+        shapes = [p.shape for p in Llama(args, seq_len=16).parameters()]
+    params = [torch.randn(s, device="cuda") for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    return opt.step, sum(p.numel() for p in params)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--flavor", default="llama_1b", choices=sorted(FLAVORS))
+    p.add_argument("--batch", type=int, default=8, help="local batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--measured", type=float, default=None,
+                   help="train.py's tokens/s at these shapes, to report the gap to the bound")
+    p.add_argument("--out", default="benchmarks/step_floor_bench", help="output path without suffix")
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    torch.manual_seed(0)
+    m = FLAVORS[args.flavor]
+    tokens = args.batch * args.seq_len
+    kv = m.n_kv_heads * m.head_dim
+    time = lambda fn: cuda_time(fn, warmup=3, reps=args.reps)  # noqa: E731
+
+    parts = {}  # name -> (ms per step, how it is counted)
+    for name, n_in, outs in (("wq, wk, wv", m.dim, [m.dim, kv, kv]),
+                             ("wo", m.n_heads * m.head_dim, [m.dim]),
+                             ("w1, w3", m.dim, [m.ffn_dim, m.ffn_dim]), ("w2", m.ffn_dim, [m.dim])):
+        ms = time(projections_fwd_bwd(tokens, n_in, outs))
+        parts[name] = (m.n_layers * ms, f"{m.n_layers} x {ms:.2f}")
+    ms = time(attention_fwd_bwd(args.batch, m.n_heads, m.n_kv_heads, args.seq_len, m.head_dim))
+    parts["attention (cuDNN)"] = (m.n_layers * ms, f"{m.n_layers} x {ms:.2f}")
+    parts["loss (flce)"] = (time(loss_fwd_bwd(tokens, m.dim, m.vocab_size)), "1 x")
+    step, n_params = optimizer_step(m)
+    parts["fused AdamW (fp32)"] = (time(step), f"{n_params / 1e9:.2f}B parameters")
+
+    total = sum(ms for ms, _ in parts.values())
+    peak = peak_flops("cuda")
+    ceiling = tokens / (total / 1e3)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python " + " ".join(sys.argv), "flavor": args.flavor,
+            "batch": args.batch, "seq_len": args.seq_len, "tokens": tokens}
+    result = {"parts_ms": {k: v[0] for k, v in parts.items()}, "total_ms": total,
+              "ceiling_tokens_per_s": ceiling,
+              "ceiling_mfu": ceiling * flops_per_token(m, args.seq_len) / peak if peak else None}
+    lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · bf16 · "
+             f"{meta['date']}", f"Command: `{meta['command']}`", "",
+             f"{args.flavor}, local batch {args.batch} x seq {args.seq_len} = {tokens} tokens a "
+             "step. Each part timed alone (forward + backward, median ms), summed over the layers.",
+             "", "| part | ms per step | share | counted as (ms) |", "|---|---|---|---|"]
+    lines += [f"| {k} | {ms:.1f} | {ms / total:.1%} | {how} |" for k, (ms, how) in parts.items()]
+    lines += [f"| **sum** | **{total:.1f}** | | |", "",
+              f"Ceiling before any elementwise work: {ceiling:,.0f} tokens/s"
+              + (f", MFU {result['ceiling_mfu']:.1%} (peak {peak / 1e12:.0f} TFLOP/s)." if peak
+                 else ".")]
+    if args.measured:
+        step_ms = tokens / args.measured * 1e3
+        result.update(measured_tokens_per_s=args.measured, measured_step_ms=step_ms)
+        lines += ["", f"Measured by train.py: {args.measured:,.0f} tokens/s = {step_ms:.0f} ms a "
+                  f"step, {args.measured / ceiling:.1%} of the ceiling; the other "
+                  f"{step_ms - total:.0f} ms are the memory-bound rest (norms, SwiGLU, RoPE, "
+                  "casts, clipping)."]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "result": result}, indent=1))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
