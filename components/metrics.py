@@ -61,24 +61,6 @@ def peak_flops(device: torch.device | str) -> float | None:
     return peak_flops_for_name(torch.cuda.get_device_name(device))
 
 
-def transformer_flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int,
-                                seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token of a decoder-only transformer.
-
-    torchtitan's estimate: 6 * num_params for the matrix multiplies with the weights (2 forward,
-    4 backward per parameter), plus 12 * num_layers * num_heads * head_dim * seq_len for the
-    attention scores and their weighted sum, counted without causal masking.
-
-    num_params must exclude the token embedding: looking up a row is not a matrix multiply.
-    (An untied output projection is a matmul and stays in; with tied weights, count it once.)
-    """
-    for name, value in (("num_params", num_params), ("num_layers", num_layers),
-                        ("num_heads", num_heads), ("head_dim", head_dim), ("seq_len", seq_len)):
-        if value < 0:
-            raise ValueError(f"transformer_flops_per_token: {name}={value} must be >= 0")
-    return float(6 * num_params + 12 * num_layers * num_heads * head_dim * seq_len)
-
-
 class StepMeter:
     """Throughput, MFU, peak memory and data wait, averaged over the steps since the last read().
 

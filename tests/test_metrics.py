@@ -9,8 +9,7 @@ import pytest
 import torch
 import wandb
 
-from components.metrics import (MetricsLogger, StepMeter, peak_flops, peak_flops_for_name,
-                                transformer_flops_per_token)
+from components.metrics import MetricsLogger, StepMeter, peak_flops, peak_flops_for_name
 
 FULL_STEP_METRICS = {"loss": 3.45123, "grad_norm": 1.234, "lr": 3e-4, "tokens_per_second": 12345.4,
                      "mfu_percent": 41.23, "memory_max_reserved_gib": 10.24}
@@ -146,11 +145,3 @@ def test_peak_flops():
     assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops_for_name("NVIDIA H100 PCIe") == 756e12  # the longer key wins
     assert peak_flops_for_name("NVIDIA GeForce RTX 4090") is None
-
-
-def test_transformer_flops_per_token_by_hand():
-    # 6 * 1000 + 12 * 2 layers * 4 heads * 8 head_dim * 16 tokens = 6000 + 12288
-    assert transformer_flops_per_token(1000, num_layers=2, num_heads=4, head_dim=8,
-                                       seq_len=16) == 18288.0
-    with pytest.raises(ValueError, match="seq_len=-1"):
-        transformer_flops_per_token(1000, 2, 4, 8, -1)
