@@ -102,7 +102,8 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1  # -1: whatever the other degrees leave
     tensor_parallel_degree: int = 1
-    fsdp_reshard_after_forward: str = "default"  # "default" | "always" | "never" (ZeRO-2 like)
+    # "default" (every block but the last; none when dp_shard is 1) | "always" | "never" (ZeRO-2)
+    fsdp_reshard_after_forward: str = "default"
 
 
 @dataclass

@@ -91,7 +91,8 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--measured", type=float, default=None,
                    help="train.py's tokens/s at these shapes, to report the gap to the bound")
-    p.add_argument("--out", default="benchmarks/step_floor_bench", help="output path without suffix")
+    p.add_argument("--out", default="benchmarks/step_floor_bench",
+                   help="output path without suffix")
     args = p.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     torch.manual_seed(0)
