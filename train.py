@@ -251,7 +251,8 @@ class StopRequest:
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # None: a handler not set from Python, cannot be restored
+                signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
         if signum == signal.SIGINT:
@@ -260,7 +261,8 @@ class StopRequest:
             self._sigint_seen = True
             if int(os.environ.get("RANK", "0")) == 0:  # os.write: print() is unsafe in a handler
                 os.write(2, ("\nSIGINT: " + ("saving and stopping" if self.saves else "stopping")
-                             + " after this step; Ctrl-C again aborts at once\n").encode())
+                             + " after this step (several processes: at the next log step); "
+                             "Ctrl-C again aborts at once\n").encode())
         self.signal_name = signal.Signals(signum).name
 
     def agreed(self, device) -> bool:
