@@ -20,11 +20,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint import Checkpointer
-from components.config import JobConfig, load_config, to_toml
+from components.config import JobConfig, config_changes, load_config, to_toml
 from components.data import build_data
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
 from components.metrics import MetricsLogger, StepMeter, peak_flops
-from components.optim import build_lr_schedule, build_optimizer
+from components.optim import (build_lr_schedule, build_optimizer, hyperparameters,
+                              restore_hyperparameters)
 from components.profiling import maybe_profile
 from components.tokenizer import build_tokenizer
 from models import FLAVORS, Llama, flops_per_token
@@ -146,9 +147,11 @@ def evaluate(model, batches, steps: int, device) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: int, device):
+def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: int, device,
+               poison: bool = False):
     """One optimizer step over the micro-batches. Returns the loss, the gradient norm and
-    whether either is non-finite, as device tensors: nothing here waits for the GPU."""
+    whether either is non-finite, as device tensors: nothing here waits for the GPU.
+    poison (tests only, FLCE_TEST_NAN_STEPS) makes the loss NaN, as a bad batch would."""
     # The loss is a sum over tokens divided by the global count of non-ignored tokens, so
     # micro-batches and ranks add up to the exact global mean (one all-reduce a step).
     count = sum((labels != IGNORE_INDEX).sum() for _, labels in micro).to(device).float()
@@ -159,6 +162,8 @@ def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: 
             model.set_requires_gradient_sync(i == len(micro) - 1)
         loss = model(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True),
                      normalizer)
+        if poison:
+            loss = loss * float("nan")
         loss.backward()
         loss_sum += loss.detach()
     norm = grad_norm_and_clip(params, max_norm)
@@ -173,30 +178,91 @@ def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: 
     return loss_sum, norm, bad
 
 
-def too_many_bad_steps(n_bad: int, step: int, cfg: JobConfig) -> bool:
-    """[training] nan_policy: "stop" at the first non-finite step, "skip" until max_bad_steps in a
-    row. Skipped steps leave the weights untouched, so no checkpoint holds a NaN."""
-    if n_bad and (cfg.training.nan_policy == "stop" or n_bad >= cfg.training.max_bad_steps):
-        log(f"stopping at step {step}: {n_bad} consecutive step(s) with a non-finite loss or "
-            f"gradient norm ([training] nan_policy = {cfg.training.nan_policy!r}, max_bad_steps = "
-            f"{cfg.training.max_bad_steps})")
+class BadSteps:
+    """Steps with a non-finite loss or gradient norm, counted on the device: update() runs every
+    step without a host sync, read() only on log steps, where the loop syncs anyway. Counts since
+    the last read(): bad steps, the longest run of consecutive ones (a run that goes on across a
+    read counts whole) and the first one's step; and bad steps since the start of this process.
+    The ranks' counts are combined (max), so every rank takes the same decision."""
+
+    def __init__(self, device, start_step: int):
+        zero = lambda: torch.zeros((), dtype=torch.long, device=device)  # noqa: E731
+        self.run, self.longest_run, self.since_read, self.first, self.total = (
+            zero(), zero(), zero(), zero(), zero())
+        self.read_after = start_step - 1  # the host's step of the last read
+
+    def update(self, bad: torch.Tensor, step: int) -> None:
+        self.run = (self.run + 1) * bad
+        self.longest_run = torch.maximum(self.longest_run, self.run)
+        self.since_read = self.since_read + bad
+        self.first = torch.where(bad & (self.first == 0), step, self.first)
+        self.total = self.total + bad
+
+    def read(self, step: int) -> dict:
+        values = torch.stack([self.since_read, self.longest_run, self.first, self.total])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        values = values.tolist()
+        self.since_read = torch.zeros_like(self.since_read)
+        self.first = torch.zeros_like(self.first)
+        self.longest_run = self.run.clone()
+        counts = dict(zip(("since_read", "longest_run", "first", "total"), values))
+        first_step = self.read_after + 1
+        counts["steps"] = f"{first_step}-{step}" if step > first_step else str(step)
+        self.read_after = step
+        return counts
+
+
+def too_many_bad_steps(bad: dict, step: int, cfg: JobConfig) -> bool:
+    """[training] nan_policy: "stop" after any non-finite step, "skip" once max_bad_steps came in
+    a row. Non-finite steps never update the weights, so no checkpoint holds a NaN; the run stops
+    at the first log step after them (checkpoint steps are log steps) without saving there."""
+    if not bad["since_read"]:
+        return False
+    policy, limit = cfg.training.nan_policy, cfg.training.max_bad_steps
+    what = (f"{bad['since_read']} of steps {bad['steps']} had a non-finite loss or gradient norm "
+            f"(the first: step {bad['first']})")
+    if policy == "stop" or bad["longest_run"] >= limit:
+        log(f"stopping at step {step} without saving: {what} ([training] nan_policy = {policy!r}"
+            + (")" if policy == "stop" else f", {bad['longest_run']} in a row, max_bad_steps = "
+               f"{limit})"))
         return True
-    if n_bad:
-        log(f"warning: step {step}: non-finite loss or gradient norm; the optimizer step was "
-            f"skipped ({n_bad} in a row)")
+    log(f"warning: {what}; their optimizer steps were skipped ({bad['total']} in this run)")
     return False
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (what SLURM sends before a time limit) ask for a save and a clean exit.
-    Ranks agree on when to stop at log steps (one all-reduce there, no extra host sync)."""
+    """SIGTERM / SIGUSR1 (what SLURM sends before a time limit) and a first SIGINT (Ctrl-C) ask
+    for a save and a clean exit; a second SIGINT aborts at once (KeyboardInterrupt). Ranks agree
+    on when to stop at log steps (one all-reduce there, no extra host sync). A context manager:
+    the previous handlers come back on exit."""
 
-    def __init__(self):
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, saves: bool = True):
         self.signal_name = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
+        self.saves = saves
+        self._sigint_seen = False
+        self._previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            if handler is not None:  # None: a handler not set from Python, cannot be restored
+                signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
+        if signum == signal.SIGINT:
+            if self._sigint_seen:
+                raise KeyboardInterrupt
+            self._sigint_seen = True
+            if int(os.environ.get("RANK", "0")) == 0:  # os.write: print() is unsafe in a handler
+                os.write(2, ("\nSIGINT: " + ("saving and stopping" if self.saves else "stopping")
+                             + " after this step (several processes: at the next log step); "
+                             "Ctrl-C again aborts at once\n").encode())
         self.signal_name = signal.Signals(signum).name
 
     def agreed(self, device) -> bool:
@@ -207,22 +273,39 @@ class StopRequest:
         return bool(flag.item())
 
 
+def log_resume(path: Path, cfg: JobConfig) -> None:
+    """Say where the run resumes from and how its config differs from the one that wrote the
+    checkpoint (this run's values are used)."""
+    log(f"resumed from {path}")
+    saved = path / "config.toml"
+    if not saved.is_file():
+        log(f"  ({saved} is missing: cannot list config changes)")
+        return
+    changes = config_changes(saved.read_text(), cfg)
+    if changes:
+        log("config changes since the checkpoint (this run's values are used):")
+        for change in changes:
+            log(f"  {change}")
+
+
 def main(argv=None) -> int:
     cfg = load_config(argv)
-    rank, world, device = init_distributed(cfg.training.device)
-    finished = False
-    try:
-        exit_code = train(cfg, rank, world, device)
-        finished = True
-        return exit_code
-    finally:  # also after an error: the next main() in this process can initialise again
-        if dist.is_initialized():
-            if finished:  # no rank tears gloo down while another still talks to it (seen to abort)
-                dist.barrier()
-            dist.destroy_process_group()
+    # From here on a stop signal is remembered: it takes effect after the first training step.
+    with StopRequest(saves=cfg.checkpoint.enable_checkpoint) as stop:
+        rank, world, device = init_distributed(cfg.training.device)
+        finished = False
+        try:
+            exit_code = train(cfg, rank, world, device, stop)
+            finished = True
+            return exit_code
+        finally:  # also after an error: the next main() in this process can initialise again
+            if dist.is_initialized():
+                if finished:  # no rank tears gloo down while another talks to it (seen to abort)
+                    dist.barrier()
+                dist.destroy_process_group()
 
 
-def train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> int:
+def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: StopRequest) -> int:
     dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                 cfg.parallelism.data_parallel_shard_degree,
                                 cfg.parallelism.tensor_parallel_degree, world)
@@ -266,25 +349,32 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> int:
                         rank, to_toml(cfg))
     start_step, tokens_seen = 1, 0
     if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
+        configured = hyperparameters(optimizer)
         resumed = ckpt.load()
         if resumed is not None:
+            # The checkpoint brings back its run's lr, betas, eps, weight decay and base lrs with
+            # the optimizer state; this run's config wins (the moments and step counts stay).
+            restore_hyperparameters(optimizer, scheduler, configured)
             start_step, tokens_seen = resumed.step + 1, resumed.tokens_seen
-            log(f"resumed from {ckpt.folder}/step-{resumed.step}")
-    stop = StopRequest()
+            log_resume(ckpt.folder / f"step-{resumed.step}", cfg)
 
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics.enable_wandb,
                             cfg.metrics.wandb_project, cfg.metrics.wandb_run_name or None,
                             cfg.metrics.wandb_mode, cfg.metrics.enable_tensorboard, cfg.to_dict())
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
-    bad_run = torch.zeros((), device=device)  # consecutive non-finite steps, kept on the device
+    bad_steps = BadSteps(device, start_step)
+    # Test-only fault injection: a NaN loss at these steps (comma-separated), as a bad batch gives.
+    poisoned = {int(s) for s in os.environ.get("FLCE_TEST_NAN_STEPS", "").split(",") if s.strip()}
     exit_code = 0
     with maybe_profile(cfg.profiling, dump, rank) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
             with meter.waiting_for_data():
                 micro = [next(train_iter) for _ in range(accum)]
+            lr = optimizer.param_groups[0]["lr"]  # this step's (train_step moves the schedule on)
             loss, norm, bad = train_step(model, micro, optimizer, scheduler, params,
-                                         cfg.training.max_norm, dims.tp, device)
-            bad_run = (bad_run + 1) * bad
+                                         cfg.training.max_norm, dims.tp, device,
+                                         poison=step in poisoned)
+            bad_steps.update(bad, step)
             step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.tp
             meter.step_done(step_tokens)
             tokens_seen += step_tokens * world
@@ -293,19 +383,22 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> int:
 
             last = step == cfg.training.steps
             log_step = step % cfg.metrics.log_freq == 0 or step == start_step or last
-            if log_step:
+            save_step = cfg.checkpoint.enable_checkpoint and (step % cfg.checkpoint.interval == 0
+                                                              or last)
+            stopping = (log_step or world == 1) and stop.agreed(device)
+            if log_step or save_step or stopping:  # the host syncs on these steps anyway
+                counts = bad_steps.read(step)
                 metrics.log(step, {"loss": all_reduce_sum(loss).item() / dims.tp,
-                                   "grad_norm": norm.item(), "lr": scheduler.get_last_lr()[0],
-                                   **meter.read()})
-                if too_many_bad_steps(int(bad_run.item()), step, cfg):
+                                   "grad_norm": norm.item(), "lr": lr, **meter.read(),
+                                   "bad_steps": counts["total"],
+                                   "skipped_steps_since_last_log": counts["since_read"]})
+                if too_many_bad_steps(counts, step, cfg):
                     exit_code = 1
                     break
-            if cfg.checkpoint.enable_checkpoint and (step % cfg.checkpoint.interval == 0 or last):
+            if save_step or (stopping and cfg.checkpoint.enable_checkpoint):
                 ckpt.save(step, tokens_seen)
                 meter.reset()
-            if (log_step or world == 1) and stop.agreed(device):
-                if cfg.checkpoint.enable_checkpoint and not (step % cfg.checkpoint.interval == 0 or last):
-                    ckpt.save(step, tokens_seen)
+            if stopping:
                 log(f"received {stop.signal_name or 'a stop request on another rank'}: stopped "
                     f"after step {step}" + (f", checkpoint in {ckpt.folder}/step-{step}; the same "
                                             "command resumes" if cfg.checkpoint.enable_checkpoint else ""))

@@ -312,19 +312,35 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
     return cfg
 
 
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
 def to_toml(cfg: JobConfig) -> str:
     """The resolved config as TOML that load_config reads back (None values are left out)."""
-    def fmt(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        return repr(v)
     out = []
     for section, values in cfg.to_dict().items():
         out.append(f"[{section}]")
-        out += [f"{k} = {fmt(v)}" for k, v in values.items() if v is not None]
+        out += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
         out.append("")
     return "\n".join(out)
+
+
+def config_changes(saved_toml: str, cfg: JobConfig) -> list[str]:
+    """`[section] key: old -> new` for every key whose value differs between a saved config (the
+    config.toml a run wrote) and cfg; "unset" stands for a key one side lacks."""
+    old, new = tomllib.loads(saved_toml), tomllib.loads(to_toml(cfg))
+    show = lambda values, key: _toml_value(values[key]) if key in values else "unset"  # noqa: E731
+    changes = []
+    for section in dict.fromkeys([*old, *new]):
+        before, after = old.get(section, {}), new.get(section, {})
+        for key in dict.fromkeys([*before, *after]):
+            if (key in before, before.get(key)) != (key in after, after.get(key)):
+                changes.append(f"[{section}] {key}: {show(before, key)} -> {show(after, key)}")
+    return changes

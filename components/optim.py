@@ -111,8 +111,9 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total
     """A LambdaLR following lr_multiplier; call scheduler.step() once after each optimizer.step().
 
     Right after construction the optimizer's lr is already the one for step 1 (lr/warmup_steps).
-    state_dict() holds the step count only (the multiplier is a functools.partial, which LambdaLR
-    does not save), so a resumed run follows the schedule of the config it is resumed with.
+    state_dict() holds the step count and the base lrs, not the multiplier (a functools.partial,
+    which LambdaLR does not save): after loading a checkpoint, restore_hyperparameters() puts the
+    resumed config's base lrs back, so a resumed run follows the schedule of its own config.
     decay_ratio applies to "wsd" only (None there means 0.1); giving it for another decay type is
     an error rather than being silently ignored.
     """
@@ -147,3 +148,34 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total
                                  total_steps=total_steps, decay_type=decay_type,
                                  min_lr_ratio=min_lr_ratio, decay_ratio=decay_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's settings without its parameters: lr, initial_lr (the schedule's peak),
+    betas, eps, weight_decay and the implementation flags (fused, foreach, ...)."""
+    return [{key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
+
+
+def restore_hyperparameters(optimizer: torch.optim.Optimizer,
+                            scheduler: torch.optim.lr_scheduler.LambdaLR,
+                            groups: list[dict]) -> None:
+    """Put back the settings that hyperparameters() took before a checkpoint was loaded.
+
+    Loading an optimizer's state dict also loads the saved run's param-group settings, and
+    loading the schedule's its base lrs: a resumed run would silently keep the old lr, betas,
+    eps and weight decay. The resumed config wins instead; what the checkpoint keeps is the
+    optimizer's state (moment estimates, step counts) and the schedule's step count. Each group's
+    lr is set to the resumed schedule's value for that step.
+    """
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"restore_hyperparameters: {len(groups)} saved settings for "
+                         f"{len(optimizer.param_groups)} param groups")
+    for group, settings in zip(optimizer.param_groups, groups):
+        group.update(settings)
+    scheduler.base_lrs = [settings["initial_lr"] for settings in groups]
+    lrs = [base * multiplier(scheduler.last_epoch)
+           for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() returns; LambdaLR sets it only in step()

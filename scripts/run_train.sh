@@ -38,8 +38,8 @@ PYTHON=${PYTHON:-python3}
 if ((NGPU == 1)); then
   cmd=("$PYTHON" "$repo/train.py" --config "$CONFIG" "$@")
 else
-  # torchrun forwards only SIGTERM/SIGINT/SIGHUP/SIGQUIT unless told: add SIGUSR1 so a
-  # `kill -USR1 <this script's pid>` still asks the trainer for a checkpoint.
+  # `kill -USR1 <this script's pid>` (or -TERM) reaches the trainers, which checkpoint and stop;
+  # the script then exits 0 (scripts/lib/torchrun.sh).
   # shellcheck source=scripts/lib/torchrun.sh
   source "$repo/scripts/lib/torchrun.sh"
   probe_torchrun "${SHUTDOWN_TIMEOUT:-240}"

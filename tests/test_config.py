@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from components.config import ConfigError, load_config, to_toml
+from components.config import ConfigError, config_changes, load_config, to_toml
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -67,3 +67,17 @@ def test_bad_toml(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_config(["--config", str(path)])
+
+
+def test_config_changes_lists_every_differing_key():
+    saved = to_toml(load_config(["--lr_scheduler.decay_type", "wsd", "--lr_scheduler.decay_ratio",
+                                 "0.2", "--job.description", 'a "b"']))
+    cfg = load_config(["--optimizer.lr", "1e-5", "--training.steps", "200"])
+    assert config_changes(saved, cfg) == [
+        '[job] description: "a \\"b\\"" -> ""',
+        "[training] steps: 100 -> 200",
+        "[optimizer] lr: 0.0003 -> 1e-05",
+        '[lr_scheduler] decay_type: "wsd" -> "cosine"',
+        "[lr_scheduler] decay_ratio: 0.2 -> unset",
+    ]
+    assert config_changes(to_toml(cfg), cfg) == []

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from components.optim import build_lr_schedule, build_optimizer, lr_multiplier
+from components.optim import (build_lr_schedule, build_optimizer, hyperparameters,
+                              lr_multiplier, restore_hyperparameters)
 
 LR = 1e-3
 
@@ -103,6 +104,48 @@ def test_state_dict_round_trip_continues_identically():
         assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
     for p, q in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_resumed_state_keeps_the_new_configs_hyperparameters():
+    """Loading a checkpoint brings back its run's lr, betas, eps, weight decay, implementation
+    and the schedule's base lrs; restore_hyperparameters puts the resumed config's back and keeps
+    the moment estimates and step counts."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    optimizer = build_optimizer(model, lr=LR)
+    scheduler = build_lr_schedule(optimizer, warmup_steps=2, total_steps=10)
+    for _ in range(3):
+        _train_step(model, optimizer)
+        scheduler.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+
+    new_lr = 1e-5
+    resumed = build_optimizer(model, lr=new_lr, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01,
+                              implementation="for-loop")
+    resumed_scheduler = build_lr_schedule(resumed, warmup_steps=2, total_steps=10,
+                                          decay_type="linear")
+    configured = hyperparameters(resumed)
+    resumed.load_state_dict(copy.deepcopy(saved))
+    resumed_scheduler.load_state_dict(copy.deepcopy(scheduler.state_dict()))
+    assert resumed.param_groups[0]["betas"] == (0.9, 0.95)  # what loading alone leaves
+    restore_hyperparameters(resumed, resumed_scheduler, configured)
+
+    decayed, not_decayed = resumed.param_groups
+    assert decayed["betas"] == not_decayed["betas"] == (0.8, 0.99)
+    assert decayed["eps"] == 1e-6 and decayed["weight_decay"] == 0.01
+    assert not_decayed["weight_decay"] == 0.0
+    assert decayed["foreach"] is False and decayed["fused"] is False
+    assert resumed_scheduler.last_epoch == 3
+    expected = new_lr * lr_multiplier(4, 2, 10, "linear")
+    assert [g["lr"] for g in resumed.param_groups] == pytest.approx([expected] * 2)
+    assert resumed_scheduler.get_last_lr() == pytest.approx([expected] * 2)
+    for key, state in resumed.state_dict()["state"].items():
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[name], saved["state"][key][name]), (key, name)
+    _train_step(model, resumed)
+    resumed_scheduler.step()
+    expected = new_lr * lr_multiplier(5, 2, 10, "linear")
+    assert resumed.param_groups[0]["lr"] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("kwargs,match", [

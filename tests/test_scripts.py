@@ -24,18 +24,25 @@ SHORT = ["--training.device", "cpu", "--training.steps", "20", "--training.seq_l
          "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
          "--validation.enable", "false", "--job.print_config", "false", "--optimizer.lr", "3e-3"]
 # A stand-in torchrun: `--help` lists the signal options or not (newer torchrun vs torch 2.11's),
-# and a run records the signals it gets, exiting 143 on SIGTERM as torchrun does.
+# and a run records the signals it gets, exiting 143 on SIGTERM as torchrun does. Its one child
+# stands in for a trainer: it records a SIGUSR1 and exits 0 (Python, like the trainer, can handle
+# a signal its parent ignores; bash cannot), and torchrun exits with the trainer's status.
 FAKE_TORCHRUN = """#!/bin/bash
 if [[ $1 == --help ]]; then
   echo "usage: torchrun [--nnodes NNODES] [--standalone] ${FAKE_TORCHRUN_HELP:-}"
   exit 0
 fi
 echo "$@" > "$FAKE_DIR/torchrun_args"
-trap 'echo TERM >> "$FAKE_DIR/torchrun_signals"; kill $sleeper; exit 143' TERM
+trap 'echo TERM >> "$FAKE_DIR/torchrun_signals"; kill $trainer; exit 143' TERM
 trap 'echo USR1 >> "$FAKE_DIR/torchrun_signals"' USR1
-sleep 30 & sleeper=$!
-touch "$FAKE_DIR/torchrun_started"
-wait $sleeper
+python3 -c 'import os, signal, sys, time
+def stop(signum, frame):
+    open(os.environ["FAKE_DIR"] + "/trainer_signals", "a").write("USR1\\n")
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, stop)
+open(os.environ["FAKE_DIR"] + "/torchrun_started", "w").close()
+time.sleep(30)' & trainer=$!
+wait $trainer
 """
 NEW_TORCHRUN_HELP = "[--signals-to-handle SIGNALS] [--shutdown-timeout SHUTDOWN_TIMEOUT]"
 
@@ -109,7 +116,8 @@ def test_torchrun_command_for_two_nodes(fake_torchrun):
         assert option(argv, "--nnodes") == "2"
         assert option(argv, "--nproc-per-node") == "8"
         assert option(argv, "--rdzv-backend") == "c10d"
-        assert "SIGUSR1" in option(argv, "--signals-to-handle").split(",")
+        assert option(argv, "--shutdown-timeout") == "240"
+        assert "--signals-to-handle" not in argv  # SIGUSR1 must not reach torchrun's handler
         script = argv.index(str(REPO / "train.py"))
         assert argv[script + 1:] == ["--config", "configs/llama_1b.toml", *overrides]
     # Same rendezvous (the first node, a port from the job id); node 0 hosts the store.
@@ -140,18 +148,19 @@ def test_torchrun_command_needs_slurm_variables():
 def test_signal_options_follow_the_installed_torchrun():
     installed = run(["torchrun", "--help"]).stdout
     argv = torchrun_argv(slurm_env(0), torchrun_help=None)
-    assert ("--signals-to-handle" in argv) == ("--signals-to-handle" in installed)
+    assert "--signals-to-handle" not in argv
     assert ("--shutdown-timeout" in argv) == ("--shutdown-timeout" in installed)
 
 
-def test_old_torchrun_gets_usr1_as_sigterm(fake_torchrun, tmp_path):
-    # torch 2.11's torchrun: no --signals-to-handle. The script then stays its parent and turns
-    # the pre-time-limit SIGUSR1 into SIGTERM, which the trainer also answers with a checkpoint.
-    argv = torchrun_argv(slurm_env(0), torchrun_help="", fake=fake_torchrun)
-    assert "--signals-to-handle" not in argv and "--shutdown-timeout" not in argv
+@pytest.mark.parametrize("torchrun_help", ["", NEW_TORCHRUN_HELP], ids=["torch-2.11", "newer"])
+def test_usr1_goes_to_the_trainers_not_torchrun(fake_torchrun, tmp_path, torchrun_help):
+    # torchrun exits 1 after relaying a signal, whatever its trainers did: the node script
+    # sends SIGUSR1 to the trainers itself, and torchrun (which ignores it, also when SLURM
+    # signals every process of the step) exits with their status.
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
     job = subprocess.Popen(["scripts/slurm/torchrun_cmd.sh", "--training.steps", "5"], cwd=REPO,
-                           env={**clean, **slurm_env(0), **fake_torchrun, "FAKE_TORCHRUN_HELP": ""},
+                           env={**clean, **slurm_env(0), **fake_torchrun,
+                                "FAKE_TORCHRUN_HELP": torchrun_help},
                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 20
     while not (tmp_path / "torchrun_started").exists():
@@ -159,9 +168,9 @@ def test_old_torchrun_gets_usr1_as_sigterm(fake_torchrun, tmp_path):
         time.sleep(0.05)
     job.send_signal(signal.SIGUSR1)
     output = job.communicate(timeout=20)[0]
-    assert (tmp_path / "torchrun_signals").read_text().split() == ["TERM"], output
-    assert job.returncode == 143, output  # torchrun's status, passed on
-    assert "SIGUSR1 is passed on as SIGTERM" in output
+    assert (tmp_path / "trainer_signals").read_text().split() == ["USR1"], output
+    assert not (tmp_path / "torchrun_signals").exists(), output
+    assert job.returncode == 0, output  # the trainer's status, through torchrun
     assert (tmp_path / "torchrun_args").read_text().split()[-3:] == ["configs/llama_1b.toml",
                                                                       "--training.steps", "5"]
 

@@ -1,21 +1,28 @@
 """The trainer end to end on the CPU: the debug config trains, metrics are written, fused and
-unfused losses agree, non-finite steps follow the configured policy, torchrun with gloo works."""
+unfused losses agree, non-finite steps follow the configured policy, torchrun with gloo works,
+a resumed run follows its own optimizer config, stop signals save and exit cleanly."""
 
 import json
+import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import train
+from components.optim import lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
-         "--training.seq_len", "64",
-         "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--job.print_config",
-         "false", "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2"]
+DEBUG_CONFIG = str(ROOT / "configs/debug.toml")
+OVERRIDES = ["--training.device", "cpu", "--training.seq_len", "64",
+             "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--job.print_config",
+             "false", "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2"]
+SMALL = ["--config", DEBUG_CONFIG, *OVERRIDES]
 
 
 def run(tmp_path, name, *overrides):
@@ -60,6 +67,66 @@ def test_non_finite_loss_policy(tmp_path, policy, expected_logged_steps):
                         "1e38", "--training.nan_policy", policy, "--training.max_bad_steps", "3")
     assert code == 1
     assert len(rows) == expected_logged_steps
+
+
+@pytest.mark.parametrize("policy,nan_steps,exit_code,logged,bad_steps,saved", [
+    ("stop", "2", 1, [1, 3], [0, 1], []),  # one bad step between log steps: stop at the next
+    ("skip", "2", 0, [1, 3, 6], [0, 1, 1], None),  # None: no checkpointing (saves take time)
+    ("skip", "4,5", 1, [1, 3, 6], [0, 0, 2], None),  # max_bad_steps in a row between log steps
+    ("skip", "3,4", 1, [1, 3, 6], [0, 1, 2], [3]),  # a run across a log step counts whole
+])
+def test_non_finite_steps_between_log_steps(tmp_path, monkeypatch, policy, nan_steps, exit_code,
+                                            logged, bad_steps, saved):
+    # FLCE_TEST_NAN_STEPS makes the loss (and so every gradient) NaN at those steps, as a bad
+    # batch would; the counts live on the device and are read at log steps only.
+    monkeypatch.setenv("FLCE_TEST_NAN_STEPS", nan_steps)
+    code, dump, rows = run(tmp_path, "r", "--training.steps", "6", "--metrics.log_freq", "3",
+                           "--training.nan_policy", policy, "--training.max_bad_steps", "2",
+                           "--checkpoint.enable_checkpoint", str(saved is not None).lower(),
+                           "--checkpoint.interval", "3")
+    assert code == exit_code
+    assert [r["step"] for r in rows] == logged
+    assert [r["bad_steps"] for r in rows] == bad_steps
+    assert [r["skipped_steps_since_last_log"] for r in rows] == [
+        b - a for a, b in zip([0] + bad_steps, bad_steps)]
+    # Skipped steps leave the weights finite; a run stopped for them saves nothing at that step.
+    poisoned = [int(s) for s in nan_steps.split(",")]
+    assert all(math.isfinite(r["loss"]) for r in rows if r["step"] not in poisoned)
+    if saved is not None:
+        assert sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) == saved
+
+
+def test_logged_lr_is_the_lr_each_step_used(tmp_path):
+    code, _, rows = run(tmp_path, "lr", "--training.steps", "6")
+    assert code == 0
+    assert [r["lr"] for r in rows] == pytest.approx(
+        [3e-3 * lr_multiplier(step, 2, 6, "cosine", 0.1) for step in range(1, 7)])
+
+
+def test_resume_follows_the_changed_optimizer_config(tmp_path, capsys):
+    """The checkpoint brings back the moments and step counts; lr, betas, eps, weight decay and
+    the schedule's peak come from the resumed run's config, and the log names what changed."""
+    ckpt = ["--training.steps", "6", "--checkpoint.enable_checkpoint", "true",
+            "--checkpoint.interval", "3"]
+    code, _, first = run(tmp_path, "first", *ckpt)
+    assert code == 0
+
+    def resume(name, *overrides):
+        shutil.copytree(tmp_path / "first/checkpoint/step-3", tmp_path / name / "checkpoint/step-3")
+        capsys.readouterr()
+        code, _, rows = run(tmp_path, name, *ckpt, *overrides)
+        assert code == 0 and [r["step"] for r in rows] == [4, 5, 6]
+        return rows, capsys.readouterr().out
+
+    plain, out = resume("plain")
+    assert [r["loss"] for r in plain] == [r["loss"] for r in first[3:]]  # exact resume
+    assert "resumed from" in out and "[optimizer]" not in out
+    changed, out = resume("changed", "--optimizer.lr", "1e-5", "--optimizer.beta2", "0.99")
+    assert [r["lr"] for r in changed] == pytest.approx(
+        [1e-5 * lr_multiplier(step, 2, 6, "cosine", 0.1) for step in (4, 5, 6)])
+    assert all(a["loss"] != b["loss"] for a, b in zip(changed[1:], plain[1:]))
+    assert "  [optimizer] lr: 0.003 -> 1e-05\n" in out
+    assert "  [optimizer] beta2: 0.95 -> 0.99\n" in out
 
 
 def test_torchrun_gloo_two_processes_match_one(tmp_path):
@@ -130,3 +197,107 @@ def test_a_failed_run_leaves_no_process_group_behind(tmp_path):
     assert not dist.is_initialized()
     code, _, rows = run(tmp_path, "b", "--training.steps", "3")
     assert code == 0 and rows
+
+
+# ---- stop signals: a real process, a real signal ----------------------------------------------
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants, from /proc."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+@pytest.fixture
+def start_training(tmp_path):
+    """start_training(name, command, env): a long checkpointing run in the background, stdout and
+    stderr to <name>.out. Whatever still runs at the end of the test is killed."""
+    started = []
+
+    def start(name, command, env=None):
+        dump = tmp_path / name
+        with open(tmp_path / f"{name}.out", "w") as out:
+            proc = subprocess.Popen(
+                [*command, *OVERRIDES, "--training.steps", "100000", "--job.dump_folder", str(dump),
+                 "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "100000"],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        started.append(proc)
+        return proc, dump, lambda: (tmp_path / f"{name}.out").read_text()
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            for pid in process_tree(proc.pid):  # torchrun's trainers run in sessions of their own
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+
+
+def wait_until(condition, proc, output, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"exited with {proc.returncode}:\n{output()}"
+        assert time.monotonic() < deadline, output()
+        time.sleep(0.05)
+
+
+def logged_steps(dump) -> list[int]:
+    path = dump / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+PYTHON_TRAIN = [sys.executable, str(ROOT / "train.py"), "--config", DEBUG_CONFIG]
+
+
+def test_ctrl_c_saves_and_exits_cleanly(start_training):
+    proc, dump, output = start_training("int", PYTHON_TRAIN)
+    wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0, output()
+    last = logged_steps(dump)[-1]
+    assert f"received SIGINT: stopped after step {last}, checkpoint in" in output()
+    assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
+
+
+def test_second_ctrl_c_aborts_at_once(start_training):
+    proc, dump, output = start_training("int2", PYTHON_TRAIN)
+    wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
+    done = len(logged_steps(dump))
+    wait_until(lambda: len(logged_steps(dump)) > done, proc, output)  # a new step has begun
+    proc.send_signal(signal.SIGINT)
+    wait_until(lambda: "Ctrl-C again aborts" in output(), proc, output)  # the handler ran
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) != 0
+    assert "KeyboardInterrupt" in output() and "received SIGINT" not in output(), output()
+    assert not list((dump / "checkpoint").glob("step-*[0-9]"))
+
+
+@pytest.mark.parametrize("sig,to_every_process", [(signal.SIGTERM, False), (signal.SIGUSR1, True)],
+                         ids=["SIGTERM-to-the-script", "SIGUSR1-to-every-process"])
+def test_torchrun_launch_exits_0_after_a_clean_stop(start_training, sig, to_every_process):
+    """scripts/run_train.sh with NGPU=2 (real torchrun, gloo): a stop signal to the script, or a
+    SIGUSR1 to every process of the job at once (as SLURM signals a job step), ends with a
+    checkpoint and exit 0 (torchrun signalled itself exits 1 after its trainers saved)."""
+    proc, dump, output = start_training("tr", [str(ROOT / "scripts/run_train.sh")],
+                                        env={"NGPU": "2", "CONFIG": DEBUG_CONFIG})
+    wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
+    for pid in process_tree(proc.pid) if to_every_process else [proc.pid]:
+        os.kill(pid, sig)
+    assert proc.wait(timeout=120) == 0, output()
+    last = logged_steps(dump)[-1]
+    assert f"received {sig.name}: stopped after step {last}" in output()
+    assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()

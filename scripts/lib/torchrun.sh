@@ -1,39 +1,55 @@
 # shellcheck shell=bash
-# Sourced by scripts/run_train.sh and scripts/slurm/torchrun_cmd.sh: run torchrun so that
-# SIGUSR1 (checkpoint, then stop) reaches the trainers whatever the installed torchrun.
+# Sourced by scripts/run_train.sh and scripts/slurm/torchrun_cmd.sh: run torchrun so that a stop
+# request (SIGUSR1 or SIGTERM: checkpoint, then stop) reaches the trainers and the launch then
+# ends with the trainers' status: 0 after a clean stop.
 #
-# Newer torchrun takes --signals-to-handle (forward SIGUSR1 too) and --shutdown-timeout (how
-# long to wait for the workers before SIGKILL). torch 2.11's torchrun has neither and forwards
-# only SIGTERM/SIGINT/SIGHUP/SIGQUIT, then kills the workers after 30 s. There the script stays
-# torchrun's parent and turns a SIGUSR1 into a SIGTERM, which the trainer handles the same way
-# (checkpoint after the current step, exit); a checkpoint must then be written within 30 s.
+# torchrun relays a SIGTERM it receives to the trainers, waits for them and then re-raises it:
+# it exits 1 even when every trainer saved its checkpoint and exited 0 (torch's elastic agent,
+# any version). So this script, torchrun's parent, delivers SIGUSR1 and SIGTERM to the trainers
+# (torchrun's child processes) itself; torchrun, which never sees the signal, exits with their
+# status. torchrun runs with SIGUSR1 ignored (the trainers set their own handler), so a SIGUSR1
+# sent to every process of the job at once (SLURM signals all of a job step's processes) does
+# not end it either. A SIGTERM sent to torchrun itself still stops the trainers cleanly, but
+# torchrun then exits 1. SIGINT is passed to torchrun, which relays it.
 
 torchrun_signal_options=()
-torchrun_forwards_usr1=false
 
 # probe_torchrun SHUTDOWN_SECONDS: fills torchrun_signal_options for the installed torchrun.
+# Newer torchrun takes --shutdown-timeout: how long the trainers may take to checkpoint after a
+# signal torchrun relays (scancel's SIGTERM, Ctrl-C) before it kills them; torch 2.11's has no
+# such option and waits 30 s.
 probe_torchrun() {
-  local help
-  help=$(torchrun --help 2> /dev/null || true)
-  if grep -q -- --signals-to-handle <<< "$help"; then
-    torchrun_forwards_usr1=true
-    torchrun_signal_options=(--signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    if grep -q -- --shutdown-timeout <<< "$help"; then
-      torchrun_signal_options+=(--shutdown-timeout "$1")
-    fi
+  if torchrun --help 2> /dev/null | grep -q -- --shutdown-timeout; then
+    # shellcheck disable=SC2034  # read by the scripts that source this file
+    torchrun_signal_options=(--shutdown-timeout "$1")
   fi
 }
 
-# run_torchrun CMD...: exec CMD when torchrun forwards SIGUSR1 itself; otherwise run it as a
-# child, pass SIGUSR1 on as SIGTERM (SIGTERM and SIGINT as they are) and exit with its status.
-run_torchrun() {
-  if [[ $torchrun_forwards_usr1 == true ]]; then
-    exec "$@"
+# The trainers: torchrun's child processes.
+torchrun_workers() {
+  pgrep -P "$1" 2> /dev/null || cat /proc/"$1"/task/*/children 2> /dev/null || true
+}
+
+# stop_trainers PID SIGNAL: send SIGNAL to the trainers of torchrun PID; before they exist
+# (rendezvous) there is nothing to save, and torchrun itself gets SIGTERM.
+stop_trainers() {
+  local workers
+  workers=$(torchrun_workers "$1")
+  if [[ -n ${workers//[[:space:]]/} ]]; then
+    # shellcheck disable=SC2086  # one pid per word
+    kill -"$2" $workers 2> /dev/null || true
+  else
+    kill -TERM "$1" 2> /dev/null || true
   fi
-  echo "torchrun without --signals-to-handle: SIGUSR1 is passed on as SIGTERM" >&2
-  "$@" &
+}
+
+# run_torchrun CMD...: run CMD (torchrun ...) as a child, pass stop requests on as described
+# above and exit with its status.
+run_torchrun() {
+  (trap '' USR1 && exec "$@") &
   local pid=$! status=0 interrupted
-  trap 'interrupted=1; kill -TERM "$pid" 2> /dev/null || true' USR1 TERM
+  trap 'interrupted=1; stop_trainers "$pid" USR1' USR1
+  trap 'interrupted=1; stop_trainers "$pid" TERM' TERM
   trap 'interrupted=1; kill -INT "$pid" 2> /dev/null || true' INT
   # A trapped signal cuts wait short (status > 128) without consuming the child's status:
   # wait again until a wait was not interrupted, which returns torchrun's own status.

@@ -55,9 +55,9 @@ cmd=(torchrun
   --rdzv-id "$SLURM_JOB_ID" --rdzv-conf "is_host=$is_host"
   # No elastic restarts: a failed rank ends the job; a requeue resumes from the checkpoint.
   --max-restarts 0
-  # Forward SIGUSR1 (the pre-time-limit warning) to the trainers, then wait up to
-  # SHUTDOWN_TIMEOUT for them to checkpoint before SIGKILL (torchrun's default wait is 30 s);
-  # empty for a torchrun without these options (run_torchrun then forwards it).
+  # After a signal torchrun relays (scancel's SIGTERM), wait up to SHUTDOWN_TIMEOUT for the
+  # trainers to checkpoint before SIGKILL (torchrun's default is 30 s); empty for a torchrun
+  # without the option. SIGUSR1 goes to the trainers from run_torchrun, not through torchrun.
   "${torchrun_signal_options[@]}"
   "$repo/train.py" --config "$config" "$@")
 
