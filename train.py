@@ -35,7 +35,7 @@ from parallelisms.fsdp import apply_fsdp
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
 from parallelisms.teardown import exit_without_teardown
-from parallelisms.tp import apply_tp
+from parallelisms.tp import apply_tp, check_tp_degree
 
 
 def log(msg: str) -> None:
@@ -69,6 +69,7 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
         raise ValueError(f"[model] flavor = {cfg.model.flavor!r}: expected one of {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
     args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
+    check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
     if cfg.training.seq_len > args.max_seq_len:
         raise ValueError(f"[training] seq_len = {cfg.training.seq_len} exceeds the "
                          f"{cfg.model.flavor} flavor's max_seq_len {args.max_seq_len}")
