@@ -255,7 +255,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device) -> int:
                        dp_rank=dims.dp_rank(rank), dp_world=dims.dp, synthetic=cfg.data.synthetic,
                        seed=cfg.training.seed, max_token_id=args.vocab_size,
                        streaming=cfg.data.streaming, text_field=cfg.data.text_field,
-                       val_every=cfg.data.val_every, cache_dir=cfg.data.cache_dir)
+                       val_every=cfg.data.val_every, cache_dir=cfg.data.cache_dir,
+                       on_bad_document=cfg.data.on_bad_document)
     train_batches = build_data(split="train", **data_kwargs)
     val_batches = build_data(split="validation", **data_kwargs) if cfg.validation.enable else None
     train_iter = iter(train_batches)
