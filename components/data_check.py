@@ -108,7 +108,11 @@ def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_
 def _why_empty(path: Path, report: FileReport) -> str:
     if report.bad:
         return f" (all {report.bad} were bad and skipped)"
-    return " (the file is empty)" if path.stat().st_size == 0 else " (only blank lines)"
+    if path.stat().st_size == 0:
+        return " (the file is empty)"
+    with open(path, "rb") as f:
+        return " (an empty JSON array)" if f.read(4096).lstrip(_BOM).lstrip().startswith(b"[") else \
+            " (only blank lines)"
 
 
 def _cache_key(path: Path, text_field: str) -> str:

@@ -423,7 +423,7 @@ def test_json_array_file(tmp_path):
     ("empty.jsonl", b"", "the file is empty"),  # was a bare StopIteration
     ("blank.jsonl", b"\n  \n\n", "only blank lines"),
     ("empty.txt", b"", "the file is empty"),  # was a DatasetGenerationError
-    ("empty.json", b"[]", "only blank lines"),
+    ("empty.json", b" [ ]", "an empty JSON array"),
     ("bad.jsonl", b"\xff\n", "all 1 were bad and skipped"),
 ])
 def test_a_source_without_documents_is_named(tmp_path, name, content, why):
