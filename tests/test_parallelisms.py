@@ -208,7 +208,7 @@ def test_tp_degree_that_divides_passes(flavor, tp, seq_len):
 
 
 def test_train_refuses_tp_degree_before_building(tmp_path):
-    """tp=2 with seq_len 63 aborted (gloo) mid-step; now both ranks stop with the message."""
+    """tp=2 with seq_len 63 failed mid-step (127: a gloo abort); now it stops with the message."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc_per_node", "2", str(ROOT / "train.py"), *BASE,
@@ -218,6 +218,7 @@ def test_train_refuses_tp_degree_before_building(tmp_path):
     assert run.returncode == 1
     line = ("ValueError: [parallelism] tensor_parallel_degree = 2 does not divide [training] "
             "seq_len = 63: sequence parallelism cuts every sequence into 2 equal pieces")
-    assert run.stderr.count(line) == 2, run.stderr[-3000:]  # once per rank
-    assert "SIGABRT" not in run.stderr and "Signal" not in run.stderr
+    # each rank that gets there says it (torchrun may SIGTERM the other once one has failed)
+    assert line in run.stderr, run.stderr[-3000:]
+    assert "SIGABRT" not in run.stderr and "Signal 6 " not in run.stderr
     assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "metrics.jsonl").exists()
