@@ -36,7 +36,7 @@ from parallelisms.fsdp import apply_fsdp
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
 from parallelisms.teardown import exit_without_teardown
-from parallelisms.tp import apply_tp
+from parallelisms.tp import apply_tp, check_tp_degree
 
 
 def log(msg: str) -> None:
@@ -70,6 +70,7 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
         raise ValueError(f"[model] flavor = {cfg.model.flavor!r}: expected one of {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
     args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
+    check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
     if cfg.training.seq_len > args.max_seq_len:
         raise ValueError(f"[training] seq_len = {cfg.training.seq_len} exceeds the "
                          f"{cfg.model.flavor} flavor's max_seq_len {args.max_seq_len}")
@@ -337,7 +338,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                        dp_rank=dims.dp_rank(rank), dp_world=dims.dp, synthetic=cfg.data.synthetic,
                        seed=cfg.training.seed, max_token_id=args.vocab_size,
                        streaming=cfg.data.streaming, text_field=cfg.data.text_field,
-                       val_every=cfg.data.val_every, cache_dir=cfg.data.cache_dir)
+                       val_every=cfg.data.val_every, cache_dir=cfg.data.cache_dir,
+                       on_bad_document=cfg.data.on_bad_document)
     train_batches = build_data(split="train", **data_kwargs)
     val_batches = build_data(split="validation", **data_kwargs) if cfg.validation.enable else None
     train_iter = iter(train_batches)

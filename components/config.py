@@ -75,6 +75,10 @@ class Data:
     synthetic: bool = False  # random tokens, for throughput runs
     val_every: int = 100  # every n-th document is held out for validation
     cache_dir: str = "~/.cache/flce-recipes"
+    # A document of a local .jsonl/.json/.txt file that is not UTF-8, not a JSON object or has no
+    # text: "error" stops before training and names it (file, line); "skip" leaves it out, with
+    # a warning naming it and a count
+    on_bad_document: str = "error"
 
 
 @dataclass
@@ -245,6 +249,7 @@ CHOICES = {
     ("model", "sdpa_backend"): ("auto", "cudnn", "flash", "efficient", "math"),
     ("optimizer", "implementation"): ("auto", "fused", "foreach", "for-loop"),
     ("tokenizer", "name"): ("byte", "hf"),
+    ("data", "on_bad_document"): ("error", "skip"),
     ("checkpoint", "async_mode"): ("disabled", "async"),
     ("activation_checkpoint", "mode"): ("none", "full", "selective"),
     ("metrics", "wandb_mode"): ("offline", "online", "disabled"),

@@ -22,6 +22,7 @@ import datasets
 import numpy as np
 import torch
 
+from components.data_check import MissingTextField, check_files
 from components.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -38,12 +39,6 @@ STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "test
 
 Documents = datasets.Dataset | datasets.IterableDataset
 Window = tuple[torch.Tensor, torch.Tensor]
-
-
-class MissingTextField(KeyError):
-    # KeyError would print its message in quotes, as if it were a key.
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def embedded_corpus(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
@@ -94,14 +89,17 @@ def _stdlib_sources() -> Iterator[tuple[str, str]]:
 
 
 def load_documents(source: str, split: str, text_field: str = "text", streaming: bool = False,
-                   val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Documents:
+                   val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
+                   on_bad_document: str = "error") -> Documents:
     """source: "stdlib", a local .txt/.jsonl/.json/.parquet file or a directory of them, or a Hugging Face
     Hub dataset name (needs network access). A .txt file gives one document per paragraph (blank-line
-    separated). split: "train" or "validation", or another split the source really has."""
+    separated). split: "train" or "validation", or another split the source really has.
+    on_bad_document: what a document of a local .jsonl/.json/.txt file that is not UTF-8, not JSON or
+    without the text field does: "error" names it, "skip" leaves it out with a warning."""
     if val_every < 2:
         raise ValueError(f"val_every={val_every}: must be >= 2 (1 would hold out every document)")
     cache_dir = Path(cache_dir).expanduser()
-    splits = _load_splits(source, streaming, cache_dir)
+    splits = _load_splits(source, streaming, cache_dir, text_field, on_bad_document)
     documents = _pick_split(splits, split, val_every, source)
     columns = documents.column_names  # None for some streams; then TokenWindows checks the first document
     if columns is not None and text_field not in columns:
@@ -110,12 +108,13 @@ def load_documents(source: str, split: str, text_field: str = "text", streaming:
     return documents
 
 
-def _load_splits(source: str, streaming: bool, cache_dir: Path):
+def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str, on_bad_document: str):
     if source == "stdlib":
         return _load_local([embedded_corpus(cache_dir)], streaming, cache_dir)
     path = Path(source).expanduser()
     if path.exists():
-        return _load_local(_data_files(path), streaming, cache_dir)
+        files = check_files(_data_files(path), text_field, on_bad_document, cache_dir)
+        return _load_local(files, streaming, cache_dir)
     if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
         raise FileNotFoundError(f"data source not found: {path}")
     try:
@@ -398,7 +397,8 @@ class Batches:
 def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                dp_rank: int = 0, dp_world: int = 1, synthetic: bool = False, seed: int = 0,
                max_token_id: int | None = None, streaming: bool = False, text_field: str = "text",
-               val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Batches:
+               val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
+               on_bad_document: str = "error") -> Batches:
     if synthetic:
         vocab_size = max_token_id if max_token_id is not None else tokenizer.vocab_size
         # Validation gets its own stream so it never scores the windows it trained on.
@@ -406,7 +406,7 @@ def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, l
         windows = SyntheticTokens(vocab_size, seq_len, split_seed, dp_rank, dp_world, local_batch_size)
         return Batches(windows, local_batch_size)
     documents = load_documents(source, split, text_field=text_field, streaming=streaming,
-                               val_every=val_every, cache_dir=cache_dir)
+                               val_every=val_every, cache_dir=cache_dir, on_bad_document=on_bad_document)
     windows = TokenWindows(documents, tokenizer, seq_len, dp_rank=dp_rank, dp_world=dp_world,
                            max_token_id=max_token_id, text_field=text_field)
     return Batches(windows, local_batch_size)

@@ -65,6 +65,8 @@ def _check_inputs(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tens
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must be [V, H={x.shape[-1]}] to match x {tuple(x.shape)}, "
                          f"got {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight {tuple(weight.shape)} has no rows: the loss needs at least one class")
     if tuple(target.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"target shape {tuple(target.shape)} must equal x.shape[:-1] = "
                          f"{tuple(x.shape[:-1])}")

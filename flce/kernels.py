@@ -196,6 +196,7 @@ def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, comp
     C, V = logits.shape
     if C == 0:
         return
+    target = target.contiguous()  # the kernels read target[row] (a strided target was misread)
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
     flce_rows_kernel[(C,)](
         logits, logits.stride(0), target, loss_out, lse_out,
@@ -217,6 +218,7 @@ def launch_row_stats(logits, target, stats_out, opts, vocab_start, block_v=None,
     C, V = logits.shape
     if C == 0:
         return
+    target = target.contiguous()
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
     flce_row_stats_kernel[(C,)](
         logits, logits.stride(0), target, stats_out, V, vocab_start, opts.ignore_index,

@@ -35,6 +35,7 @@ def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
     make the dW accumulation GEMMs slower (each reads and writes the fp32 accumulator), larger
     ones cost memory for little speed (H200 sweep in benchmarks/flce_sweep_h200.md). Lean: a
     logits buffer about the size of x, next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel."""
+    vocab = max(vocab, 1)  # an empty vocabulary slice (vocab-parallel, fewer classes than ranks)
     if chunk_size is None:
         if lean:
             chunk_size = 1 << max(0, (-(-n_tokens // -(-vocab // hidden)) - 1).bit_length())

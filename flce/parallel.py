@@ -37,6 +37,14 @@ def _as_local_replicated_weight(t, mesh: DeviceMesh):
     return t.to_local(grad_placements=[Partial()])
 
 
+def _shard_bounds(size: int, n_shards: int, index: int) -> tuple[int, int]:
+    """(start, length) of shard `index` when `size` is cut into n_shards as DTensor's Shard cuts
+    it (torch.chunk): ceil(size / n) each, the last ones shorter and, when size < n, empty."""
+    chunk = -(-size // n_shards)
+    start = min(index * chunk, size)
+    return start, min(chunk, size - start)
+
+
 def _global_count(target, ignore_index: int, mesh: DeviceMesh):
     count = (target != ignore_index).sum().float()
     dist.all_reduce(count, group=mesh.get_group())
@@ -58,8 +66,12 @@ class LinearLossParallel(ParallelStyle):
             x = x.to_local()
         if isinstance(target, DTensor):
             target = target.full_tensor()
-        # the global target, cut like DTensor cuts x (torch.chunk semantics)
-        target = torch.chunk(target, mesh.size(), dim=self.seq_dim)[mesh.get_local_rank()]
+        # the global target, cut like DTensor cuts x; a rank may get no tokens (T < ranks), and
+        # then contributes nothing to the loss and zeros to the weight's gradient
+        module._tp_global_target_shape = target.shape  # for reduction="none"'s DTensor
+        start, length = _shard_bounds(target.shape[self.seq_dim], mesh.size(),
+                                     mesh.get_local_rank())
+        target = target.narrow(self.seq_dim, start, length)
         opts = getattr(module, "options", None)
         normalizer = rest[1] if len(rest) > 1 else kwargs.pop("normalizer", None)
         if normalizer is None and getattr(opts, "reduction", None) == "mean":
@@ -72,7 +84,11 @@ class LinearLossParallel(ParallelStyle):
 
     def _prepare_output(self, mesh: DeviceMesh, module, inputs, output):
         if output.dim() > 0:  # reduction="none": per-token losses of this rank's tokens
-            return DTensor.from_local(output, mesh, [Shard(self.seq_dim)], run_check=False)
+            # from_local would take the global length to be the local one x ranks, wrong for
+            # uneven shards: give it the target's
+            shape = module._tp_global_target_shape
+            return DTensor.from_local(output, mesh, [Shard(self.seq_dim)], run_check=False,
+                                      shape=shape, stride=torch.empty(shape, device="meta").stride())
         # every rank holds a partial sum of the one global loss
         return DTensor.from_local(output, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
@@ -111,7 +127,7 @@ class VocabParallelLinearLoss(ParallelStyle):
                              "sharded on dim 0 over the TP mesh (see parallelisms/tp.py)")
         vocab_size = weight.shape[0]
         local = weight.to_local()
-        vocab_start = mesh.get_local_rank() * -(-vocab_size // mesh.size())  # torch.chunk sizes
+        vocab_start, _ = _shard_bounds(vocab_size, mesh.size(), mesh.get_local_rank())
         opts = module.options
         kwargs = dict(vocab_start=vocab_start, vocab_size=vocab_size, group=mesh.get_group(),
                       normalizer=normalizer,

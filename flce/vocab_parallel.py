@@ -24,8 +24,27 @@ from flce.options import LossOptions
 from flce.reference import scaled_logits
 
 
+def _check_slice(weight: Tensor, vocab_start: int, vocab_size: int) -> None:
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size}: the loss needs at least one class")
+    rows = weight.shape[0]  # an empty slice may start past the end (torch.chunk's cut)
+    if rows and not (0 <= vocab_start and vocab_start + rows <= vocab_size):
+        raise ValueError(f"weight {tuple(weight.shape)} from row vocab_start={vocab_start} is not "
+                         f"a slice of a vocabulary of {vocab_size}")
+
+
+def _row_max(z: Tensor) -> Tensor:
+    """Each row's max; -inf for an empty vocabulary slice (fewer classes than ranks), which then
+    adds nothing: its exp-sum, target logit and sum of logits are all 0."""
+    if z.shape[1] == 0:
+        return torch.full(z.shape[:1], float("-inf"), device=z.device, dtype=z.dtype)
+    return z.max(dim=1).values
+
+
 def _target_logit(z: Tensor, target: Tensor, opts: LossOptions, vocab_start: int) -> Tensor:
     """z[target] where this rank's slice holds the target, else 0 (summed over ranks later)."""
+    if z.shape[1] == 0:
+        return torch.zeros(z.shape[:1], device=z.device, dtype=z.dtype)
     y_local = target - vocab_start
     owns = (target != opts.ignore_index) & (y_local >= 0) & (y_local < z.shape[1])
     return torch.where(owns, z.gather(1, y_local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0)
@@ -35,7 +54,7 @@ def _chunk_grads(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start:
                  vocab_size: int, group) -> Tensor:
     """Per-token losses (the same on every rank) and dlogits of this rank's slice, in place."""
     z = scaled_logits(logits, opts)
-    m = z.max(dim=1).values
+    m = _row_max(z)
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     sums = torch.stack([torch.exp(z - m[:, None]).sum(1),
                         _target_logit(z, target, opts, vocab_start), z.sum(1)])
@@ -116,13 +135,18 @@ class _VocabParallelLoss(torch.autograd.Function):
         dw = weight_grad_buffer(weight, acc, N) if need_dw else None
         db = torch.zeros(weight.shape[0], device=x.device, dtype=acc) if need_db else None
         losses = torch.zeros(N, device=x.device, dtype=acc)
-        rows = _chunk_grads_triton if use_triton else _chunk_grads
+        # an empty slice (fewer classes than ranks) only takes part in the all-reduces: the
+        # PyTorch rows do that with no kernel launch over zero columns
+        rows = _chunk_grads_triton if use_triton and weight.shape[0] else _chunk_grads
 
         def row_pass(logits, start, end):
             losses[start:end] = rows(logits, target[start:end], opts, vocab_start, vocab_size,
                                      group)
 
-        C = pick_chunk_size(N, H, weight.shape[0], x.element_size(), chunk_size, lean=False)
+        # every rank must run as many chunks (each chunk is two all-reduces): size them by the
+        # largest slice, not this rank's, which is shorter (or empty) at the end of the vocabulary
+        largest_slice = -(-vocab_size // dist.get_world_size(group))
+        C = pick_chunk_size(N, H, largest_slice, x.element_size(), chunk_size, lean=False)
         chunk_loop(x, weight, bias, C, row_pass, dx, dw, db)
         total = losses.sum()
         ctx.save_for_backward(dx, dw, db, loss_weight)
@@ -151,6 +175,7 @@ def vocab_parallel_linear_cross_entropy(
     opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
     if reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
+    _check_slice(weight, vocab_start, vocab_size)
     x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
     loss_weight = _loss_weight(t2, opts, normalizer, x.device,
                                torch.promote_types(x.dtype, torch.float32))
@@ -187,10 +212,11 @@ def vocab_parallel_linear_cross_entropy_unfused(
     opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
     if reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
+    _check_slice(weight, vocab_start, vocab_size)
     x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
     stat = torch.promote_types(x.dtype, torch.float32)
     z = scaled_logits(torch.nn.functional.linear(x2, weight, bias).to(stat), opts)
-    m = z.detach().max(dim=1).values  # a shift: lse does not depend on it
+    m = _row_max(z.detach())  # a shift: lse does not depend on it
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     sums = _SumOverRanks.apply(torch.stack([torch.exp(z - m[:, None]).sum(1),
                                             _target_logit(z, t2, opts, vocab_start), z.sum(1)]),

@@ -14,9 +14,33 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss
+from models.args import LlamaArgs
 from models.llama import TransformerBlock
 
 LOSS_PARALLEL = ("sequence", "vocab")
+
+
+def check_tp_degree(args: LlamaArgs, flavor: str, tp: int, seq_len: int) -> None:
+    """Refuse, before anything is built, a degree that the plan below cannot cut evenly.
+
+    The attention projections are cut by heads (a rank's slice must be whole query and kv
+    heads), and w1/w3 and w2 must cut the FFN's hidden size alike, which uneven cuts do not;
+    sequence parallelism cuts every sequence into tp equal pieces (uneven ones crashed gloo).
+    The vocabulary may be cut unevenly: both loss styles handle short and empty slices."""
+    if tp == 1:
+        return
+    dims = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "ffn_dim": args.ffn_dim}
+    for name, value in dims.items():
+        if value % tp:
+            fitting = [d for d in range(1, args.n_kv_heads + 1)
+                       if all(v % d == 0 for v in dims.values())]
+            raise ValueError(f"[parallelism] tensor_parallel_degree = {tp} does not divide the "
+                             f"{flavor} flavor's {name} = {value} ([model] flavor); degrees "
+                             f"that fit it: {', '.join(map(str, fitting))}")
+    if seq_len % tp:
+        raise ValueError(f"[parallelism] tensor_parallel_degree = {tp} does not divide "
+                         f"[training] seq_len = {seq_len}: sequence parallelism cuts every "
+                         f"sequence into {tp} equal pieces")
 
 
 def _shard_rows(name, module, mesh):

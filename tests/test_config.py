@@ -45,6 +45,7 @@ def test_resolved_config_round_trips(tmp_path):
     (["--training.mixed_precision_reduce", "float16"],
      r"\[training\] mixed_precision_reduce = 'float16': expected one of"),
     (["--training.steps", "0"], r"\[training\] steps = 0: must be >= 1"),
+    (["--data.on_bad_document", "ignore"], r"\[data\] on_bad_document = 'ignore': expected one of"),
     (["--training.steps"], r"needs a value"),
     (["steps=3"], r"unexpected argument"),
     (["--config", "/nonexistent.toml"], r"no such file"),

@@ -30,6 +30,7 @@ def _inputs(N=6, H=4, V=9):
     (lambda a: a.update(normalizer=0), ValueError, "normalizer=0"),
     (lambda a: a.update(reduction="none", normalizer=3), ValueError, "normalizer applies"),
     (lambda a: a.update(memory_lean="yes"), TypeError, "memory_lean"),
+    (lambda a: a.update(weight=torch.randn(0, 4), bias=None), ValueError, "no rows"),
 ])
 def test_bad_input(change, error, match):
     x, target, weight, bias = _inputs()

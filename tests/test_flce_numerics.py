@@ -118,6 +118,35 @@ def test_all_ignored_gives_zero(impl, device, reduction):
 
 
 @IMPL_DEVICES
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_strided_target(impl, device, reduction):
+    """A target that is a strided view (a column of [N, 3]; LinearLossParallel's sequence slice
+    of one token per row): the Triton kernels read it as contiguous and took other rows' ids."""
+    x, t, w, b = make_inputs(20, 8, 30, device, torch.float32)
+    t = torch.stack([t.flip(0), t, t.roll(1)], dim=1)[:, 1]
+    assert not t.is_contiguous()
+    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl,
+                                     reduction=reduction)
+    ref_loss, ref_grads = float64_reference(x, t, w, b, up, reduction=reduction)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref_grads))
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_no_tokens(impl, device, reduction):
+    """N = 0 (a tensor-parallel rank whose sequence shard is empty): loss 0 (or empty), zero dW
+    and db, empty dx."""
+    x, t, w, b = make_inputs(0, 8, 30, device, torch.float32)
+    loss, grads, _ = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl,
+                                    reduction=reduction)
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    assert torch.equal(loss.detach().cpu(), torch.zeros_like(loss).cpu())
+    assert grads[0].shape == (0, 8)
+    assert all(torch.equal(g.cpu(), torch.zeros_like(g).cpu()) for g in grads[1:])
+
+
+@IMPL_DEVICES
 def test_large_logits(impl, device):
     """Logits around 1e4: lse needs the running max subtracted. One fp32 ulp of such a logit
     is ~1e-3, so near-ties make the softmax of any fp32 implementation ~1e-5 off in a way that

@@ -99,3 +99,77 @@ def test_loss_parallel_styles_triton_on_cuda(tmp_path, style):
     torch.testing.assert_close(r["loss"].double(), r["ref_loss"], rtol=1e-5, atol=1e-6)
     for g in ("dx", "dw", "db"):
         torch.testing.assert_close(r[g].double(), r[f"ref_{g}"], rtol=1e-4, atol=1e-6, msg=g)
+
+
+# (impl, style, T, V, reduction) on 4 ranks: T and V below and not multiples of 4. DTensor cuts
+# like torch.chunk, so T=5 gives shards 2, 2, 1, 0 and V=6 gives 2, 2, 2, 0: some ranks hold
+# nothing. impl "triton" (fp32, Triton's interpreter on the CPU) mixes the kernels on the ranks
+# with classes and the PyTorch rows on the one without.
+SMALL_SHARDS = [("torch", "sequence", 3, 11, "mean"), ("torch", "sequence", 5, 11, "none"),
+                ("torch", "sequence", 7, 11, "sum"), ("torch", "sequence", 7, 11, "none"),
+                ("torch", "vocab", 7, 3, "mean"), ("torch", "vocab", 7, 5, "sum"),
+                ("torch", "vocab", 7, 6, "mean"), ("torch", "vocab", 2, 5, "mean"),
+                ("torch", "vocab_unfused", 7, 5, "mean"), ("torch", "vocab_unfused", 5, 6, "sum"),
+                ("triton", "sequence", 5, 11, "mean"), ("triton", "vocab", 7, 5, "sum"),
+                ("triton", "vocab", 7, 6, "mean")]
+
+
+def _small_shards_worker(rank, world, port, result_path, cases):
+    """Each case on `world` ranks, with its own fresh data, against float64 on the whole batch;
+    rank 0 saves {case: (got, expected)}."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for i, case in enumerate(cases):
+        impl, style_name, T, V, reduction = case
+        dtype = torch.float64 if impl == "torch" else torch.float32
+        torch.manual_seed(i)  # the same global data on every rank
+        B, H = 2, 8
+        x = torch.randn(B, T, H, dtype=torch.float64)
+        w = torch.randn(V, H, dtype=torch.float64) / 2
+        b = torch.randn(V, dtype=torch.float64) / 2
+        t = torch.randint(0, V, (B, T))
+        t[0, 0] = -100
+        upstream = torch.rand(B, T, dtype=torch.float64) if reduction == "none" else 0.7
+        loss_fn = flce.FusedLinearCrossEntropyLoss(reduction=reduction, impl=impl, **OPTIONS)
+        style = (LinearLossParallel() if style_name == "sequence"
+                 else VocabParallelLinearLoss(impl=impl, fused=style_name == "vocab"))
+        parallelize_module(loss_fn, mesh, style)
+        xd = distribute_tensor(x.to(dtype), mesh, [Shard(1)]).requires_grad_()
+        placement = [Replicate()] if style_name == "sequence" else [Shard(0)]
+        wd = distribute_tensor(w.to(dtype), mesh, placement).requires_grad_()
+        bd = distribute_tensor(b.to(dtype), mesh, placement).requires_grad_()
+        loss = loss_fn(xd, t, wd, bd)
+        if reduction == "none":
+            (loss.full_tensor() * upstream.to(dtype)).sum().backward()
+            loss = loss.full_tensor()
+        else:
+            (loss * upstream).backward()
+        got = {"loss": loss.detach(), "dx": xd.grad.full_tensor(),
+               "dw": wd.grad.full_tensor(), "db": bd.grad.full_tensor()}
+        xr, wr, br = (a.clone().requires_grad_() for a in (x, w, b))
+        ref = flce.linear_cross_entropy(xr, t, wr, br, reduction=reduction, **OPTIONS)
+        (ref * upstream).sum().backward()
+        expected = {"loss": ref.detach(), "dx": xr.grad, "dw": wr.grad, "db": br.grad}
+        results[case] = (got, expected)
+    if rank == 0:
+        torch.save(results, result_path)
+    dist.destroy_process_group()
+
+
+def test_loss_parallel_with_empty_and_uneven_shards(tmp_path):
+    """Fewer tokens (sequence) or classes (vocab) than the 4 ranks, and uneven cuts: a rank with
+    an empty shard adds nothing and gets zero/empty gradients. It raised IndexError (sequence:
+    torch.chunk returned fewer pieces than ranks) or ZeroDivisionError (vocab: chunk size)."""
+    cases = [c for c in SMALL_SHARDS
+             if c[0] == "torch" or os.environ.get("TRITON_INTERPRET") == "1"]
+    path = tmp_path / "result.pt"
+    mp.spawn(_small_shards_worker, args=(4, _free_port(), str(path), cases), nprocs=4)
+    results = torch.load(path)
+    assert list(results) == cases
+    for case, (got, expected) in results.items():
+        tol = dict(rtol=1e-10, atol=1e-12) if case[0] == "torch" else dict(rtol=1e-5, atol=1e-6)
+        for key in ("loss", "dx", "dw", "db"):
+            torch.testing.assert_close(got[key].double(), expected[key], **tol,
+                                       msg=lambda m: f"{case} {key}: {m}")

@@ -174,3 +174,51 @@ def test_fsdp_reshard_policy_with_nothing_sharded(policy, gathered):
         assert all(p.grad is not None for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flavor, tp, seq_len, match", [
+    ("debug", 3, 63, r"^\[parallelism\] tensor_parallel_degree = 3 does not divide the debug "
+                     r"flavor's n_heads = 4 \(\[model\] flavor\); degrees that fit it: 1, 2$"),
+    ("debug", 4, 64, r"debug flavor's n_kv_heads = 2 .*: 1, 2$"),
+    ("llama_8b", 16, 8192, r"llama_8b flavor's n_kv_heads = 8 .*: 1, 2, 4, 8$"),
+    ("odd_ffn", 2, 64, r"odd_ffn flavor's ffn_dim = 385 .*: 1$"),
+    ("debug", 2, 127, r"^\[parallelism\] tensor_parallel_degree = 2 does not divide "
+                      r"\[training\] seq_len = 127: sequence parallelism"),
+])
+def test_tp_degree_that_does_not_divide_is_named(flavor, tp, seq_len, match):
+    """It crashed deep inside instead: a reshape error (heads), a matmul of mismatched cuts
+    (FFN), a gloo collective mismatch and SIGABRT (seq_len)."""
+    from dataclasses import replace
+
+    from models import FLAVORS
+    from parallelisms.tp import check_tp_degree
+
+    args = replace(FLAVORS["debug"], ffn_dim=385) if flavor == "odd_ffn" else FLAVORS[flavor]
+    with pytest.raises(ValueError, match=match):
+        check_tp_degree(args, flavor, tp, seq_len)
+
+
+@pytest.mark.parametrize("flavor, tp, seq_len", [("debug", 1, 127), ("debug", 2, 64),
+                                                 ("llama_1b", 8, 8192), ("llama_8b", 4, 4)])
+def test_tp_degree_that_divides_passes(flavor, tp, seq_len):
+    from models import FLAVORS
+    from parallelisms.tp import check_tp_degree
+
+    check_tp_degree(FLAVORS[flavor], flavor, tp, seq_len)
+
+
+def test_train_refuses_tp_degree_before_building(tmp_path):
+    """tp=2 with seq_len 63 failed mid-step (127: a gloo abort); now it stops with the message."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(ROOT / "train.py"), *BASE,
+                          "--job.dump_folder", str(tmp_path), "--training.seq_len", "63",
+                          "--parallelism.tensor_parallel_degree", "2"],
+                         cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
+    assert run.returncode == 1
+    line = ("ValueError: [parallelism] tensor_parallel_degree = 2 does not divide [training] "
+            "seq_len = 63: sequence parallelism cuts every sequence into 2 equal pieces")
+    # each rank that gets there says it (torchrun may SIGTERM the other once one has failed)
+    assert line in run.stderr, run.stderr[-3000:]
+    assert "SIGABRT" not in run.stderr and "Signal 6 " not in run.stderr
+    assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "metrics.jsonl").exists()

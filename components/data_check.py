@@ -1,0 +1,272 @@
+"""Local .jsonl/.json/.txt files read once, document by document, before `datasets` loads them.
+
+What `datasets` does with a bad document otherwise: pyarrow's JSON reader stores a string that is not
+UTF-8 as it is, and the run dies with a bare UnicodeDecodeError when that row is turned into Python
+(mid-run, and again after every resume; streaming fails a whole batch of rows at once); a malformed
+JSON line fails the whole file, an empty file is a bare StopIteration, and a .txt file that is not
+UTF-8 is a DatasetGenerationError. Here each bad document is named by file and line; with
+`[data] on_bad_document = "skip"` the file is replaced by a copy without them (skipping is then
+deterministic, so resuming finds the same documents). What a file holds is cached under cache_dir by
+its path, size and modification time, so unchanged files are read once, not every run.
+"""
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from filelock import FileLock  # a dependency of datasets
+
+logger = logging.getLogger(__name__)
+
+ON_BAD_DOCUMENT = ("error", "skip")
+CHECKED_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text"}
+NAMED = 10  # bad documents named one by one (per file in the cache, per source in warnings)
+_CHECK_VERSION = 1  # part of the cache key: bump when what counts as bad changes
+_BOM = b"\xef\xbb\xbf"
+_warned: set[str] = set()  # files whose skipped documents this process has already reported
+
+# One document: its bytes as they go into a cleaned copy, where it is ("line 18"), and why it is
+# bad (None: it is good).
+Document = tuple[bytes, str, str | None]
+
+
+class BadDocumentError(ValueError):
+    pass
+
+
+class _NoField(str):
+    """The problem of a document without the text field, and the fields it does have."""
+    fields: list[str]
+
+
+class MissingTextField(KeyError):
+    # KeyError would print its message in quotes, as if it were a key.
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass
+class FileReport:
+    documents: int = 0  # good ones
+    bad: int = 0
+    named: list[str] = field(default_factory=list)  # the first NAMED bad ones: "line 18: not UTF-8 ..."
+    without_field: int = 0  # bad because they lack the text field
+    fields: list[str] = field(default_factory=list)  # the fields of the first of those
+
+
+def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_dir: Path) -> list[Path]:
+    """The files to hand to `datasets`: each checked file as it is, or its copy without the bad
+    documents; files without any document are left out, and none at all is an error."""
+    if on_bad_document not in ON_BAD_DOCUMENT:
+        raise ValueError(f"[data] on_bad_document = {on_bad_document!r}: expected one of {ON_BAD_DOCUMENT}")
+    checked, skipped, named = [], [], []
+    for path in files:
+        if path.suffix not in CHECKED_SUFFIXES:  # parquet: typed columns, checked by pyarrow
+            checked.append(path)
+            continue
+        key = _cache_key(path, text_field)
+        report = _report(path, text_field, cache_dir / "checked" / key)
+        if report.without_field and report.without_field == report.bad and not report.documents:
+            raise MissingTextField(f"{path}: the documents have no field {text_field!r} (their fields: "
+                                   f"{', '.join(report.fields) or 'none'}); set [data] text_field")
+        if report.bad and on_bad_document == "error":
+            raise BadDocumentError(
+                f"{path}: {report.named[0]}; {report.bad} bad document(s) in this file. Set [data] "
+                f"on_bad_document = \"skip\" to skip them (each is then named in a warning)")
+        if report.bad:
+            path_to_load = _cleaned_copy(path, text_field, cache_dir / "checked" / key)
+            if key not in _warned:
+                _warned.add(key)
+                skipped.append(report.bad)
+                named += [f"{path}: {what}" for what in report.named]
+        else:
+            path_to_load = path
+        if report.documents:
+            checked.append(path_to_load)
+        elif len(files) > 1:
+            logger.warning("data: %s holds no documents%s", path, _why_empty(path, report))
+    if skipped:
+        for what in named[:NAMED]:
+            logger.warning("data: skipped a bad document: %s", what)
+        more = sum(skipped) - min(len(named), NAMED)
+        logger.warning("data: skipped %d bad document(s) in %d file(s) ([data] on_bad_document = "
+                       "\"skip\")%s", sum(skipped), len(skipped),
+                       f"; {more} more not named above" if more > 0 else "")
+    if not checked:
+        if len(files) == 1:
+            raise ValueError(f"no documents in {files[0]}{_why_empty(files[0], report)}")
+        raise ValueError(f"no documents in any of the {len(files)} files {files[0]} ... {files[-1]}")
+    return checked
+
+
+def _why_empty(path: Path, report: FileReport) -> str:
+    if report.bad:
+        return f" (all {report.bad} were bad and skipped)"
+    if path.stat().st_size == 0:
+        return " (the file is empty)"
+    with open(path, "rb") as f:
+        return " (an empty JSON array)" if f.read(4096).lstrip(_BOM).lstrip().startswith(b"[") else \
+            " (only blank lines)"
+
+
+def _cache_key(path: Path, text_field: str) -> str:
+    stat = path.stat()
+    what = [str(path.resolve()), stat.st_size, stat.st_mtime_ns, text_field, _CHECK_VERSION]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
+
+
+def _report(path: Path, text_field: str, stem: Path) -> FileReport:
+    """The file's report from the cache, or read the file (one process at a time per file: the
+    others wait for its report rather than read the file too)."""
+    report_path = stem.with_name(stem.name + ".report")
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(stem) + ".lock"):
+        if report_path.is_file():
+            return FileReport(**json.loads(report_path.read_text()))
+        report = _scan(path, text_field)
+        _write_atomically(report_path, lambda f: f.write(json.dumps(asdict(report)).encode()))
+    return report
+
+
+def _cleaned_copy(path: Path, text_field: str, stem: Path) -> Path:
+    copy = stem.with_suffix(path.suffix)
+    with FileLock(str(stem) + ".lock"):
+        if not copy.is_file():
+            _write_atomically(copy, lambda f: _scan(path, text_field, out=f))
+    return copy
+
+
+def _write_atomically(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileReport:
+    """Count (and name) the good and bad documents; write the good ones to `out` if given, in a
+    form that `datasets` reads back as the same documents."""
+    report = FileReport()
+    text = CHECKED_SUFFIXES[path.suffix] == "text"
+    with open(path, "rb") as f:
+        for raw, where, problem in (_paragraphs(f) if text else _json_documents(f, path, text_field)):
+            if problem is None:
+                if out is not None:
+                    out.write(b"\n\n" + raw if text and report.documents else raw)
+                report.documents += 1
+                continue
+            report.bad += 1
+            if len(report.named) < NAMED:
+                report.named.append(f"{where}: {problem}")
+            if isinstance(problem, _NoField):
+                report.without_field += 1
+                report.fields = report.fields or problem.fields
+    return report
+
+
+def _json_documents(f: BinaryIO, path: Path, text_field: str) -> Iterator[Document]:
+    """JSON lines, as pyarrow reads them (blank lines are not documents), or, for a .json file
+    that starts with '[', one JSON array of documents (which `datasets` also reads)."""
+    head = f.read(4096).lstrip(_BOM).lstrip()
+    f.seek(0)
+    if path.suffix == ".json" and head.startswith(b"["):
+        yield from _json_array(f.read(), path, text_field)
+        return
+    for number, line in enumerate(f, 1):
+        if number == 1:
+            line = line.removeprefix(_BOM)
+        if not line.strip():
+            continue
+        try:
+            problem = _document_problem(json.loads(line.rstrip(b"\r\n").decode("utf-8")), text_field)
+        except UnicodeDecodeError as e:
+            problem = _not_utf8(line, e)
+        except json.JSONDecodeError as e:
+            problem = _invalid_json(e)
+        yield line if line.endswith(b"\n") else line + b"\n", f"line {number}", problem
+
+
+def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:
+    """A JSON array is parsed whole: an error in its syntax or encoding cannot be skipped."""
+    data = data.removeprefix(_BOM)
+    try:
+        documents = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        where, why = f"line {_line_of(data, e.start)}", _not_utf8(data, e)
+    except json.JSONDecodeError as e:
+        where, why = f"line {e.lineno}", _invalid_json(e)
+    else:
+        for i, document in enumerate(documents):
+            line = (json.dumps(document, ensure_ascii=False) + "\n").encode()
+            yield line, f"element [{i}] of the array", _document_problem(document, text_field)
+        return
+    raise BadDocumentError(f"{path}: {where}: {why}; a JSON array is read as one piece, so nothing "
+                           f"in it can be skipped: fix the file or write it as JSON lines (.jsonl)")
+
+
+def _document_problem(document, text_field: str) -> str | None:
+    if not isinstance(document, dict):
+        return f"a JSON {_json_type(document)}, not an object"
+    if text_field not in document:
+        problem = _NoField(f"no field {text_field!r} (its fields: {', '.join(document) or 'none'})")
+        problem.fields = list(document)
+        return problem
+    if not isinstance(document[text_field], str):
+        return f"field {text_field!r} holds a JSON {_json_type(document[text_field])}, not text"
+    return None
+
+
+def _json_type(value) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+             float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _invalid_json(error: json.JSONDecodeError) -> str:
+    return f"invalid JSON: {error.msg.removesuffix(' at')} (column {error.colno})"
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def _not_utf8(data: bytes, error: UnicodeDecodeError) -> str:
+    column = error.start - data.rfind(b"\n", 0, error.start)
+    return f"not UTF-8 (byte 0x{data[error.start]:02x} at column {column})"
+
+
+def _paragraphs(f: BinaryIO, chunk_chars: int = 1 << 20) -> Iterator[Document]:
+    """Paragraphs split as `datasets`' text builder splits them (sample_by="paragraph": universal
+    newlines, split on a blank line, empty pieces dropped), as raw bytes. Latin-1 maps each byte
+    to one character, so the bytes come back exactly and a paragraph can be checked for UTF-8."""
+    text = io.TextIOWrapper(f, encoding="latin-1", newline=None)
+    line, carry = 1, ""
+    while block := text.read(chunk_chars):
+        pieces = (carry + block + text.readline()).split("\n\n")
+        for piece in pieces[:-1]:
+            if piece:
+                yield _paragraph(piece, line)
+            line += piece.count("\n") + 2
+        carry = pieces[-1]
+    if carry:
+        yield _paragraph(carry, line)
+
+
+def _paragraph(piece: str, line: int) -> Document:
+    raw = piece.encode("latin-1")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"line {line + _line_of(raw, e.start) - 1} (in the paragraph from line {line})"
+        return raw, where, _not_utf8(raw, e)
+    return raw, f"the paragraph from line {line}", None
