@@ -30,6 +30,7 @@ def _inputs(N=6, H=4, V=9):
     (lambda a: a.update(normalizer=0), ValueError, "normalizer=0"),
     (lambda a: a.update(reduction="none", normalizer=3), ValueError, "normalizer applies"),
     (lambda a: a.update(memory_lean="yes"), TypeError, "memory_lean"),
+    (lambda a: a.update(float8="fp8"), ValueError, "float8='fp8': expected one of"),
 ])
 def test_bad_input(change, error, match):
     x, target, weight, bias = _inputs()
@@ -44,6 +45,8 @@ def test_bad_input(change, error, match):
 def test_module_checks_options_at_construction():
     with pytest.raises(ValueError, match="reduction"):
         flce.FusedLinearCrossEntropyLoss(reduction="max")
+    with pytest.raises(ValueError, match="float8='e4m3'"):
+        flce.FusedLinearCrossEntropyLoss(float8="e4m3")
 
 
 def test_out_of_range_target_on_cpu_raises():

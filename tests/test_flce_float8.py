@@ -346,21 +346,6 @@ def test_all_ignored_and_memory_lean(impl, device, reduction):
     assert not loss.detach().cpu().any() and not any(g.cpu().any() for g in grads)
 
 
-def test_float8_needs_flce_and_a_known_value():
-    from components.config import ConfigError, Loss, load_config
-    from components.loss import TrainingLoss
-    with pytest.raises(ValueError, match="float8='fp8'"):
-        flce.fused_linear_cross_entropy(torch.randn(4, 8), torch.zeros(4, dtype=torch.long),
-                                        torch.randn(16, 8), float8="fp8")
-    with pytest.raises(ValueError, match="float8='e4m3'"):
-        flce.FusedLinearCrossEntropyLoss(float8="e4m3")
-    with pytest.raises(ConfigError, match=r"\[loss\] float8 = 'all'"):
-        load_config(["--loss.float8", "all"])
-    with pytest.raises(ValueError, match=r"\[loss\] float8 = 'logits' needs \[loss\] impl"):
-        TrainingLoss(Loss(impl="unfused", float8="logits"))
-    assert TrainingLoss(Loss(float8="logits+dx")).float8 == "logits+dx"
-
-
 @cuda_only
 @pytest.mark.parametrize("float8", MODES)
 def test_float8_gemms_on_cuda_match_cpu(float8):
