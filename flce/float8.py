@@ -74,7 +74,8 @@ class Float8Gemms:
             self.quantize(weight.t(), self.wt[:H, :V], self.wt_scale[0, :H])
             self.g, self.g_scale = fp8(max_rows, self.width), ones32(max_rows, 1)
             self.target_grad = ones32(max_rows)
-            self.dx_out = torch.empty(max_rows, padded(H), device=weight.device, dtype=torch.bfloat16)
+            self.dx_out = torch.empty(max_rows, padded(H), device=weight.device,
+                                      dtype=torch.bfloat16)
 
     def logits(self, x_c: Tensor, out: Tensor) -> None:
         """out [rows, width] = x_c @ W.T (+ bias), through bf16; out[:, V:] is padding."""
@@ -96,7 +97,7 @@ class Float8Gemms:
     def dx_into(self, out: Tensor, weight: Tensor, start: int) -> None:
         """out = G @ W for the rows [start, start + len(out)) whose G `grad_outputs` holds."""
         n = out.shape[0]
-        # exact accumulation (no fast accumulation) over the K = V terms
+        # no fast accumulation: partial sums promoted to fp32 over the K = V terms
         gw = torch._scaled_mm(self.g[:n], self.wt.t(), self.g_scale[:n], self.wt_scale,
                               out_dtype=torch.bfloat16, use_fast_accum=False, out=self.dx_out[:n])
         y = self.target[start:start + n].clamp(0, self.V - 1).long()  # ignored rows: G_y = 0

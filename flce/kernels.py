@@ -91,7 +91,7 @@ def flce_rows_kernel(
     z_loss,
     g8_ptr,            # [C, V] e4m3 out (FP8_GRAD): dlogits / g8_scale, 0 in the target column
     g8_stride,
-    g8_scale_ptr,      # [C] fp32 out (FP8_GRAD): the row's scale, a bound on its |dlogits| / FP8_MAX
+    g8_scale_ptr,      # [C] fp32 out (FP8_GRAD): a bound on the row's |dlogits|, / FP8_MAX
     target_grad_ptr,   # [C] fp32 out (FP8_GRAD): dlogits in the target column (0 if not here)
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -170,7 +170,8 @@ def flce_rows_kernel(
             bound = tl.abs(w * logit_scale) * tl.maximum(tl.abs(p_off * p_coef - uniform), uniform)
             inv_scale = tl.where(bound > 0, FP8_MAX / bound, 0.0)
             tl.store(g8_scale_ptr + row, bound / FP8_MAX)
-            g_y = (tl.exp(z_y - shift - log_s) * p_coef - uniform - (1.0 - label_smoothing)) * (w * logit_scale)
+            g_y = tl.exp(z_y - shift - log_s) * p_coef - uniform - (1.0 - label_smoothing)
+            g_y = g_y * (w * logit_scale)
             if HAS_SOFTCAP:
                 r_y = z_y / softcap
                 g_y = g_y * (1.0 - r_y * r_y)
