@@ -25,12 +25,12 @@ def _inputs(N=6, H=4, V=9):
     (lambda a: a.update(softcap=0.0), ValueError, "softcap"),
     (lambda a: a.update(z_loss=-1.0), ValueError, "z_loss"),
     (lambda a: a.update(impl="cuda"), ValueError, "impl='cuda'"),
+    (lambda a: a.update(float8="fp8"), ValueError, "float8='fp8': expected one of"),
     (lambda a: a.update(chunk_size=0), ValueError, "chunk_size"),
     (lambda a: a.update(normalizer=torch.ones(2)), ValueError, "normalizer must be a scalar"),
     (lambda a: a.update(normalizer=0), ValueError, "normalizer=0"),
     (lambda a: a.update(reduction="none", normalizer=3), ValueError, "normalizer applies"),
     (lambda a: a.update(memory_lean="yes"), TypeError, "memory_lean"),
-    (lambda a: a.update(float8="fp8"), ValueError, "float8='fp8': expected one of"),
 ])
 def test_bad_input(change, error, match):
     x, target, weight, bias = _inputs()
