@@ -98,6 +98,9 @@ class Loss:
     logit_scale: float = 1.0
     chunk_size: int = 0  # tokens per chunk; 0: automatic
     memory_lean: bool = False
+    # the loss's GEMMs in float8 (e4m3, rowwise scales; impl "flce" only): "none" | "logits" |
+    # "logits+dx"; softmax statistics and gradients stay fp32, dW stays bf16 (flce/float8.py)
+    float8: str = "none"
     parallel: str = "sequence"  # under tensor parallelism: "sequence" | "vocab"
 
 
@@ -241,6 +244,7 @@ CHOICES = {
     ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
     ("training", "device"): ("auto", "cuda", "cpu"),
     ("loss", "impl"): ("flce", "unfused", "torch_chunked"),
+    ("loss", "float8"): ("none", "logits", "logits+dx"),
     ("loss", "parallel"): ("sequence", "vocab"),
     ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
     ("lr_scheduler", "decay_type"): ("cosine", "linear", "wsd"),

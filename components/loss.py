@@ -25,15 +25,19 @@ class TrainingLoss(nn.Module):
         # sums: the trainer always divides by the global token count (normalizer)
         self.options = flce.LossOptions(IGNORE_INDEX, cfg.label_smoothing, cfg.logit_scale,
                                         cfg.z_loss, cfg.softcap or None, reduction="sum")
+        if cfg.float8 != "none" and cfg.impl != "flce":
+            raise ValueError(f"[loss] float8 = {cfg.float8!r} needs [loss] impl = \"flce\" "
+                             f"(got {cfg.impl!r}): only the fused loss has float8 GEMMs")
         self.chunk_size = cfg.chunk_size or None
         self.memory_lean = cfg.memory_lean
+        self.float8 = cfg.float8
 
     def forward(self, hidden: Tensor, labels: Tensor, weight: Tensor, bias: Optional[Tensor],
                 normalizer: Tensor) -> Tensor:
         if self.impl == "flce":
             return flce.fused_linear_cross_entropy(
                 hidden, labels, weight, bias, normalizer=normalizer, chunk_size=self.chunk_size,
-                memory_lean=self.memory_lean, **self.options.loss_kwargs())
+                memory_lean=self.memory_lean, float8=self.float8, **self.options.loss_kwargs())
         if self.impl == "torch_chunked":
             return flce.chunked_linear_cross_entropy(
                 hidden, labels, weight, bias, normalizer=normalizer,
@@ -42,7 +46,7 @@ class TrainingLoss(nn.Module):
                                          **self.options.loss_kwargs())
 
     def extra_repr(self) -> str:
-        return f"impl={self.impl!r}, {self.options}"
+        return f"impl={self.impl!r}, float8={self.float8!r}, {self.options}"
 
 
 class ModelWithLoss(nn.Module):

@@ -33,7 +33,7 @@ def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 def fused_forward(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor], loss_weight: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
-    softcap: Optional[float], chunk_size: Optional[int], lean: bool,
+    softcap: Optional[float], chunk_size: Optional[int], lean: bool, float8: str,
     use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Loss (sum of token losses times loss_weight) and the gradients of the unweighted sum,
@@ -45,13 +45,13 @@ def fused_forward(
     one = torch.ones((), device=x.device, dtype=lse.dtype)
     loss, dx, dw, db = chunked_pass(
         x, target, weight, bias, one, lse, False, opts, chunk_size, lean,
-        use_triton, need_dx, need_dw, need_db, cast_grads=False)
+        use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8)
     return loss.sum() * loss_weight, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @fused_forward.register_fake
 def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit_scale, z_loss,
-      softcap, chunk_size, lean, use_triton, need_dx, need_dw, need_db):
+      softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw, need_db):
     acc = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     return (x.new_empty((), dtype=stat_dtype(x)),
             torch.empty_like(x, dtype=x.dtype if lean else stat_dtype(x)) if need_dx
@@ -64,20 +64,21 @@ def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit
 def token_losses(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
-    softcap: Optional[float], chunk_size: Optional[int], use_triton: bool,
+    softcap: Optional[float], chunk_size: Optional[int], float8: str, use_triton: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Per-token losses and lse, no gradients (reduction "none" forward, and evaluation)."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     lse = x.new_empty(x.shape[0], dtype=stat_dtype(x))
     one = torch.ones((), device=x.device, dtype=lse.dtype)
     loss, _, _, _ = chunked_pass(x, target, weight, bias, one, lse, False, opts, chunk_size,
-                                 False, use_triton, False, False, False, cast_grads=True)
+                                 False, use_triton, False, False, False, cast_grads=True,
+                                 float8=float8)
     return loss, lse
 
 
 @token_losses.register_fake
 def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_loss, softcap,
-      chunk_size, use_triton):
+      chunk_size, float8, use_triton):
     n = x.shape[0]
     return x.new_empty((n,), dtype=stat_dtype(x)), x.new_empty((n,), dtype=stat_dtype(x))
 
@@ -86,20 +87,20 @@ def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_los
 def token_losses_backward(
     grad: Tensor, x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
-    softcap: Optional[float], chunk_size: Optional[int], lean: bool,
+    softcap: Optional[float], chunk_size: Optional[int], lean: bool, float8: str,
     use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients for any per-token upstream gradient: recomputes each chunk's logits."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     _, dx, dw, db = chunked_pass(
         x, target, weight, bias, grad.to(lse.dtype), lse, True, opts, chunk_size, lean,
-        use_triton, need_dx, need_dw, need_db, cast_grads=True)
+        use_triton, need_dx, need_dw, need_db, cast_grads=True, float8=float8)
     return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @token_losses_backward.register_fake
 def _(grad, x, target, weight, bias, lse, ignore_index, label_smoothing, logit_scale, z_loss,
-      softcap, chunk_size, lean, use_triton, need_dx, need_dw, need_db):
+      softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw, need_db):
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from flce.custom_ops import (_scale_to, fused_forward, stat_dtype, token_losses,
                              token_losses_backward)
+from flce.float8 import FLOAT8
 from flce.options import LossOptions
 
 IMPLS = ("auto", "triton", "torch")
@@ -41,22 +42,22 @@ class _TokenLosses(torch.autograd.Function):
     """reduction "none": per-token losses; backward recomputes with the per-token gradient."""
 
     @staticmethod
-    def forward(ctx, x, target, weight, bias, opts, chunk_size, lean, use_triton):
-        loss, lse = token_losses(x, target, weight, bias, *opts, chunk_size, use_triton)
+    def forward(ctx, x, target, weight, bias, opts, chunk_size, lean, float8, use_triton):
+        loss, lse = token_losses(x, target, weight, bias, *opts, chunk_size, float8, use_triton)
         ctx.save_for_backward(x, target, weight, bias, lse)
-        ctx.config = (opts, chunk_size, lean, use_triton)
+        ctx.config = (opts, chunk_size, lean, float8, use_triton)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         x, target, weight, bias, lse = ctx.saved_tensors
         need = ctx.needs_input_grad
-        opts, chunk_size, lean, use_triton = ctx.config
+        opts, chunk_size, lean, float8, use_triton = ctx.config
         dx, dw, db = token_losses_backward(
-            grad, x, target, weight, bias, lse, *opts, chunk_size, lean, use_triton,
+            grad, x, target, weight, bias, lse, *opts, chunk_size, lean, float8, use_triton,
             need[0], need[2], need[3])
         return (dx if need[0] else None, None, dw if need[2] else None,
-                db if need[3] else None, None, None, None, None)
+                db if need[3] else None, None, None, None, None, None)
 
 
 def _check_inputs(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
@@ -140,6 +141,7 @@ def fused_linear_cross_entropy(
     normalizer=None,
     chunk_size: Optional[int] = None,
     memory_lean: bool = False,
+    float8: str = "none",
     impl: str = "auto",
 ) -> Tensor:
     """cross_entropy(softcap(logit_scale * (x @ weight.T + bias)), target) without the logits.
@@ -148,6 +150,8 @@ def fused_linear_cross_entropy(
     "mean"/"sum" (e.g. the global count of non-ignored tokens across micro-batches and ranks).
     `memory_lean=True` accumulates dW in the weight dtype over small chunks: the peak memory of
     Liger-Kernel (gradients + a logits buffer the size of x) and its bf16 accumulation error.
+    `float8` = "logits" runs the logits GEMM in float8 (e4m3, rowwise scales), "logits+dx" the
+    dx GEMM too; softmax statistics and gradients stay fp32, dW stays bf16 (see flce/float8.py).
     """
     opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
     _check_inputs(x, target, weight, bias)
@@ -155,6 +159,8 @@ def fused_linear_cross_entropy(
         raise ValueError(f"chunk_size={chunk_size!r}: must be None or a positive int")
     if not isinstance(memory_lean, bool):
         raise TypeError(f"memory_lean={memory_lean!r}: must be a bool")
+    if float8 not in FLOAT8:
+        raise ValueError(f"float8={float8!r}: expected one of {FLOAT8}")
     if normalizer is not None and reduction == "none":
         raise ValueError("normalizer applies to reduction='mean' or 'sum', not 'none'")
     use_triton = _use_triton(impl, x)
@@ -165,11 +171,13 @@ def fused_linear_cross_entropy(
         t is not None and t.requires_grad for t in (x, weight, bias))
     if reduction == "none":
         if not grad:
-            return token_losses(x2, t2, weight, bias, *o, chunk_size, use_triton)[0].reshape(target.shape)
-        loss = _TokenLosses.apply(x2, t2, weight, bias, o, chunk_size, memory_lean, use_triton)
+            return token_losses(x2, t2, weight, bias, *o, chunk_size, float8,
+                                use_triton)[0].reshape(target.shape)
+        loss = _TokenLosses.apply(x2, t2, weight, bias, o, chunk_size, memory_lean, float8,
+                                  use_triton)
         return loss.reshape(target.shape)
     loss_weight = _loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
-    config = o + (chunk_size, memory_lean, use_triton)
+    config = o + (chunk_size, memory_lean, float8, use_triton)
     if not grad:
         return fused_forward(x2, t2, weight, bias, loss_weight, *config, False, False, False)[0]
     return _ReducedLoss.apply(x2, t2, weight, bias, loss_weight, config)

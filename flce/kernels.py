@@ -10,6 +10,10 @@ vocabulary in blocks of BLOCK_V:
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
 inside pass 2 (never by patching a rounded value afterwards).
 
+For the float8 dx GEMM (`float8.py`), pass 2 also writes dlogits in e4m3 with the target class's
+entry left out, a per-row scale derived from the statistics (pass 1 then also keeps the largest
+logit off the target class), and the target entry itself in fp32.
+
 Math (a = raw logit, s = logit_scale, c = softcap, ls = label_smoothing, zl = z_loss):
   z = c * tanh(s * a / c)  (or z = s * a)           lse = log sum_j exp(z_j)
   loss = (1 - ls) (lse - z_y) + ls (lse - mean_j z_j) + zl lse^2
@@ -17,6 +21,7 @@ Math (a = raw logit, s = logit_scale, c = softcap, ls = label_smoothing, zl = z_
   dz/da = s (1 - (z / c)^2)  (or s)
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -40,14 +45,16 @@ def _scaled(a, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(row_ptr, V, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr,
-               HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Pass 1 over one row: max, sum of exp(z - max), and sum of z (for label smoothing)."""
+def _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP: tl.constexpr,
+               HAS_SMOOTHING: tl.constexpr, MAX_OFF_TARGET: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 1 over one row: max, sum of exp(z - max), sum of z (for label smoothing) and, when
+    MAX_OFF_TARGET, the max of z over the columns other than y_local (else -inf)."""
     cols = tl.arange(0, BLOCK_V)
     # Per-lane running max and sum-exp; lanes are merged once at the end.
     m_vec = tl.full([BLOCK_V], -1.0e30, dtype=tl.float32)
     s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
     sum_z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    m_off_vec = tl.full([BLOCK_V], -float("inf"), dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
         a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -58,9 +65,11 @@ def _row_stats(row_ptr, V, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr,
         m_vec = m_new
         if HAS_SMOOTHING:
             sum_z_vec += tl.where(mask, z, 0.0)
+        if MAX_OFF_TARGET:
+            m_off_vec = tl.maximum(m_off_vec, tl.where(start + cols == y_local, -float("inf"), z_m))
     m = tl.max(m_vec, axis=0)
     s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
-    return m, s, tl.sum(sum_z_vec, axis=0)
+    return m, s, tl.sum(sum_z_vec, axis=0), tl.max(m_off_vec, axis=0)
 
 
 @triton.jit
@@ -80,15 +89,23 @@ def flce_rows_kernel(
     softcap,
     label_smoothing,
     z_loss,
+    g8_ptr,            # [C, V] e4m3 out (FP8_GRAD): dlogits / g8_scale, 0 in the target column
+    g8_stride,
+    g8_scale_ptr,      # [C] fp32 out (FP8_GRAD): a bound on the row's |dlogits|, / FP8_MAX
+    target_grad_ptr,   # [C] fp32 out (FP8_GRAD): dlogits in the target column (0 if not here)
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     LSE_GIVEN: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
+    FP8_GRAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    tl.static_assert(not (FP8_GRAD and LSE_GIVEN), "the float8 scales need pass 1's statistics")
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
+    g8_row_ptr = g8_ptr + row * g8_stride
     y = tl.load(target_ptr + row).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
 
@@ -101,6 +118,12 @@ def flce_rows_kernel(
             zero = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
             for start in range(0, V, BLOCK_V):
                 tl.store(row_ptr + start + cols, zero, mask=start + cols < V)
+            if FP8_GRAD:
+                tl.store(g8_scale_ptr + row, 0.0)
+                tl.store(target_grad_ptr + row, 0.0)
+                zero8 = tl.zeros([BLOCK_V], dtype=g8_ptr.dtype.element_ty)
+                for start in range(0, V, BLOCK_V):
+                    tl.store(g8_row_ptr + start + cols, zero8, mask=start + cols < V)
         return
 
     # A target outside [0, V_total) poisons its row with NaN (loss and gradient) instead of
@@ -117,8 +140,8 @@ def flce_rows_kernel(
     else:
         a_y = tl.load(row_ptr + tl.where(owns, y_local, 0)).to(tl.float32)
         z_y = tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0)
-        shift, s, sum_z = _row_stats(row_ptr, V, logit_scale, softcap, HAS_SOFTCAP,
-                                     HAS_SMOOTHING, BLOCK_V)
+        shift, s, sum_z, z_off_max = _row_stats(row_ptr, V, logit_scale, softcap, y_local,
+                                                HAS_SOFTCAP, HAS_SMOOTHING, FP8_GRAD, BLOCK_V)
         # Differences are taken against the row max before log(s) is added: with logits ~1e4
         # an fp32 lse has an ulp of ~1e-3, while z - max is exact.
         log_s = tl.log(s)
@@ -140,6 +163,19 @@ def flce_rows_kernel(
         uniform = 0.0
         if HAS_SMOOTHING:
             uniform = label_smoothing / V_total
+        if FP8_GRAD:
+            # Off the target, g_j = w s (p_j coef - uniform) softcap'_j with p_j in [0, p_off]
+            # and |softcap'_j| <= 1: a bound on the row's |g| (its max when there is no softcap).
+            p_off = tl.exp(z_off_max - shift - log_s)
+            bound = tl.abs(w * logit_scale) * tl.maximum(tl.abs(p_off * p_coef - uniform), uniform)
+            inv_scale = tl.where(bound > 0, FP8_MAX / bound, 0.0)
+            tl.store(g8_scale_ptr + row, bound / FP8_MAX)
+            g_y = tl.exp(z_y - shift - log_s) * p_coef - uniform - (1.0 - label_smoothing)
+            g_y = g_y * (w * logit_scale)
+            if HAS_SOFTCAP:
+                r_y = z_y / softcap
+                g_y = g_y * (1.0 - r_y * r_y)
+            tl.store(target_grad_ptr + row, tl.where(owns, g_y, 0.0))
         for start in range(0, V, BLOCK_V):
             offs = start + cols
             mask = offs < V
@@ -152,6 +188,11 @@ def flce_rows_kernel(
                 r = z / softcap
                 g = g * (1.0 - r * r)
             tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+            if FP8_GRAD:
+                q = tl.where(offs == y_local, 0.0, g * inv_scale)
+                q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL),
+                               FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+                tl.store(g8_row_ptr + offs, q.to(g8_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -175,7 +216,8 @@ def flce_row_stats_kernel(
     y_local = y - vocab_start
     owns = (y_local >= 0) & (y_local < V)
     a_y = tl.load(row_ptr + tl.where(owns, y_local, 0)).to(tl.float32)
-    m, s, sum_z = _row_stats(row_ptr, V, logit_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
+    m, s, sum_z, _ = _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP,
+                                HAS_SMOOTHING, False, BLOCK_V)
     tl.store(out, m)
     tl.store(out + 1, s)
     tl.store(out + 2, tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0))
@@ -190,24 +232,29 @@ def _block_and_warps(C, V, block_v, num_warps):
 
 
 def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, compute_grad,
-                block_v=None, num_warps=None, vocab_start=0, vocab_total=None):
+                block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
-    vocabulary slice, the gradient pass of `vocab_parallel`)."""
+    vocabulary slice, the gradient pass of `vocab_parallel`). fp8_grad: (g8 [C, V] e4m3,
+    g8_scale [C], target_grad [C]) to fill for the float8 dx GEMM, or None."""
     C, V = logits.shape
     if C == 0:
         return
     target = target.contiguous()  # the kernels read target[row] (a strided target was misread)
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
+    g8, g8_scale, target_grad = fp8_grad or (logits, loss_out, loss_out)  # unused when None
     flce_rows_kernel[(C,)](
         logits, logits.stride(0), target, loss_out, lse_out,
         weight, 0 if weight.dim() == 0 else weight.stride(0),
         V, vocab_start, vocab_total or V, opts.ignore_index, float(opts.logit_scale),
         float(opts.softcap or 1.0), float(opts.label_smoothing), float(opts.z_loss),
+        g8, g8.stride(0), g8_scale, target_grad,
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=opts.label_smoothing > 0,
         HAS_Z_LOSS=opts.z_loss > 0,
         LSE_GIVEN=lse_given,
         COMPUTE_GRAD=compute_grad,
+        FP8_GRAD=fp8_grad is not None,
+        FP8_MAX=float(torch.finfo(g8.dtype).max) if fp8_grad is not None else 1.0,
         BLOCK_V=block_v,
         num_warps=num_warps,
     )
@@ -225,6 +272,55 @@ def launch_row_stats(logits, target, stats_out, opts, vocab_start, block_v=None,
         float(opts.logit_scale), float(opts.softcap or 1.0),
         HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
         BLOCK_V=block_v, num_warps=num_warps)
+
+
+@triton.jit
+def _tile(src_ptr, stride_r, stride_k, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < R)[:, None] & (cols < K)[None, :]
+    ptrs = src_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_k
+    return rows, cols, mask, tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def row_absmax_kernel(src_ptr, stride_r, stride_k, R, K, absmax_ptr,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """absmax[r] = max(absmax[r], max |src[r, tile]|): a 2-D grid, so that few long rows (the
+    columns of W, read through W.t()) still spread over the whole GPU."""
+    rows, cols, mask, v = _tile(src_ptr, stride_r, stride_k, R, K, BLOCK_R, BLOCK_K)
+    tl.atomic_max(absmax_ptr + rows, tl.max(tl.abs(v), axis=1), mask=rows < R)
+
+
+@triton.jit
+def quantize_rows_kernel(src_ptr, stride_r, stride_k, R, K, scale_ptr, dst_ptr, stride_dst,
+                         FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dst[r] = src[r] / scale[r], saturated to +-FP8_MAX and rounded to dst's float8 type."""
+    rows, cols, mask, v = _tile(src_ptr, stride_r, stride_k, R, K, BLOCK_R, BLOCK_K)
+    scale = tl.load(scale_ptr + rows, mask=rows < R, other=1.0)
+    q = v * tl.where(scale > 0, 1.0 / scale, 0.0)[:, None]
+    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    tl.store(dst_ptr + rows[:, None].to(tl.int64) * stride_dst + cols[None, :],
+             q.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(src, dst, scale):
+    """Rowwise float8 quantization of any 2-D view (W.t() included, read tile by tile): scale[r]
+    = max |src[r]| / the float8 maximum (0 for a zero row), dst[r] = src[r] / scale[r]. Same
+    contract as `float8.quantize_rows_torch`; dst must have unit column stride."""
+    R, K = src.shape
+    scale.zero_()
+    if R == 0 or K == 0:
+        return
+    BLOCK_R, BLOCK_K = 64, 64
+    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(K, BLOCK_K))
+    row_absmax_kernel[grid](src, src.stride(0), src.stride(1), R, K, scale,
+                            BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
+    fp8_max = float(torch.finfo(dst.dtype).max)
+    scale.div_(fp8_max)
+    quantize_rows_kernel[grid](src, src.stride(0), src.stride(1), R, K, scale, dst, dst.stride(0),
+                               FP8_MAX=fp8_max, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
 
 
 @triton.jit

@@ -4,6 +4,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
+from flce.float8 import FLOAT8
 from flce.function import IMPLS, fused_linear_cross_entropy
 from flce.options import LossOptions
 
@@ -21,6 +22,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         reduction: str = "mean",
         chunk_size: Optional[int] = None,
         memory_lean: bool = False,
+        float8: str = "none",
         impl: str = "auto",
     ):
         super().__init__()
@@ -28,8 +30,11 @@ class FusedLinearCrossEntropyLoss(nn.Module):
                                    reduction)  # validates early, not at the first step
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+        if float8 not in FLOAT8:
+            raise ValueError(f"float8={float8!r}: expected one of {FLOAT8}")
         self.chunk_size = chunk_size
         self.memory_lean = memory_lean
+        self.float8 = float8
         self.impl = impl
 
     def forward(self, x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
@@ -38,8 +43,9 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return fused_linear_cross_entropy(
             x, target, weight, bias, **o.loss_kwargs(), reduction=o.reduction,
             normalizer=normalizer,
-            chunk_size=self.chunk_size, memory_lean=self.memory_lean, impl=self.impl)
+            chunk_size=self.chunk_size, memory_lean=self.memory_lean, float8=self.float8,
+            impl=self.impl)
 
     def extra_repr(self) -> str:
         return (f"{self.options}, chunk_size={self.chunk_size}, memory_lean={self.memory_lean}, "
-                f"impl={self.impl!r}")
+                f"float8={self.float8!r}, impl={self.impl!r}")

@@ -13,6 +13,7 @@ dW is accumulated across chunks in fp32 (cuBLAS `out_dtype=float32` on CUDA: no 
 cast to the parameter dtype once. The memory-lean mode accumulates in the parameter dtype instead
 and uses small chunks (the memory of Liger-Kernel, with its bf16 accumulation error).
 The loss weight 1/normalizer stays a device tensor: nothing here synchronises with the host.
+With `float8` the logits GEMM (and the dx GEMM) run in float8 through `float8.Float8Gemms`.
 """
 
 from typing import Optional
@@ -20,6 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from flce.float8 import Float8Gemms
 from flce.options import LossOptions
 from flce.reference import chunk_rows
 
@@ -80,22 +82,30 @@ def weight_grad_buffer(weight: Tensor, dtype: torch.dtype, n_tokens: int) -> Ten
 
 
 def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: int, row_pass,
-               dx: Optional[Tensor], dw_acc: Optional[Tensor], db_acc: Optional[Tensor]) -> None:
+               dx: Optional[Tensor], dw_acc: Optional[Tensor], db_acc: Optional[Tensor],
+               fp8: Optional[Float8Gemms] = None) -> None:
     """Per chunk of tokens [start, end): logits = x_c @ W.T (+ b) into one reused buffer;
     row_pass(logits, start, end) turns them into dlogits in place; then dx_c = dlogits @ W,
-    dW += dlogits.T @ x_c, db += sum(dlogits), into whichever of dx, dw_acc, db_acc is given."""
-    N = x.shape[0]
-    buf = torch.empty(min(chunk_size, N), weight.shape[0], device=x.device, dtype=x.dtype)
+    dW += dlogits.T @ x_c, db += sum(dlogits), into whichever of dx, dw_acc, db_acc is given.
+    With fp8 the logits GEMM, and the dx GEMM if fp8.dx, run in float8."""
+    N, V = x.shape[0], weight.shape[0]
+    width = V if fp8 is None else fp8.width  # float8 GEMMs write a padded width
+    buf = torch.empty(min(chunk_size, N), width, device=x.device, dtype=x.dtype)
     w_t = weight.t()
     for start in range(0, N, chunk_size):
         end = min(start + chunk_size, N)
         x_c, logits = x[start:end], buf[: end - start]
-        if bias is None:
+        if fp8 is not None:
+            fp8.logits(x_c, out=logits)
+            logits = logits[:, :V]
+        elif bias is None:
             torch.mm(x_c, w_t, out=logits)
         else:
             torch.addmm(bias, x_c, w_t, out=logits)
         row_pass(logits, start, end)
-        if dx is not None:
+        if dx is not None and fp8 is not None and fp8.dx:
+            fp8.dx_into(dx[start:end], weight, start)
+        elif dx is not None:
             matmul_into(dx[start:end], logits, weight, accumulate=False)
         if dw_acc is not None:
             matmul_into(dw_acc, logits.t(), x_c, accumulate=start > 0)
@@ -106,7 +116,8 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
 def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
                  row_weight: Tensor, lse: Tensor, lse_given: bool, opts: LossOptions,
                  chunk_size: Optional[int], lean: bool, use_triton: bool,
-                 need_dx: bool, need_dw: bool, need_db: bool, cast_grads: bool):
+                 need_dx: bool, need_dw: bool, need_db: bool, cast_grads: bool,
+                 float8: str = "none"):
     """One sweep over the tokens. Returns (per-token loss, dx, dW, db); unneeded grads are None.
 
     With cast_grads the gradients come back in the dtypes of x, weight and bias. Without, they
@@ -116,6 +127,7 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     row_weight: fp32, 0-dim (one weight for every token) or [N]; it scales the gradients only.
     lse: [N] fp32 (float64 for float64 inputs), read when lse_given, else written; its dtype is
     the dtype of the per-token statistics.
+    float8: "none", "logits" or "logits+dx", the GEMMs that run in float8 (`float8.py`).
     """
     N, H = x.shape
     V = weight.shape[0]
@@ -129,13 +141,21 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     dw_acc = weight_grad_buffer(weight, accum_dtype, N) if need_dw else None
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
 
+    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
+    fp8 = None
+    if float8 != "none":
+        fp8 = Float8Gemms(weight, bias, target, min(C, N), need_dx and float8 == "logits+dx",
+                          use_triton)
+        if fp8.dx and lse_given:  # the float8 scales need each row's statistics, not just lse
+            lse, lse_given = torch.empty_like(lse), False
+
     def row_pass(logits, start, end):
         rw = row_weight if row_weight.dim() == 0 else row_weight[start:end]
         rows(logits, target[start:end], loss[start:end], lse[start:end], rw, opts,
-             lse_given, compute_grad)
+             lse_given, compute_grad,
+             fp8_grad=fp8.grad_outputs(end - start) if fp8 is not None and fp8.dx else None)
 
-    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
-    chunk_loop(x, weight, bias, C, row_pass, dx, dw_acc, db_acc)
+    chunk_loop(x, weight, bias, C, row_pass, dx, dw_acc, db_acc, fp8)
     if not cast_grads:
         return loss, dx, dw_acc, db_acc
     dw = None if dw_acc is None else dw_acc.to(weight.dtype)

@@ -45,13 +45,18 @@ def row_max_and_log_sum(z: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor,
-               weight: Tensor, opts: LossOptions, lse_given: bool, compute_grad: bool) -> None:
+               weight: Tensor, opts: LossOptions, lse_given: bool, compute_grad: bool,
+               fp8_grad: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> None:
     """Fill loss_out/lse_out for a chunk and, if compute_grad, overwrite logits with dlogits.
 
     weight is the fp32 gradient weight per row ([C]) or for all rows (a 0-dim tensor).
     Targets outside [0, V) raise (an index error from gather) rather than read garbage.
+    fp8_grad = (g8, g8_scale, target_grad), filled for the float8 dx GEMM: dlogits / g8_scale
+    in float8 with the target column 0, the row scale (a bound on |dlogits| off the target,
+    from the statistics, over the float8 maximum) and dlogits in the target column, in fp32.
     """
     V = logits.shape[1]
+    assert not (fp8_grad is not None and lse_given), "the float8 scales need the row statistics"
     z = scaled_logits(logits, opts)
     keep = target != opts.ignore_index
     bad = keep & ((target < 0) | (target >= V))
@@ -74,7 +79,30 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor
     g *= (weight.expand(lse.shape) * opts.logit_scale)[:, None]
     if opts.softcap is not None:
         g *= 1 - (z / opts.softcap) ** 2
-    logits.copy_(torch.where(keep[:, None], g, torch.zeros_like(g)))
+    g = torch.where(keep[:, None], g, torch.zeros_like(g))
+    logits.copy_(g)
+    if fp8_grad is not None:
+        _float8_grad(g, z, y, keep, shift, log_s, weight, opts, *fp8_grad)
+
+
+def _float8_grad(g: Tensor, z: Tensor, y: Tensor, keep: Tensor, shift: Tensor, log_s: Tensor,
+                 weight: Tensor, opts: LossOptions, g8: Tensor, g8_scale: Tensor,
+                 target_grad: Tensor) -> None:
+    """The float8 outputs of chunk_rows (kernels.flce_rows_kernel: FP8_GRAD)."""
+    fp8_max = torch.finfo(g8.dtype).max
+    V = z.shape[1]
+    is_target = torch.zeros_like(g, dtype=torch.bool).scatter_(1, y[:, None], True)
+    # off the target, g_j = w s (p_j coef - uniform) softcap'_j, p_j <= p_off, |softcap'_j| <= 1
+    p_off = torch.exp(z.masked_fill(is_target, float("-inf")).max(dim=1).values - shift - log_s)
+    coef = 1 + 2 * opts.z_loss * (shift + log_s)
+    uniform = opts.label_smoothing / V
+    bound = (weight * opts.logit_scale).abs() * torch.maximum(
+        (p_off * coef - uniform).abs(), torch.full_like(p_off, uniform))
+    bound = torch.where(keep, bound, torch.zeros_like(bound))
+    g8_scale.copy_(bound / fp8_max)
+    inv = torch.where(bound > 0, fp8_max / bound, torch.zeros_like(bound))
+    g8.copy_((g * inv[:, None]).masked_fill(is_target, 0).clamp(-fp8_max, fp8_max))
+    target_grad.copy_(g.gather(1, y[:, None]).squeeze(1))
 
 
 def linear_cross_entropy(

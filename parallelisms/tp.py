@@ -58,6 +58,9 @@ def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str
     if loss_parallel == "vocab" and loss.memory_lean:
         raise ValueError("[loss] memory_lean has no vocab-parallel form (that loss keeps only its "
                          "vocabulary slice's dW): set it false with [loss] parallel = \"vocab\"")
+    if loss_parallel == "vocab" and loss.float8 != "none":
+        raise ValueError(f"[loss] float8 = {loss.float8!r} has no vocab-parallel form yet: use "
+                         "[loss] parallel = \"sequence\" or float8 = \"none\"")
     model = model_with_loss.model
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),

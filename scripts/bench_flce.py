@@ -7,6 +7,8 @@ GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into 
 
     python scripts/bench_flce.py                      # the three standard shapes
     python scripts/bench_flce.py --sweep              # plus chunk-size / accumulation variants
+    python scripts/bench_flce.py --float8             # the float8 loss against the bf16 one, the
+                                                      # bare bf16 and float8 GEMMs, quantization
 """
 
 import argparse
@@ -24,9 +26,14 @@ import flce  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 MiB = 1 << 20
+FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
+                  "flce_float8_logits_dx": "logits+dx"}
 
 
-def methods(N, H, V, sweep):
+def methods(N, H, V, sweep, float8=False):
+    if float8:
+        return {name: (lambda f8: lambda x, t, w: flce.fused_linear_cross_entropy(
+            x, t, w, float8=f8))(f8) for name, f8 in FLOAT8_METHODS.items()}
     m = {
         "flce": lambda x, t, w: flce.fused_linear_cross_entropy(x, t, w),
         "flce_lean": lambda x, t, w: flce.fused_linear_cross_entropy(x, t, w, memory_lean=True),
@@ -108,6 +115,40 @@ def gemm_floor(x, w):
     return run, (logits, dx, dw)
 
 
+def float8_gemm_runs(x, w, logits):
+    """Each bare GEMM of the loss alone at full size, in bf16 and in float8 (rowwise scales,
+    bf16 out, operands quantized beforehand, as flce/float8.py calls them), the float8 floor
+    (float8 logits and dx, bf16 dW) and the quantizations the float8 loss adds."""
+    from flce.float8 import Float8Gemms
+    from flce.kernels import quantize_rows
+    N, H = x.shape
+    V = w.shape[0]
+    target = torch.zeros(N, dtype=torch.long, device=x.device)
+    f8 = Float8Gemms(w, None, target, N, dx=True, use_triton=True)  # W quantized, both ways
+    quantize_rows(x, f8.x[:, :H], f8.x_scale[:, 0])
+    quantize_rows(logits, f8.g[:, :V], f8.g_scale[:, 0])  # stand-in dlogits: timing only
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    fp8_logits_out = torch.empty(N, f8.width, device=x.device, dtype=torch.bfloat16)
+    bf16 = torch.bfloat16
+    fp8_logits = lambda: torch._scaled_mm(f8.x, f8.w.t(), f8.x_scale, f8.w_scale, out_dtype=bf16,
+                                          use_fast_accum=True, out=fp8_logits_out)
+    fp8_dx = lambda: torch._scaled_mm(f8.g, f8.wt.t(), f8.g_scale, f8.wt_scale, out_dtype=bf16,
+                                      use_fast_accum=False, out=f8.dx_out)
+    bf16_dw = lambda: torch.mm(logits.t(), x, out=dw)
+    runs = {
+        "bare_bf16_logits": (lambda: torch.mm(x, w.t(), out=logits), 1),
+        "bare_bf16_dx": (lambda: torch.mm(logits, w, out=dx), 1),
+        "bare_bf16_dW": (bf16_dw, 1),
+        "bare_fp8_logits": (fp8_logits, 1),
+        "bare_fp8_dx": (fp8_dx, 1),
+        "bare_fp8_floor": (lambda: (fp8_logits(), fp8_dx(), bf16_dw()), 3),
+        "quantize_W_rows": (lambda: quantize_rows(w, f8.w[:V, :H], f8.w_scale[0, :V]), 0),
+        "quantize_W_cols": (lambda: quantize_rows(w.t(), f8.wt[:H, :V], f8.wt_scale[0, :H]), 0),
+        "quantize_x": (lambda: quantize_rows(x, f8.x[:, :H], f8.x_scale[:, 0]), 0),
+    }
+    return runs, (f8, dx, dw, fp8_logits_out)
+
+
 def profile(fns, x, t, w):
     from torch.profiler import ProfilerActivity, profile as torch_profile
     for name, f in fns.items():
@@ -146,19 +187,24 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time chunk/accumulation variants")
+    p.add_argument("--float8", action="store_true",
+                   help="the float8 loss (flce float8=logits, logits+dx) against flce in bf16, "
+                        "and each bare GEMM in bf16 and float8")
     p.add_argument("--only", default="", help="comma-separated method names to run")
     p.add_argument("--accuracy-tokens", type=int, default=4096,
                    help="tokens for the error-vs-float64 check at the first shape (0: skip)")
     p.add_argument("--profile", action="store_true",
                    help="print a per-kernel CUDA time table for flce at each shape, then exit")
-    p.add_argument("--out", default="benchmarks/flce_bench", help="output path without suffix")
+    p.add_argument("--out", default=None, help="output path without suffix (default: "
+                   "benchmarks/flce_bench, or benchmarks/flce_float8 with --float8)")
     args = p.parse_args()
+    args.out = args.out or ("benchmarks/flce_float8" if args.float8 else "benchmarks/flce_bench")
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     dtype = getattr(torch, args.dtype)
     results, accuracy = [], {}
     for i, shape in enumerate(args.shapes.split(",")):
         N, H, V = map(int, shape.split("x"))
-        fns = methods(N, H, V, args.sweep)
+        fns = methods(N, H, V, args.sweep, args.float8)
         if args.only:
             fns = {k: v for k, v in fns.items() if k in args.only.split(",")}
         x, t, w = make_inputs(N, H, V, dtype)
@@ -167,11 +213,21 @@ def main():
             continue
         run, bufs = gemm_floor(x.detach(), w.detach())
         floor_ms = cuda_time(run, args.warmup, args.reps)
-        del bufs, run
         flops = 6 * N * H * V
         results.append({"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                         "tflops": flops / floor_ms / 1e9, "extra_mib": None})
         print(f"{shape} bare_gemms {floor_ms:.2f} ms ({flops / floor_ms / 1e9:.0f} TFLOP/s)")
+        if args.float8:
+            runs, keep = float8_gemm_runs(x.detach(), w.detach(), bufs[0])
+            for name, (bare, n_gemms) in runs.items():
+                ms = cuda_time(bare, args.warmup, args.reps)
+                tflops = n_gemms * 2 * N * H * V / ms / 1e9 if n_gemms else None
+                results.append({"shape": shape, "method": name, "ms": ms, "tflops": tflops,
+                                "extra_mib": None, "vs_gemms": ms / floor_ms})
+                print(f"{shape} {name:22s} {ms:8.2f} ms" +
+                      (f" ({tflops:.0f} TFLOP/s)" if tflops else ""))
+            del runs, keep
+        del bufs, run
         for name, f in fns.items():
             try:
                 ms = cuda_time(fwd_bwd(f, x, t, w), args.warmup, args.reps)
@@ -223,8 +279,10 @@ def grid_table(results, key, shape_label, cell_text):
 def _method_cell(name, r):
     if r is None:
         return "-"
-    if name == "bare_gemms":
+    if name.startswith("bare_"):
         return f"{r['ms']:.1f} ({r['tflops']:.0f} TFLOP/s)"
+    if name.startswith("quantize_"):
+        return f"{r['ms']:.2f}"
     if r["ms"] is None:
         return "OOM"
     return f"{r['ms']:.1f} / {r['extra_mib']:.0f} ({r['vs_gemms']:.2f}×)"
@@ -235,6 +293,11 @@ def markdown(meta, results, accuracy):
              f"{meta['dtype']} · {meta['date']}", f"Command: `{meta['command']}`", "",
              "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time).", "",
              *grid_table(results, "method", "N×H×V", _method_cell)]
+    if any(r["method"].startswith("bare_fp8") for r in results):
+        lines += ["", "bare_gemms: the three bf16 GEMMs (logits, dx, dW); bare_*: one GEMM alone "
+                  "at full size, float8 ones with rowwise scales and bf16 output; bare_fp8_floor: "
+                  "float8 logits and dx + bf16 dW. quantize_*: ms of the float8 loss's "
+                  "quantizations (W both ways once per call, x per chunk)."]
     if accuracy:
         lines += ["", f"Relative error against float64 at {accuracy['shape']} (loss / dx / dW):", "",
                   "| method | loss | dx | dW |", "|---|---|---|---|"]

@@ -28,6 +28,14 @@ def test_overrides_both_spellings_and_types(tmp_path):
     assert cfg.compile.components == ["model", "loss"] and cfg.lr_scheduler.decay_ratio == 0.2
 
 
+def test_float8_loss_needs_the_fused_loss():
+    from components.config import Loss
+    from components.loss import TrainingLoss
+    with pytest.raises(ValueError, match=r"\[loss\] float8 = 'logits' needs \[loss\] impl"):
+        TrainingLoss(Loss(impl="unfused", float8="logits"))
+    assert TrainingLoss(Loss(float8="logits+dx")).float8 == "logits+dx"
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(["--training.steps", "3", "--job.description", 'a "quoted" name'])
     path = tmp_path / "resolved.toml"
@@ -42,6 +50,7 @@ def test_resolved_config_round_trips(tmp_path):
     (["--training.steps", "three"], r"\[training\] steps: expected int, got 'three'"),
     (["--training.deterministic", "maybe"], r"\[training\] deterministic: expected bool"),
     (["--loss.impl", "fused"], r"\[loss\] impl = 'fused': expected one of"),
+    (["--loss.float8", "all"], r"\[loss\] float8 = 'all': expected one of"),
     (["--training.mixed_precision_reduce", "float16"],
      r"\[training\] mixed_precision_reduce = 'float16': expected one of"),
     (["--training.steps", "0"], r"\[training\] steps = 0: must be >= 1"),

@@ -9,11 +9,12 @@ from flce_cases import IMPL_DEVICES, cuda_only, make_inputs, rel_err
 
 
 class TinyHead(nn.Module):
-    def __init__(self, H, V, impl):
+    def __init__(self, H, V, impl, float8="none"):
         super().__init__()
         self.proj = nn.Linear(H, H)
         self.out = nn.Linear(H, V)
-        self.loss = flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, impl=impl)
+        self.loss = flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, impl=impl,
+                                                     float8=float8)
 
     def forward(self, x, target):
         h = torch.tanh(self.proj(x))
@@ -21,9 +22,10 @@ class TinyHead(nn.Module):
 
 
 @IMPL_DEVICES
-def test_inside_torch_compile(impl, device):
+@pytest.mark.parametrize("float8", ["none", "logits+dx"])
+def test_inside_torch_compile(impl, device, float8):
     torch.manual_seed(0)
-    model = TinyHead(16, 40, impl).to(device)
+    model = TinyHead(16, 40, impl, float8).to(device)
     x = torch.randn(2, 24, 16, device=device)
     target = torch.randint(0, 40, (2, 24), device=device)
     target[0, :5] = -100
@@ -38,17 +40,20 @@ def test_inside_torch_compile(impl, device):
 
 @cuda_only
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_no_host_sync_on_cuda(reduction):
+@pytest.mark.parametrize("float8", ["none", "logits", "logits+dx"])
+def test_no_host_sync_on_cuda(reduction, float8):
     x, t, w, b = make_inputs(300, 64, 1000, "cuda", torch.bfloat16)
     count = (t != -100).sum()
-    flce.fused_linear_cross_entropy(x, t, w, b, reduction=reduction).sum().backward()  # warm-up
+    flce.fused_linear_cross_entropy(x, t, w, b, reduction=reduction,
+                                    float8=float8).sum().backward()  # warm-up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for normalizer in ((None, count) if reduction != "none" else (None,)):
             loss = flce.fused_linear_cross_entropy(x, t, w, b, reduction=reduction,
                                                    normalizer=normalizer, chunk_size=128,
-                                                   label_smoothing=0.1, z_loss=1e-4, softcap=20.0)
+                                                   label_smoothing=0.1, z_loss=1e-4, softcap=20.0,
+                                                   float8=float8)
             loss.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -25,6 +25,7 @@ def _inputs(N=6, H=4, V=9):
     (lambda a: a.update(softcap=0.0), ValueError, "softcap"),
     (lambda a: a.update(z_loss=-1.0), ValueError, "z_loss"),
     (lambda a: a.update(impl="cuda"), ValueError, "impl='cuda'"),
+    (lambda a: a.update(float8="fp8"), ValueError, "float8='fp8': expected one of"),
     (lambda a: a.update(chunk_size=0), ValueError, "chunk_size"),
     (lambda a: a.update(normalizer=torch.ones(2)), ValueError, "normalizer must be a scalar"),
     (lambda a: a.update(normalizer=0), ValueError, "normalizer=0"),
@@ -45,6 +46,8 @@ def test_bad_input(change, error, match):
 def test_module_checks_options_at_construction():
     with pytest.raises(ValueError, match="reduction"):
         flce.FusedLinearCrossEntropyLoss(reduction="max")
+    with pytest.raises(ValueError, match="float8='e4m3'"):
+        flce.FusedLinearCrossEntropyLoss(float8="e4m3")
 
 
 def test_out_of_range_target_on_cpu_raises():

@@ -132,6 +132,11 @@ def test_tp_rejects_settings_it_cannot_honour():
                                   TrainingLoss(Loss(impl="flce", memory_lean=True)))
         with pytest.raises(ValueError, match="memory_lean has no vocab-parallel form"):
             apply_tp(model, mesh, "vocab")
+        with torch.device("meta"):
+            model = ModelWithLoss(Llama(FLAVORS["debug"], seq_len=64),
+                                  TrainingLoss(Loss(impl="flce", float8="logits")))
+        with pytest.raises(ValueError, match="float8 = 'logits' has no vocab-parallel form"):
+            apply_tp(model, mesh, "vocab")
         # A block already wrapped by activation checkpointing would be skipped by the plan.
         from parallelisms.activation_checkpoint import apply_activation_checkpointing
         with torch.device("meta"):

@@ -1,0 +1,104 @@
+"""The `float8` option of the fused loss: its GEMMs in float8 (e4m3) with rowwise scales.
+
+"logits": logits = x_c @ W.T is a float8 GEMM, x scaled per token and W per vocabulary row (a
+row's largest |value| maps to 448, e4m3's largest). "logits+dx": dx_c = G @ W too, with G
+(dlogits) scaled per token (the row kernel derives the scale from its fp32 statistics and writes
+G in e4m3 as it forms it) and W per hidden column (a second, transposed copy). Statistics and
+gradient values are still formed in fp32; only the GEMM operands are rounded to e4m3.
+
+The target class's entry of G stays out of the float8 operand and is added exactly, as
+G_y * W[y]: while p_y is small, |G_y| ~ 1 would set the row's scale and push the other entries
+(~1/V each) into e4m3's subnormal range. The scale then fits the rest of the row.
+
+dW = G.T @ x stays a bf16 GEMM accumulated in fp32. In float8 it would need G scaled per
+vocabulary column over the chunk's tokens (a column reduction before G can be written) and
+transposed float8 copies of G and x; and rowwise-scaled float8 GEMMs write bf16 only, so the fp32
+accumulation over chunks would cost an extra pass over the V x H accumulator per chunk (1.1-1.4x
+that GEMM's time on an H200, /work/shared/ANCHORS.md). torchao's `rowwise_with_gw_hp` recipe
+keeps this GEMM in high precision for accuracy.
+
+Rowwise float8 GEMMs need the inner and the output-column dimensions to be multiples of 16: the
+float8 operands are zero-padded to multiples of 16 (exact: the padding adds zeros) and the logits
+buffer gets the padded width, so no shape falls back to bf16. The GEMMs write bf16 (the only
+output of rowwise-scaled cuBLAS/CUTLASS); for fp32 or fp16 inputs the logits are converted.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+E4M3 = torch.float8_e4m3fn
+FLOAT8 = ("none", "logits", "logits+dx")
+
+
+def padded(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def quantize_rows_torch(src: Tensor, dst: Tensor, scale: Tensor) -> None:
+    """The PyTorch twin of `kernels.quantize_rows`: scale[r] = max |src[r]| / the float8
+    maximum (0 for a zero row), dst[r] = src[r] / scale[r] saturated and rounded to float8."""
+    fp8_max = torch.finfo(dst.dtype).max
+    absmax = src.abs().amax(dim=1) if src.shape[1] else src.new_zeros(src.shape[0])
+    scale.copy_(absmax.to(torch.float32) / fp8_max)
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    dst.copy_((src.to(torch.float32) * inv[:, None]).clamp_(-fp8_max, fp8_max))
+
+
+class Float8Gemms:
+    """The float8 operands of one sweep of the chunk loop (`ops.chunk_loop`), which calls
+    `logits` per chunk and, with dx, lets the row kernel fill `grad_outputs` before `dx_into`.
+
+    W is quantized once here; each chunk quantizes its rows of x. Padding stays zero."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], target: Tensor, max_rows: int,
+                 dx: bool, use_triton: bool):
+        V, H = weight.shape
+        self.V, self.H, self.width, self.dx = V, H, padded(V), dx
+        self.target = target
+        if use_triton:
+            from flce.kernels import quantize_rows
+            self.quantize = quantize_rows
+        else:
+            self.quantize = quantize_rows_torch
+        fp8 = lambda *shape: torch.zeros(*shape, device=weight.device, dtype=E4M3)
+        ones32 = lambda *shape: torch.ones(*shape, device=weight.device, dtype=torch.float32)
+        self.w, self.w_scale = fp8(self.width, padded(H)), ones32(1, self.width)
+        self.quantize(weight, self.w[:V, :H], self.w_scale[0, :V])
+        self.x, self.x_scale = fp8(max_rows, padded(H)), ones32(max_rows, 1)
+        self.bias = None if bias is None else F.pad(bias.to(torch.bfloat16), (0, self.width - V))
+        if dx:
+            self.wt, self.wt_scale = fp8(padded(H), self.width), ones32(1, padded(H))
+            self.quantize(weight.t(), self.wt[:H, :V], self.wt_scale[0, :H])
+            self.g, self.g_scale = fp8(max_rows, self.width), ones32(max_rows, 1)
+            self.target_grad = ones32(max_rows)
+            self.dx_out = torch.empty(max_rows, padded(H), device=weight.device,
+                                      dtype=torch.bfloat16)
+
+    def logits(self, x_c: Tensor, out: Tensor) -> None:
+        """out [rows, width] = x_c @ W.T (+ bias), through bf16; out[:, V:] is padding."""
+        n = x_c.shape[0]
+        x, x_scale = self.x[:n], self.x_scale[:n]
+        self.quantize(x_c, x[:, :self.H], x_scale[:, 0])
+        # fast accumulation, as torchao's forward GEMM: K = H terms
+        mm = lambda **o: torch._scaled_mm(x, self.w.t(), x_scale, self.w_scale, bias=self.bias,
+                                          out_dtype=torch.bfloat16, use_fast_accum=True, **o)
+        if out.dtype == torch.bfloat16:
+            mm(out=out)
+        else:
+            out.copy_(mm())
+
+    def grad_outputs(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(G in e4m3 without the target column, its row scales, G at the target) for n rows."""
+        return self.g[:n, :self.V], self.g_scale[:n, 0], self.target_grad[:n]
+
+    def dx_into(self, out: Tensor, weight: Tensor, start: int) -> None:
+        """out = G @ W for the rows [start, start + len(out)) whose G `grad_outputs` holds."""
+        n = out.shape[0]
+        # no fast accumulation: partial sums promoted to fp32 over the K = V terms
+        gw = torch._scaled_mm(self.g[:n], self.wt.t(), self.g_scale[:n], self.wt_scale,
+                              out_dtype=torch.bfloat16, use_fast_accum=False, out=self.dx_out[:n])
+        y = self.target[start:start + n].clamp(0, self.V - 1).long()  # ignored rows: G_y = 0
+        torch.addcmul(gw[:, :self.H], weight[y], self.target_grad[:n, None], out=out)
