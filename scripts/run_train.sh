@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Single-node training.
 #
+# Usage: [NGPU=N] [CONFIG=FILE] scripts/run_train.sh [--section.key value ...]
+#
 #   NGPU=8 CONFIG=configs/llama_1b.toml scripts/run_train.sh --training.steps 300
 #   scripts/run_train.sh                    # configs/debug.toml on every visible GPU, or the CPU
 #
@@ -14,20 +16,12 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=scripts/lib/usage.sh
+source "$repo/scripts/lib/usage.sh"
+exit_if_help_asked "$0" "$@"
 
-visible_gpus() {
-  if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
-    # Set but empty hides every GPU; otherwise one entry per GPU.
-    local ids
-    IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
-    echo "${#ids[@]}"
-  elif command -v nvidia-smi > /dev/null 2>&1; then
-    nvidia-smi --list-gpus 2> /dev/null | grep -c '^GPU' || true
-  else
-    echo 0
-  fi
-}
-
+# shellcheck source=scripts/lib/torchrun.sh
+source "$repo/scripts/lib/torchrun.sh"
 if [[ -z ${NGPU:-} ]]; then
   NGPU=$(visible_gpus)
   ((NGPU >= 1)) || NGPU=1
@@ -40,8 +34,6 @@ if ((NGPU == 1)); then
 else
   # torchrun forwards only SIGTERM/SIGINT/SIGHUP/SIGQUIT unless told: add SIGUSR1 so a
   # `kill -USR1 <this script's pid>` still asks the trainer for a checkpoint.
-  # shellcheck source=scripts/lib/torchrun.sh
-  source "$repo/scripts/lib/torchrun.sh"
   probe_torchrun "${SHUTDOWN_TIMEOUT:-240}"
   cmd=(torchrun --standalone --nproc-per-node "$NGPU" "${torchrun_signal_options[@]}"
        "$repo/train.py" --config "$CONFIG" "$@")
