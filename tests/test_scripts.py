@@ -46,9 +46,9 @@ wait $sleeper
 NEW_TORCHRUN_HELP = "[--signals-to-handle SIGNALS] [--shutdown-timeout SHUTDOWN_TIMEOUT]"
 
 
-def run(cmd, env=None, **kwargs):
+def run(cmd, env=None, timeout=120, **kwargs):
     return subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, text=True,
-                          capture_output=True, timeout=120, **kwargs)
+                          capture_output=True, timeout=timeout, **kwargs)
 
 
 # ---- --help: the usage, and nothing else -----------------------------------------------------
@@ -498,7 +498,7 @@ def test_band_without_a_usable_band_exits_2(tmp_path, problem):
 def fused_vs_unfused(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     result = run(["scripts/compare_fused_vs_unfused.sh", "configs/debug.toml", *SHORT],
-                 env={"OUT_DIR": str(out), "PYTHON": sys.executable, "NGPU": "1"})
+                 env={"OUT_DIR": str(out), "PYTHON": sys.executable, "NGPU": "1"}, timeout=600)
     return result, out
 
 
@@ -514,7 +514,8 @@ def test_fused_and_unfused_losses_agree(fused_vs_unfused):
 
 def train_short(dump, *overrides):
     result = run([sys.executable, "train.py", "--config", "configs/debug.toml", *SHORT,
-                  "--metrics.log_freq", "1", *overrides, "--job.dump_folder", str(dump)])
+                  "--metrics.log_freq", "1", *overrides, "--job.dump_folder", str(dump)],
+                 timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return dump
 
