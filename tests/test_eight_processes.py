@@ -5,7 +5,7 @@ train.sbatch starts them) give the losses, gradient norms and weights of one pro
 checkpoint saved by 8 processes resumes at 2 and at 1 with the same losses.
 
 The tiniest runs that show it (debug flavor, seq_len 32, 4 steps): each launch of 8 processes
-costs ~15 s on 2 CPU cores, nearly all of it starting them."""
+costs 15-20 s on 2 idle CPU cores, nearly all of it starting them."""
 
 import os
 import shutil
