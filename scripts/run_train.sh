@@ -19,9 +19,9 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/lib/usage.sh
 source "$repo/scripts/lib/usage.sh"
 exit_if_help_asked "$0" "$@"
+# shellcheck source=scripts/lib/gpus.sh
+source "$repo/scripts/lib/gpus.sh"
 
-# shellcheck source=scripts/lib/torchrun.sh
-source "$repo/scripts/lib/torchrun.sh"
 if [[ -z ${NGPU:-} ]]; then
   NGPU=$(visible_gpus)
   ((NGPU >= 1)) || NGPU=1
@@ -34,6 +34,8 @@ if ((NGPU == 1)); then
 else
   # torchrun forwards only SIGTERM/SIGINT/SIGHUP/SIGQUIT unless told: add SIGUSR1 so a
   # `kill -USR1 <this script's pid>` still asks the trainer for a checkpoint.
+  # shellcheck source=scripts/lib/torchrun.sh
+  source "$repo/scripts/lib/torchrun.sh"
   probe_torchrun "${SHUTDOWN_TIMEOUT:-240}"
   cmd=(torchrun --standalone --nproc-per-node "$NGPU" "${torchrun_signal_options[@]}"
        "$repo/train.py" --config "$CONFIG" "$@")

@@ -1,28 +1,12 @@
 # shellcheck shell=bash
-# Sourced by scripts/run_train.sh and scripts/slurm/torchrun_cmd.sh: count the visible GPUs, and
-# run torchrun so that SIGUSR1 (checkpoint, then stop) reaches the trainers whatever the
-# installed torchrun.
+# Sourced by scripts/run_train.sh and scripts/slurm/torchrun_cmd.sh: run torchrun so that
+# SIGUSR1 (checkpoint, then stop) reaches the trainers whatever the installed torchrun.
 #
 # Newer torchrun takes --signals-to-handle (forward SIGUSR1 too) and --shutdown-timeout (how
 # long to wait for the workers before SIGKILL). torch 2.11's torchrun has neither and forwards
 # only SIGTERM/SIGINT/SIGHUP/SIGQUIT, then kills the workers after 30 s. There the script stays
 # torchrun's parent and turns a SIGUSR1 into a SIGTERM, which the trainer handles the same way
 # (checkpoint after the current step, exit); a checkpoint must then be written within 30 s.
-
-# visible_gpus: the GPUs this process may use, from CUDA_VISIBLE_DEVICES if set, else
-# nvidia-smi; 0 without either.
-visible_gpus() {
-  if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
-    # Set but empty hides every GPU; otherwise one entry per GPU.
-    local ids
-    IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
-    echo "${#ids[@]}"
-  elif command -v nvidia-smi > /dev/null 2>&1; then
-    nvidia-smi --list-gpus 2> /dev/null | grep -c '^GPU' || true
-  else
-    echo 0
-  fi
-}
 
 torchrun_signal_options=()
 torchrun_forwards_usr1=false

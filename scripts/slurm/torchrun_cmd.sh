@@ -41,8 +41,6 @@ print(re.sub(r"\[([^],-]+)[^]]*\]", r"\1", group))' "$1"
   fi
 }
 
-# shellcheck source=scripts/lib/torchrun.sh
-source "$repo/scripts/lib/torchrun.sh"
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
   nodelist=${SLURM_JOB_NODELIST:?not set: is this a SLURM job step (SLURM_JOB_ID is set)?}
   nnodes=${SLURM_NNODES:?not set: is this a SLURM job step (SLURM_JOB_ID is set)?}
@@ -53,6 +51,8 @@ if [[ -n ${SLURM_JOB_ID:-} ]]; then
   default_port=$((20000 + SLURM_JOB_ID % 20000))
 else
   nodelist=localhost nnodes=1 node_id=0 job_id=local default_port=29500
+  # shellcheck source=scripts/lib/gpus.sh
+  source "$repo/scripts/lib/gpus.sh"
   gpus=${GPUS_PER_NODE:-$(visible_gpus)}
   ((gpus >= 1)) || gpus=1
 fi
@@ -62,6 +62,8 @@ master_port=${MASTER_PORT:-$default_port}
 # The c10d rendezvous guesses which node hosts its store by matching hostnames, which fails
 # when the nodelist's names are not the machines' own (short vs. FQDN): say it explicitly.
 if [[ $node_id == 0 ]]; then is_host=true; else is_host=false; fi
+# shellcheck source=scripts/lib/torchrun.sh
+source "$repo/scripts/lib/torchrun.sh"
 probe_torchrun "${SHUTDOWN_TIMEOUT:-240}"
 
 cmd=(torchrun
