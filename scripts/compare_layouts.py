@@ -11,8 +11,9 @@ after --warmup-steps), final loss, and each layout's verdict.
 
 Layouts: "fsdp" (FSDP over every process), "tp<K>_sequence" and "tp<K>_vocab" (tensor
 parallel of degree K with that loss-parallel mode, FSDP over the rest), "hsdp<R>" (R replicas,
-FSDP inside each). --seed-runs adds an unfused run at seed + 1 per layout, so the fused-unfused
-difference is reported against the seed-to-seed spread (compare_losses.py --seed-run).
+FSDP inside each). --seed-runs adds an unfused run at seed + 1 per layout: the fused-unfused
+difference is then judged against the seed-to-seed spread (compare_losses.py --seed-run, its
+noise-band verdict, right for bf16 GPU runs); without it, against --tolerance at every step.
 
 Runs write under --runs-dir/<layout>_<loss>; the report is rewritten after every run, so a killed
 job keeps what it measured. This script never imports torch.
@@ -61,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=20,
                    help="steps left out of the throughput figures (compilation, warm-up)")
     p.add_argument("--tolerance", type=float, default=0.05,
-                   help="compare_losses.py --tolerance: max |loss difference| that passes")
+                   help="compare_losses.py --tolerance: max |loss difference| that passes "
+                        "(without --seed-runs)")
     p.add_argument("--seed-runs", action="store_true",
                    help="also run the second loss at seed + 1 per layout (the noise reference)")
     p.add_argument("--extra", action="append", default=[],

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Compare the loss curves of runs against the first one: a table, a PNG, a pass/fail exit code.
 
-    python3 scripts/compare_losses.py RUN_A RUN_B [RUN_C ...] [--tolerance 0.05]
-        [--threshold X] [--metric loss] [--seed-run RUN] [--out PATH.png]
+    python3 scripts/compare_losses.py RUN_A RUN_B [RUN_C ...] [--seed-run RUN]
+        [--verdict auto|absolute|band] [--tolerance 0.05] [--band-ratio 0.5] [--window 9]
+        [--threshold X] [--metric loss] [--out PATH.png]
 
 A run is a dump folder holding metrics.jsonl, or the file itself. Lines without the metric
 (validation lines have val_loss, not loss) are skipped; when a step appears more than once (a
@@ -14,10 +15,18 @@ For each run after the first: mean and max |run - A| and the first step where |d
 is not judged, but each run's mean |run - A| is also reported relative to the seed-to-seed
 spread mean |seed - A|, the noise floor any change has to be compared with.
 
-A null value (the trainer writes non-finite values as null) is a divergence at that step.
+The verdict (--verdict; auto: band when --seed-run is given, else absolute):
+  absolute  every step's |run - A| must stay within --tolerance. Right for deterministic runs
+            (fp32 on the CPU: fused and unfused agree to ~1e-6), wrong for bf16 GPU runs, whose
+            curves separate chaotically: there one step's difference says little.
+  band      the curves are smoothed (a centred moving average over --window logged steps) and
+            mean |smoothed run - smoothed A| must stay within --band-ratio times the noise
+            band mean |smoothed seed - smoothed A| that --seed-run measures.
+A null value (the trainer writes non-finite values as null) is a divergence at that step, a
+failure in either verdict.
 
-Exit status: 0 when every run is within --tolerance of A; 1 when one is not, or has a
-non-finite value; 2 on bad input (missing file, metric absent, no common steps).
+Exit status: 0 when every run passes; 1 when one does not, or has a non-finite value; 2 on bad
+input (missing file, metric absent, no common steps, no usable noise band).
 """
 
 import argparse
@@ -71,8 +80,20 @@ def finite_mean_max(diffs):
     return (sum(finite) / len(finite), max(finite)) if finite else (math.nan, math.nan)
 
 
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Centred moving average over `window` points (fewer at the ends, where the window is cut)."""
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - half):i + half + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
 def plot(path: Path, steps, curves: dict, reference: str, seed: str | None, metric: str,
-         tolerance: float) -> None:
+         tolerance: float | None, smoothed: dict | None = None) -> None:
+    """Curves on top, differences to the reference below: raw, plus the smoothed ones the band
+    verdict judges (smoothed) or the +-tolerance lines of the absolute verdict."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
@@ -85,13 +106,18 @@ def plot(path: Path, steps, curves: dict, reference: str, seed: str | None, metr
         top.plot(steps, values, label=name + (" (seed reference)" if name == seed else ""), **style)
         if name != reference:
             diff = [v - a for v, a in zip(values, curves[reference])]
-            bottom.plot(steps, diff, label=f"{name} - {reference}", **style)
+            bottom.plot(steps, diff, label=f"{name} - {reference}",
+                        alpha=0.35 if smoothed else 1.0, **style)
+            if smoothed and name in smoothed:
+                mean = [v - a for v, a in zip(smoothed[name], smoothed[reference])]
+                bottom.plot(steps, mean, linewidth=2, label=f"{name} - {reference}, smoothed",
+                            **style)
             # Non-finite values leave gaps in the lines: mark where they start.
             bad = [s for s, d in zip(steps, diff) if not math.isfinite(d)]
             if bad:
                 bottom.axvline(bad[0], linewidth=2, alpha=0.5, label=f"{name}: non-finite",
                                **style)
-    for y in (tolerance, -tolerance):
+    for y in () if tolerance is None else (tolerance, -tolerance):
         bottom.axhline(y, color="gray", linewidth=0.8, linestyle=":")
     top.set_ylabel(metric)
     top.legend(fontsize="small")
@@ -104,11 +130,61 @@ def plot(path: Path, steps, curves: dict, reference: str, seed: str | None, metr
     plt.close(fig)
 
 
+def absolute_verdict(steps, diffs: dict, tolerance: float, threshold: float) -> list[str]:
+    """Failures of the absolute verdict: any step's |run - A| above tolerance."""
+    print(f"  pass when |run - A| <= --tolerance {tolerance:g} at every step (for deterministic "
+          "runs: fp32 on the CPU)")
+    failures = []
+    for name, d in diffs.items():
+        _, peak = finite_mean_max(d)
+        print(f"  {name}: max |diff| {peak:.4g}: {'within' if peak <= tolerance else 'OUTSIDE'}")
+        if peak > tolerance:
+            first = first_step_above(steps, d, threshold)
+            failures.append(f"{name}: max |diff| {peak:.4g} > tolerance {tolerance:g} "
+                            f"(first step above {threshold:g}: {first})")
+    return failures
+
+
+def band_verdict(steps, curves: dict, reference: str, seed: str, judged: list[str],
+                 window: int, ratio_limit: float) -> tuple[list[str], list[str], dict]:
+    """Failures and passes of the band verdict, and the smoothed curves: the mean |difference|
+    of the smoothed curves against ratio_limit times the seed run's (the noise band)."""
+    window = min(window, len(steps))
+    smoothed = {name: moving_average(curves[name], window) for name in [reference, seed, *judged]}
+    mean_diff = {name: sum(abs(v - a) for v, a in zip(smoothed[name], smoothed[reference]))
+                 / len(steps) for name in [seed, *judged]}
+    band = mean_diff[seed]
+    print(f"  smoothing: a centred moving average over {window} logged step(s)\n"
+          f"  noise band: mean |seed - A| of the smoothed curves over steps {steps[0]}..{steps[-1]}"
+          f" = {band:.4g} (seed run {seed})\n"
+          f"  pass when mean |run - A| of the smoothed curves <= {ratio_limit:g} x the band"
+          f" = {ratio_limit * band:.4g}")
+    failures, passes = [], []
+    for name in judged:
+        ratio = mean_diff[name] / band
+        print(f"  {name}: {mean_diff[name]:.4g} = {ratio:.3g} x the band: "
+              f"{'within' if ratio <= ratio_limit else 'OUTSIDE'}")
+        summary = (f"{name}: mean |smoothed diff| {mean_diff[name]:.4g} = {ratio:.3g} x the "
+                   f"seed-to-seed spread {band:.4g} (limit {ratio_limit:g})")
+        (passes if ratio <= ratio_limit else failures).append(summary)
+    return failures, passes, smoothed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders or metrics.jsonl files; A first")
+    parser.add_argument("--verdict", choices=("auto", "absolute", "band"), default="auto",
+                        help="absolute: every step within --tolerance; band: smoothed curves "
+                             "within --band-ratio x the seed-to-seed spread (needs --seed-run); "
+                             "auto (default): band with --seed-run, else absolute")
     parser.add_argument("--tolerance", type=float, default=0.05,
-                        help="fail (exit 1) when max |run - A| exceeds this (default 0.05)")
+                        help="absolute verdict: fail (exit 1) when max |run - A| exceeds this "
+                             "(default 0.05)")
+    parser.add_argument("--band-ratio", type=float, default=0.5,
+                        help="band verdict: fail when mean |smoothed run - A| exceeds this "
+                             "fraction of mean |smoothed seed - A| (default 0.5)")
+    parser.add_argument("--window", type=int, default=9,
+                        help="band verdict: logged steps per moving-average window (default 9)")
     parser.add_argument("--threshold", type=float, default=None,
                         help="report the first step where |run - A| exceeds this "
                              "(default: --tolerance)")
@@ -120,6 +196,13 @@ def main(argv=None) -> int:
     threshold = args.tolerance if args.threshold is None else args.threshold
     if len(args.runs) + (args.seed_run is not None) < 2:
         parser.error("give at least two runs (or one run and --seed-run)")
+    verdict = args.verdict if args.verdict != "auto" else ("band" if args.seed_run else "absolute")
+    if verdict == "band" and not args.seed_run:
+        parser.error("--verdict band needs --seed-run (the run that measures the noise band)")
+    if verdict == "band" and len(args.runs) < 2:
+        parser.error("--verdict band needs a run to judge besides A and the seed run")
+    if args.window < 1 or args.band_ratio <= 0:
+        parser.error("--window must be >= 1 and --band-ratio > 0")
 
     names = list(args.runs) + ([args.seed_run] if args.seed_run else [])
     try:
@@ -146,39 +229,62 @@ def main(argv=None) -> int:
           f"first step |diff| > {threshold:g}")
     diffs = {name: [abs(v - a) for v, a in zip(curves[name], curves[reference])]
              for name in names[1:]}
-    failures = []
+    judged = [name for name in names[1:] if name != args.seed_run]
+    failures, non_finite = [], {}
     for name, d in diffs.items():
         mean, peak = finite_mean_max(d)
         first = first_step_above(steps, d, threshold)
         bad = [s for s, x in zip(steps, d) if not math.isfinite(x)]
         print(f"{name:<{width}}{mean:>12.4g}{peak:>12.4g}  {first if first is not None else '-'}")
         if bad:
+            non_finite[name] = bad[0]
             print(f"{'':<{width}}non-finite {args.metric} (null) at {len(bad)} step(s), "
                   f"first at step {bad[0]}: treated as a divergence")
-        if name == args.seed_run:
-            continue
-        if bad:
-            failures.append(f"{name}: non-finite {args.metric} from step {bad[0]}")
-        elif peak > args.tolerance:
-            failures.append(f"{name}: max |diff| {peak:.4g} > tolerance {args.tolerance:g} "
-                            f"(first step above {threshold:g}: {first})")
+            if name != args.seed_run:
+                failures.append(f"{name}: non-finite {args.metric} from step {bad[0]}")
 
     if args.seed_run:
         spread, _ = finite_mean_max(diffs[args.seed_run])
         print(f"\nseed-to-seed spread: mean |seed - A| = {spread:.4g}")
-        for name in names[1:-1]:
+        for name in judged:
             mean, _ = finite_mean_max(diffs[name])
             ratio = f"{mean / spread:.3g}" if spread > 0 else "n/a (no finite, non-zero spread)"
             print(f"relative to seed spread: mean|A - {name}| / mean|A - seed| = {ratio}")
 
+    smoothed, passes = None, []
+    why = f"--verdict {verdict}" if args.verdict != "auto" else (
+        "auto: --seed-run given" if args.seed_run else "auto: no --seed-run")
+    print(f"\nverdict: {verdict} ({why})")
+    if verdict == "band":
+        if reference in non_finite or args.seed_run in non_finite:
+            print(f"error: no noise band: non-finite {args.metric} in A or the seed run (from step "
+                  f"{min(non_finite.get(reference, math.inf), non_finite.get(args.seed_run, math.inf))})",
+                  file=sys.stderr)
+            return 2
+        if all(s == a for s, a in zip(curves[args.seed_run], curves[reference])):
+            print(f"error: no noise band: the seed run {args.seed_run} equals A at every common "
+                  "step (the same run twice, or a seed that changes nothing?)", file=sys.stderr)
+            return 2
+        finite = [name for name in judged if name not in non_finite]
+        band_failures, passes, smoothed = band_verdict(steps, curves, reference, args.seed_run,
+                                                       finite, args.window, args.band_ratio)
+        failures += band_failures
+    else:
+        failures += absolute_verdict(steps, {n: diffs[n] for n in judged if n not in non_finite},
+                                     args.tolerance, threshold)
+
     out = Path(args.out) if args.out else data_path(reference).parent / f"compare_{args.metric}.png"
-    plot(out, steps, curves, reference, args.seed_run, args.metric, args.tolerance)
+    plot(out, steps, curves, reference, args.seed_run, args.metric,
+         args.tolerance if verdict == "absolute" else None, smoothed)
     print(f"\nplot: {out}")
 
     if failures:
         print("FAIL: " + "; ".join(failures))
         return 1
-    print(f"PASS: every run within {args.tolerance:g} of A")
+    if verdict == "band":
+        print("PASS: within the noise band: " + "; ".join(passes))
+    else:
+        print(f"PASS: every run within {args.tolerance:g} of A at every step")
     return 0
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Single-node training.
 #
+# Usage: [NGPU=N] [CONFIG=FILE] scripts/run_train.sh [--section.key value ...]
+#
 #   NGPU=8 CONFIG=configs/llama_1b.toml scripts/run_train.sh --training.steps 300
 #   scripts/run_train.sh                    # configs/debug.toml on every visible GPU, or the CPU
 #
@@ -14,19 +16,11 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-
-visible_gpus() {
-  if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
-    # Set but empty hides every GPU; otherwise one entry per GPU.
-    local ids
-    IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
-    echo "${#ids[@]}"
-  elif command -v nvidia-smi > /dev/null 2>&1; then
-    nvidia-smi --list-gpus 2> /dev/null | grep -c '^GPU' || true
-  else
-    echo 0
-  fi
-}
+# shellcheck source=scripts/lib/usage.sh
+source "$repo/scripts/lib/usage.sh"
+exit_if_help_asked "$0" "$@"
+# shellcheck source=scripts/lib/gpus.sh
+source "$repo/scripts/lib/gpus.sh"
 
 if [[ -z ${NGPU:-} ]]; then
   NGPU=$(visible_gpus)

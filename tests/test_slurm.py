@@ -1,0 +1,271 @@
+"""scripts/slurm/train.sbatch on a real one-node SLURM cluster: Debian's munged, slurmctld and
+slurmd, started here as root with their own key, sockets, ports and state in a temporary folder
+(.ci/run installs them; without them, or without root, this file skips).
+
+The time limit's warning signal (sbatch --signal=B:USR1@5, the path a real job takes) makes the
+trainer checkpoint and stop, the batch script `scontrol requeue`s the job, and the requeued job
+resumes from that checkpoint; a `scancel` then stops it without a requeue. The losses of every
+step equal those of an uninterrupted run (trained meanwhile beside the job).
+
+slurmctld looks at time limits every 30 s and sends the warning at the first look within
+(lead time + 30 s) of the limit, so with SLURM's shortest limit, a minute, it may come before the
+trainer has set up its signal handler (on a loaded machine). The job is therefore submitted with
+a limit of 10 minutes, shortened with `scontrol update` once it trains to leave 40 s (up to 100 s
+when the job was slow to start): the signal comes 5-35 s (up to 95 s) later. A requeued job
+starts again after AuthInfo's cred_expire (5 s here, 120 by default)."""
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+DAEMONS = ("munged", "slurmctld", "slurmd")
+COMMANDS = ("sbatch", "squeue", "sinfo", "scontrol", "scancel", "srun")
+MISSING = [name for name in DAEMONS + COMMANDS if shutil.which(name, path=SBIN) is None]
+pytestmark = pytest.mark.skipif(
+    bool(MISSING) or os.geteuid() != 0,
+    reason=f"SLURM is not installed ({', '.join(MISSING)} missing; .ci/run installs it)"
+    if MISSING else "starting SLURM's daemons needs root")
+
+# A constant learning rate after warmup (min_lr_ratio 1): the schedule does not depend on
+# --training.steps, so a run stopped at step m is comparable with one of m steps.
+TRAIN = ["--training.device", "cpu", "--training.seq_len", "32", "--training.local_batch_size",
+         "2", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_ratio", "1.0",
+         "--metrics.log_freq", "1", "--job.print_config", "false", "--validation.enable",
+         "false", "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "100000"]
+
+
+def losses(dump: Path) -> dict[int, float]:
+    """{step: loss}, the last line of a repeated step winning; {} before the first line. A line
+    being written (no newline yet) is left for the next look."""
+    path = dump / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    rows = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_conf(folder: Path, node: str) -> str:
+    return f"""ClusterName=ci
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={folder}/munge.socket,cred_expire=5
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={folder}/state
+SlurmdSpoolDir={folder}/spool
+SlurmctldPidFile={folder}/slurmctld.pid
+SlurmdPidFile={folder}/slurmd.pid
+SlurmctldLogFile={folder}/slurmctld.log
+SlurmdLogFile={folder}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
+ReturnToService=2
+JobRequeue=1
+KillWait=10
+NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running one-node cluster; yields the environment its commands need (SLURM_CONF)."""
+    # Not under pytest's tmp_path: munged wants every folder above its socket searchable by all.
+    folder = Path(tempfile.mkdtemp(prefix="flce-slurm-"))
+    folder.chmod(0o755)
+    for sub in ("state", "spool"):
+        (folder / sub).mkdir()
+    key = folder / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    node = "localhost"
+    (folder / "slurm.conf").write_text(slurm_conf(folder, node))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_CONF=str(folder / "slurm.conf"), PATH=SBIN)
+    daemons = []
+
+    def start(name, *args):
+        log = open(folder / f"{name}.out", "w")
+        daemons.append(subprocess.Popen([shutil.which(name, path=SBIN), *args], env=env,
+                                        stdout=log, stderr=subprocess.STDOUT))
+
+    try:
+        start("munged", "--foreground", f"--socket={folder}/munge.socket",
+              f"--key-file={key}", f"--log-file={folder}/munged.log",
+              f"--pid-file={folder}/munged.pid", f"--seed-file={folder}/munged.seed")
+        wait_for(lambda: (folder / "munge.socket").exists(), 10, "munged")
+        start("slurmctld", "-D", "-f", env["SLURM_CONF"])
+        start("slurmd", "-D", "-f", env["SLURM_CONF"], "-N", node)
+
+        def idle():
+            for daemon in daemons:
+                assert daemon.poll() is None, (daemon.args, log_tail(folder))
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, text=True,
+                                 capture_output=True).stdout
+            return out.strip() == "idle"
+        wait_for(idle, 60, "the node to be idle in sinfo")
+        yield env
+    finally:
+        subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
+        try:
+            wait_for(lambda: not subprocess.run(["squeue", "-h"], env=env, text=True,
+                                                capture_output=True).stdout.strip(), 30,
+                     "the queue to empty")
+        except AssertionError:
+            pass
+        for daemon in reversed(daemons):
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def log_tail(folder: Path) -> str:
+    return "\n".join(f"--- {p.name}:\n" + p.read_text()[-2000:]
+                     for p in sorted(folder.glob("*.log")) + sorted(folder.glob("*.out")))
+
+
+def job_field(env, job: str, field: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, text=True,
+                         capture_output=True).stdout
+    match = re.search(rf"\b{field}=(\S+)", out)
+    return match[1] if match else ""
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    shim = tmp_path / "bin" / "torchrun"  # this interpreter's torchrun, whatever PATH holds
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
+    shim.chmod(0o755)
+    # sbatch passes its environment on to the job.
+    env = {**cluster, "PATH": f"{shim.parent}{os.pathsep}{cluster['PATH']}",
+           "OMP_NUM_THREADS": "1", "CONFIG": "configs/debug.toml", "GPUS_PER_NODE": "1",
+           "LOG_ROOT": str(tmp_path / "logs")}
+    dump, reference = tmp_path / "run", tmp_path / "reference"
+    # The uninterrupted run trains alongside (the job waits for its signal most of the time) and
+    # is stopped once it has passed the job's last step.
+    reference_log = open(tmp_path / "reference.log", "w")
+    uninterrupted = subprocess.Popen(
+        [sys.executable, "train.py", "--config", "configs/debug.toml", *TRAIN, "--training.steps",
+         "100000", "--checkpoint.enable_checkpoint", "false", "--job.dump_folder", str(reference)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=reference_log,
+        stderr=subprocess.STDOUT)
+    try:
+        job_runs(env, tmp_path, dump, reference)
+    finally:
+        uninterrupted.terminate()
+        uninterrupted.wait()
+        reference_log.close()
+
+
+def job_runs(env, tmp_path: Path, dump: Path, reference: Path) -> None:
+    start = time.monotonic()
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--time=10",
+         "--signal=B:USR1@5", f"--output={tmp_path}/%x-%j.out", "scripts/slurm/train.sbatch",
+         *TRAIN, "--training.steps", "100000", "--job.dump_folder", str(dump)],
+        cwd=ROOT, env=env, text=True, capture_output=True)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    batch_log = tmp_path / f"flce-train-{job}.out"
+    node_log = tmp_path / "logs" / f"flce-train-{job}" / "node-0.out"
+    read = lambda path: path.read_text() if path.exists() else ""
+
+    def diagnose():
+        return (f"\n--- batch log:\n{read(batch_log)[-3000:]}\n--- node log:\n"
+                f"{read(node_log)[-3000:]}")
+
+    # 1. The time limit's USR1: checkpoint, stop, requeue.
+    try:
+        wait_for(lambda: losses(dump), 150, "the job to train")
+    except AssertionError as e:
+        raise AssertionError(f"{e}{diagnose()}") from None
+    def run_seconds():
+        hms = job_field(env, job, "RunTime").split("-")[-1].split(":")
+        return sum(int(x) * 60 ** i for i, x in enumerate(reversed(hms)))
+    # A limit 35-95 s away (not less: the warning must come at a look before the limit's), about
+    # 40 s when the job trains within 20 s of its start, as on an idle machine.
+    time.sleep(max(0, 20 - run_seconds()))
+    minutes = math.ceil((run_seconds() + 35) / 60)
+    subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"], env=env,
+                   check=True)
+    try:
+        wait_for(lambda: "requeueing job" in read(batch_log), 150, "the USR1 and the requeue")
+    except AssertionError as e:
+        raise AssertionError(f"{e}{diagnose()}") from None
+    print(f"{time.monotonic() - start:.0f} s: USR1, checkpoint, requeue")
+    # The requeued run gets a longer limit, so that its own warning signal cannot come first.
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=env, check=True)
+    stopped = re.search(r"received SIGUSR1: stopped after step (\d+)", read(node_log))
+    assert stopped, f"the trainer did not checkpoint on USR1{diagnose()}"
+    k = int(stopped[1])
+    assert [p.name for p in (dump / "checkpoint").iterdir()] == [f"step-{k}"]
+
+    # 2. The requeued job resumes from that checkpoint.
+    try:
+        wait_for(lambda: max(losses(dump)) >= k + 3, 120, "the requeued job to train on")
+    except AssertionError as e:
+        raise AssertionError(f"{e}{diagnose()}") from None
+    assert re.search(rf"resumed from \S*step-{k}\b", read(node_log)), diagnose()
+    assert "restart 1:" in read(batch_log)
+    print(f"{time.monotonic() - start:.0f} s: resumed")
+
+    # 3. scancel (SIGTERM) stops it for good: no requeue.
+    subprocess.run(["scancel", job], env=env, check=True)
+    wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job], env=env, text=True,
+                                        capture_output=True).stdout.strip(), 60,
+             "the cancelled job to end")
+    assert job_field(env, job, "JobState") == "CANCELLED"
+    assert job_field(env, job, "Restarts") == "1", diagnose()
+    assert read(batch_log).count("SIGUSR1: asking the trainers") == 1
+
+    print(f"{time.monotonic() - start:.0f} s: cancelled")
+    # Every step's loss equals the uninterrupted run's.
+    got = losses(dump)
+    m = max(got)
+    assert sorted(got) == list(range(1, m + 1))
+    wait_for(lambda: max(losses(reference), default=0) >= m, 120,
+             f"the uninterrupted run to reach step {m}")
+    want = losses(reference)
+    assert max(abs(got[s] - want[s]) for s in got) <= 1e-5, (got, want)
