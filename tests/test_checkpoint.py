@@ -208,26 +208,24 @@ def test_a_planted_pickle_in_a_rank_file_is_not_run(tmp_path):
 
 
 def test_rollback_sets_later_checkpoints_aside_and_keeps_what_it_writes(tmp_path):
-    """Resuming from step 5 of a run that went to 20, with keep_latest_k = 2: steps 10-20 belong
-    to another timeline. They are moved aside (not pruned in place of the new step 9, not picked
+    """Resuming from step 3 of a run that went to 12, with keep_latest_k = 2: steps 6-12 belong
+    to another timeline. They are moved aside (not pruned in place of the new step 5, not picked
     by the next resume), and the checkpoint this run writes is kept."""
     dump = tmp_path / "run"
-    assert train.main(BASE + ["--training.steps", "20", "--checkpoint.interval", "5",
-                              "--job.dump_folder", str(dump)]) == 0
-    with pytest.warns(UserWarning, match=r"continues from step 5: moved the later checkpoint "
-                                         r"folders step-10, step-15, step-20 \(another timeline\)"):
-        assert train.main(BASE + ["--training.steps", "9", "--checkpoint.interval", "5",
-                                  "--checkpoint.load_step", "5", "--checkpoint.keep_latest_k",
-                                  "2", "--job.dump_folder", str(dump)]) == 0
+    every_3 = ["--checkpoint.interval", "3", "--job.dump_folder", str(dump)]
+    assert train.main(BASE + ["--training.steps", "12", *every_3]) == 0
+    with pytest.warns(UserWarning, match=r"continues from step 3: moved the later checkpoint "
+                                         r"folders step-6, step-9, step-12 \(another timeline\)"):
+        assert train.main(BASE + ["--training.steps", "5", "--checkpoint.load_step", "3",
+                                  "--checkpoint.keep_latest_k", "2", *every_3]) == 0
     folder = dump / "checkpoint"
-    assert sorted(list_checkpoints(folder)) == [5, 9]
+    assert sorted(list_checkpoints(folder)) == [3, 5]
     aside = [p for p in folder.iterdir() if p.name.startswith("superseded-")]
-    assert len(aside) == 1 and sorted(list_checkpoints(aside[0])) == [10, 15, 20]
-    # The next plain resume continues this timeline, from step 9.
-    assert train.main(BASE + ["--training.steps", "11", "--checkpoint.interval", "5",
-                              "--job.dump_folder", str(dump)]) == 0
+    assert len(aside) == 1 and sorted(list_checkpoints(aside[0])) == [6, 9, 12]
+    # The next plain resume continues this timeline, from step 5.
+    assert train.main(BASE + ["--training.steps", "7", *every_3]) == 0
     steps = [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-2:] == [10, 11] and steps[-3] == 9
+    assert steps[-3:] == [5, 6, 7]
 
 
 def test_an_async_save_is_committed_once_written(tmp_path):
