@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from components.checkpoint import Checkpointer
 from components.config import JobConfig, config_changes, load_config, to_toml
 from components.data import build_data
+from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
 from components.metrics import MetricsLogger, StepMeter, peak_flops
 from components.optim import (build_lr_schedule, build_optimizer, hyperparameters,
@@ -296,7 +297,8 @@ def main(argv=None) -> int:
         rank, world, device = init_distributed(cfg.training.device)
         finished = False
         try:
-            exit_code = train(cfg, rank, world, device, stop)
+            with dump_folder_lock(cfg.job.dump_folder, rank):  # before anything is written there
+                exit_code = train(cfg, rank, world, device, stop)
             finished = True
             return exit_code
         finally:  # also after an error: the next main() in this process can initialise again

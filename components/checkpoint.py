@@ -2,17 +2,36 @@
 
 <dump_folder>/<folder>/step-<N>/ holds the model and optimizer (DCP, any parallel layout can
 load them), `train_state.json` (step, tokens seen, lr schedule), `rank-<r>.pt` per rank (data
-iterator position and RNG states) and the resolved `config.toml`. A save is written to
-`step-<N>.tmp/` and renamed once every rank has finished, so a run killed mid-save leaves the
-previous checkpoints intact; folders without the final name or without DCP's `.metadata` are
-skipped (with a warning) when looking for the latest.
+iterator position and RNG states) and the resolved `config.toml`.
+
+Nothing is lost to a kill at any point:
+- a save is written to `step-<N>.tmp/` and renamed to `step-<N>/` by rank 0 as soon as DCP
+  reports it written (DCP writes `.metadata` only after gathering every rank's write results,
+  and each rank wrote its rank file before that). An async save is committed by a callback in
+  DCP's writer thread, not at the next save. Folders without the final name or without
+  `.metadata` are skipped (with a warning) when looking for the latest;
+- pruning (keep_latest_k) renames a checkpoint to `step-<N>.pruned` before deleting it, and
+  never touches the checkpoint just written;
+- resuming from a step before the latest (load_step) moves the later step folders, another
+  timeline, into `superseded-<time>-from-step-<N>/` rather than letting this run prune or
+  overwrite them, or a later resume pick them.
+
+Trust: rank files are read with `torch.load(weights_only=True)` (tensors and plain data only)
+and train_state.json is JSON, but DCP reads its own `.metadata` with pickle, which can run
+code. Load checkpoint folders only from sources you would run code from.
 """
 
+import functools
+import io
 import json
 import os
+import pickle
 import re
 import shutil
+import signal
+import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -40,12 +59,43 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _fault_point(name: str, step: int) -> None:
+    """Test-only (tests/test_faults.py): FLCE_FAULT_POINT=<name>@<step> makes the process SIGKILL
+    itself here, to prove that a kill at that point loses nothing. Unset, it does nothing."""
+    if os.environ.get("FLCE_FAULT_POINT") == f"{name}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """Write and fsync, so a committed checkpoint survives a power loss, not only a kill."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_failed(final: Path, error: BaseException) -> RuntimeError:
+    """DCP's errors span many lines and may not say why (a full disk can read "unexpected pos")."""
+    last = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+    free = shutil.disk_usage(final.parent).free / 2**30
+    return RuntimeError(f"[checkpoint] writing {final} failed ({last}); {free:.1f} GiB free on its "
+                        "filesystem. The checkpoints committed before it are intact")
+
+
 def _is_complete(path: Path) -> bool:
     return (path / ".metadata").is_file() and (path / "train_state.json").is_file()
 
 
 def list_checkpoints(folder: Path) -> dict[int, Path]:
-    """Complete checkpoints by step; incomplete or foreign folders are skipped with a warning."""
+    """Complete checkpoints by step; incomplete step folders are skipped with a warning."""
     found = {}
     if not folder.is_dir():
         return found
@@ -53,7 +103,7 @@ def list_checkpoints(folder: Path) -> dict[int, Path]:
         match = STEP_DIR.match(path.name)
         if match and _is_complete(path):
             found[int(match.group(1))] = path
-        elif path.is_dir():
+        elif path.is_dir() and path.name.startswith("step-"):
             warnings.warn(f"skipping incomplete checkpoint folder {path}")
     return found
 
@@ -82,7 +132,7 @@ class Checkpointer:
         self.batches_per_step = batches_per_step
         self.rank = rank
         self.config_toml = config_toml
-        self._pending = None  # (future, tmp path, final path) of an async save
+        self._pending: Optional[Future] = None  # an async save's commit
         # An async save finishes with collectives in a background thread: they get a group of
         # their own so they never interleave with the training's collectives.
         self._async_group = (dist.new_group(backend="gloo")
@@ -93,69 +143,124 @@ class Checkpointer:
         return {"model": model_sd, "optimizer": optim_sd}
 
     def save(self, step: int, tokens_seen: int) -> None:
-        """Write step-<step>; with async_mode = "async" return once the state is staged."""
+        """Write step-<step>; with async_mode = "async" return once the state is staged (it is
+        committed in the background as soon as it is written)."""
         self.wait()
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that was never committed
             tmp.mkdir(parents=True)
         _barrier()
+        rank_state = io.BytesIO()
         torch.save({"data": self.data.state_dict(), "rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-                   tmp / f"rank-{self.rank}.pt")
+                   rank_state)
+        _write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
         if self.rank == 0:
-            (tmp / "train_state.json").write_text(json.dumps(
-                {"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict()}))
-            (tmp / "config.toml").write_text(self.config_toml)
+            _write_synced(tmp / "train_state.json", json.dumps(
+                {"step": step, "tokens_seen": tokens_seen,
+                 "scheduler": self.scheduler.state_dict()}).encode())
+            _write_synced(tmp / "config.toml", self.config_toml.encode())
+        _fault_point("after_rank_files", step)
         no_dist = not dist.is_initialized()
-        if self._async_group is not None:
-            future = dcp.async_save(self._state(), checkpoint_id=str(tmp),
-                                    process_group=self._async_group)
-            self._pending = (future, tmp, final)
+        if self.cfg.async_mode == "async":
+            written = dcp.async_save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist,
+                                     process_group=self._async_group)
+            written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse
+            self._pending = Future()
+            written.add_done_callback(functools.partial(self._commit_when_written, tmp, final,
+                                                        step, self._pending))
+            _fault_point("async_started", step)
         else:
-            dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
-            self._finish(tmp, final)
+            try:
+                dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
+            except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+                raise _save_failed(final, e) from e
+            self._commit(tmp, final, step)
+
+    def _commit_when_written(self, tmp: Path, final: Path, step: int, committed: Future,
+                             written: Future) -> None:
+        """Runs in DCP's writer thread when the save is done: no collectives here."""
+        try:
+            written.result()  # a failed save raises here and is never committed
+        except BaseException as e:  # handed to the training thread by wait()
+            committed.set_exception(_save_failed(final, e))
+            return
+        try:
+            self._commit(tmp, final, step)
+            committed.set_result(None)
+        except BaseException as e:
+            committed.set_exception(e)
 
     def wait(self) -> None:
-        """Block until an async save in flight is written and renamed into place."""
+        """Block until an async save in flight is written and committed; raise if it failed."""
         if self._pending is not None:
-            future, tmp, final = self._pending
-            future.result()
-            self._pending = None
-            self._finish(tmp, final)
+            pending, self._pending = self._pending, None
+            pending.result()
 
-    def _finish(self, tmp: Path, final: Path) -> None:
-        _barrier()  # every rank's shards are on disk
-        if self.rank == 0:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
-        _barrier()
+    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+        """Every rank's files are on disk once DCP's save returns: rank 0 renames them into place
+        (the one atomic step) and prunes."""
+        if self.rank != 0:
+            return
+        _fault_point("before_commit", step)
+        os.replace(tmp, final)  # a non-empty final folder makes this fail: it is never replaced
+        _sync_dir(self.folder)
+        _fault_point("after_commit", step)
+        self._prune(step)
 
-    def _prune(self) -> None:
-        if self.cfg.keep_latest_k > 0:
-            steps = sorted(list_checkpoints(self.folder))
-            for step in steps[:-self.cfg.keep_latest_k]:
-                shutil.rmtree(self.folder / f"step-{step}")
+    def _prune(self, newest: int) -> None:
+        """Keep the keep_latest_k latest checkpoints, newest (just written) among them. Only this
+        timeline's checkpoints are here: load() set later ones aside."""
+        for leftover in self.folder.glob("step-*.pruned"):  # a prune killed mid-way
+            shutil.rmtree(leftover)
+        if self.cfg.keep_latest_k <= 0:
+            return
+        older = sorted(s for s in list_checkpoints(self.folder) if s < newest)
+        for step in older[:max(len(older) - (self.cfg.keep_latest_k - 1), 0)]:
+            doomed = self.folder / f"step-{step}.pruned"
+            os.replace(self.folder / f"step-{step}", doomed)  # never half-deleted under its name
+            _fault_point("mid_prune", newest)
+            shutil.rmtree(doomed)
 
     def load(self) -> Optional[TrainState]:
         """Resume from load_step (-1: the latest) if there is a checkpoint, else start from
         initial_load_path's model weights if given. Returns the state to resume at, or None."""
         found = list_checkpoints(self.folder)
+        resumed = None
         if found:
             step = max(found) if self.cfg.load_step == -1 else self.cfg.load_step
             if step not in found:
                 raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint "
                                         f"{self.folder}/step-{step} (have {sorted(found)})")
-            return self._load_full(found[step])
-        if self.cfg.load_step not in (-1, 0):
+            resumed = self._load_full(found[step])
+        elif self.cfg.load_step not in (-1, 0):
             raise FileNotFoundError(f"[checkpoint] load_step = {self.cfg.load_step}, but "
                                     f"{self.folder} holds no complete checkpoint")
-        if self.cfg.initial_load_path:
+        elif self.cfg.initial_load_path:
             self._load_model_only(Path(self.cfg.initial_load_path))
-        return None
+        if self.cfg.enable_checkpoint and self.rank == 0:
+            self._set_aside_after(resumed.step if resumed else 0)
+        return resumed
+
+    def _set_aside_after(self, step: int) -> None:
+        """Step folders after the one this run starts from belong to another timeline (a rollback
+        with load_step, or leftovers of an incomplete save): this run would prune them or
+        overwrite them, and a later resume would pick them. Move them aside, deleting nothing."""
+        if not self.folder.is_dir():
+            return
+        later = sorted((int(m.group(1)), p) for p in self.folder.iterdir()
+                       if (m := STEP_DIR.match(p.name)) and int(m.group(1)) > step)
+        if not later:
+            return
+        aside = self.folder / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-from-step-{step}"
+        aside.mkdir()
+        for _, path in later:
+            os.replace(path, aside / path.name)
+        warnings.warn(f"this run continues from step {step}: moved the later checkpoint folders "
+                      f"{', '.join(p.name for _, p in later)} (another timeline) to {aside}; "
+                      "nothing was deleted")
 
     def _load_full(self, path: Path) -> TrainState:
         state = self._state()
@@ -167,7 +272,12 @@ class Checkpointer:
         self.scheduler.load_state_dict(train_state["scheduler"])
         rank_file = path / f"rank-{self.rank}.pt"
         if rank_file.is_file():
-            extra = torch.load(rank_file, weights_only=False)
+            try:  # plain data only: unpickling arbitrary objects could run code
+                extra = torch.load(rank_file, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise ValueError(f"{rank_file} holds objects other than tensors and plain data; "
+                                 "not loading it, since unpickling them could run code (this "
+                                 "trainer never writes such a file)") from e
             self._load_data_state(extra["data"], train_state["step"])
             torch.set_rng_state(extra["rng"])
             if extra["cuda_rng"] is not None and torch.cuda.is_available():

@@ -1,5 +1,7 @@
 """Checkpointing: exact resume, atomic saves (kill -9), preemption by signal, resharding from 2
-processes to 1, keep_latest_k, initial weights, and clear errors for bad checkpoints."""
+processes to 1, keep_latest_k, rollback with load_step, async saves committed once written,
+initial weights, rank files loaded as plain data only, and clear errors for bad checkpoints.
+tests/test_faults.py kills saves at precise points."""
 
 import json
 import os
@@ -11,12 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
+from components.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
+# The loss is not under test here: the unfused one is the fastest on the CPU, where the fused
+# kernels run in Triton's interpreter.
 BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
-        "--training.seq_len", "64",
+        "--loss.impl", "unfused", "--training.seq_len", "64",
         "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--job.print_config",
         "false", "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
         "--checkpoint.enable_checkpoint", "true"]
@@ -108,6 +114,20 @@ def _wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout=120) -
     raise AssertionError("trainer too slow")
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun starts its trainers in sessions of their
+    own, so killing its process group would not reach them)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if ppid == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_and_resumes(tmp_path, sig):
     dump = tmp_path / "run"
@@ -133,8 +153,7 @@ def test_kill_9_during_saves_leaves_loadable_checkpoints(tmp_path):
     _wait_for_step(dump, 8, proc)
     proc.kill()  # SIGKILL, most likely mid-save: a save happens every step
     proc.communicate(timeout=60)
-    done = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").iterdir()
-                  if p.name.startswith("step-") and not p.name.endswith(".tmp"))
+    done = sorted(list_checkpoints(dump / "checkpoint"))
     assert done, "no complete checkpoint"
     code = train.main(BASE + ["--training.steps", str(done[-1] + 1), "--job.dump_folder", str(dump)])
     assert code == 0 and max(losses(dump)) == done[-1] + 1
@@ -156,3 +175,92 @@ def test_two_processes_save_one_process_resumes(tmp_path):
     a, b = losses(two), losses(one)
     assert sorted(b) == [4, 5, 6]
     assert max(abs(a[s] - b[s]) for s in b) <= 1e-5
+
+
+class _TouchesAFile:
+    """A pickle that creates `path` when it is unpickled: it stands for any code a planted
+    checkpoint file could run."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def test_a_planted_pickle_in_a_rank_file_is_not_run(tmp_path):
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "4", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    rank_file = dump / "checkpoint" / "step-4" / "rank-0.pt"
+    genuine = torch.load(rank_file, weights_only=True)  # what the trainer writes is plain data
+    assert genuine["rng"].dtype == torch.uint8 and all(
+        isinstance(v, int) for v in genuine["data"].values())
+    marker = tmp_path / "code-ran"
+    torch.save({**genuine, "data": _TouchesAFile(marker)}, rank_file)
+    with pytest.raises(ValueError, match=r"rank-0.pt holds objects other than tensors and plain "
+                                         r"data; not loading it"):
+        train.main(BASE + ["--training.steps", "6", "--job.dump_folder", str(dump)])
+    assert not marker.exists()
+    torch.save(genuine, rank_file)  # the genuine file resumes
+    assert train.main(BASE + ["--training.steps", "6", "--job.dump_folder", str(dump)]) == 0
+    assert max(losses(dump)) == 6
+
+
+def test_rollback_sets_later_checkpoints_aside_and_keeps_what_it_writes(tmp_path):
+    """Resuming from step 3 of a run that went to 12, with keep_latest_k = 2: steps 6-12 belong
+    to another timeline. They are moved aside (not pruned in place of the new step 5, not picked
+    by the next resume), and the checkpoint this run writes is kept."""
+    dump = tmp_path / "run"
+    every_3 = ["--checkpoint.interval", "3", "--job.dump_folder", str(dump)]
+    assert train.main(BASE + ["--training.steps", "12", *every_3]) == 0
+    with pytest.warns(UserWarning, match=r"continues from step 3: moved the later checkpoint "
+                                         r"folders step-6, step-9, step-12 \(another timeline\)"):
+        assert train.main(BASE + ["--training.steps", "5", "--checkpoint.load_step", "3",
+                                  "--checkpoint.keep_latest_k", "2", *every_3]) == 0
+    folder = dump / "checkpoint"
+    assert sorted(list_checkpoints(folder)) == [3, 5]
+    aside = [p for p in folder.iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1 and sorted(list_checkpoints(aside[0])) == [6, 9, 12]
+    # The next plain resume continues this timeline, from step 5.
+    assert train.main(BASE + ["--training.steps", "7", *every_3]) == 0
+    steps = [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-3:] == [5, 6, 7]
+
+
+def test_an_async_save_is_committed_once_written(tmp_path):
+    """2 gloo processes with async saves every 8 steps, killed with SIGKILL a few steps after
+    step 8's save was written (before step 16's): step-8 is committed under its final name,
+    and resuming from it ends at the loss of an uninterrupted run."""
+    synthetic = ["--data.synthetic", "true", "--training.steps", "20", "--checkpoint.interval",
+                 "8"]
+    dump = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2", str(ROOT / "train.py"), *BASE, *synthetic,
+                             "--training.local_batch_size", "2", "--checkpoint.async_mode",
+                             "async", "--job.dump_folder", str(dump)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    committed = dump / "checkpoint" / "step-8"
+    try:
+        _wait_for_step(dump, 8, proc, timeout=180)
+        deadline = time.time() + 60
+        while not committed.is_dir() and time.time() < deadline and max(losses(dump)) < 15:
+            time.sleep(0.02)
+        _wait_for_step(dump, max(losses(dump)) + 2, proc)  # some steps after the commit
+    finally:
+        for pid in _children(proc.pid) + [proc.pid]:  # both trainers, then torchrun
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    killed_at = max(losses(dump))
+    assert killed_at < 16, "the run reached its next save before the test killed it"
+    assert sorted(list_checkpoints(dump / "checkpoint")) == [8], \
+        f"step-8 not committed by step {killed_at}: {sorted(os.listdir(dump / 'checkpoint'))}"
+    # One process resumes (synthetic windows are indexed globally) and ends where one process
+    # running straight through ends.
+    assert train.main(BASE + synthetic + ["--job.dump_folder", str(dump)]) == 0
+    straight = tmp_path / "straight"
+    assert train.main(BASE + synthetic + ["--checkpoint.enable_checkpoint", "false",
+                                          "--job.dump_folder", str(straight)]) == 0
+    assert abs(losses(dump)[20] - losses(straight)[20]) <= 1e-5

@@ -1,0 +1,103 @@
+"""One run per dump folder: rank 0 holds an exclusive lock on <dump_folder>/run.lock.
+
+Two runs in one folder would trip over each other's `step-<N>.tmp`, interleave metrics.jsonl,
+or the second would resume from the first's checkpoints. So rank 0 takes the lock before
+anything is written there and holds it for the whole run; a second run stops with one line
+naming the folder and the holder, on every rank.
+
+The lock is flock(2) on the file, held by an open file: the kernel drops it when the process
+ends, however it ends, so a run killed with kill -9 leaves no lock behind. The file's text
+(pid, host, start time) only names the holder in the message; it is emptied when a run ends
+cleanly, so text found by a run that got the lock belongs to one that was killed.
+
+What is guaranteed where: on one host, always. Across hosts only where the filesystem passes
+flock on to a lock server: NFS does (Linux clients turn it into a whole-file POSIX lock, NFSv4
+natively, v3 through lockd; the lock of a client that died is freed when the server's lease runs
+out, about 90 s on NFSv4), Lustre only when mounted with `-o flock` (`localflock` locks per
+node). Where flock is not supported the run goes on after a warning saying it is unprotected.
+"""
+
+import json
+import os
+import socket
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+LOCK_FILE = "run.lock"
+
+
+class DumpFolderInUse(RuntimeError):
+    pass
+
+
+def _holder(fd: int) -> str:
+    text = os.pread(fd, 4096, 0).decode(errors="replace")
+    try:
+        info = json.loads(text)
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its pid yet" if not text else repr(text[:200])
+
+
+def acquire(folder: Path) -> Optional[int]:
+    """Lock `folder` for this process; returns the lock's file descriptor (None where the
+    filesystem cannot lock). Raises DumpFolderInUse when another process holds it."""
+    import fcntl  # POSIX only, like the rest of the trainer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        time.sleep(0.2)  # a holder that has just started may not have written its details yet
+        holder = _holder(fd)
+        os.close(fd)
+        raise DumpFolderInUse(f"dump folder {folder} is in use by another run ({holder}; lock "
+                              f"file {path}): wait for it to end or set another --job.dump_folder")
+    except OSError as e:
+        os.close(fd)
+        warnings.warn(f"cannot lock {path} ({e.strerror}): this filesystem does not support "
+                      "flock, so nothing stops a second run from using the same dump folder")
+        return None
+    if os.fstat(fd).st_size:
+        warnings.warn(f"taking over {path} from {_holder(fd)}, which ended without releasing it")
+    info = {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    return fd
+
+
+def release(fd: Optional[int]) -> None:
+    if fd is not None:
+        os.ftruncate(fd, 0)  # emptied before unlocking: the next holder finds no stale text
+        os.close(fd)
+
+
+@contextmanager
+def dump_folder_lock(folder: str | Path, rank: int) -> Iterator[None]:
+    """Held by rank 0 for the body; every rank raises if rank 0 could not take it (one
+    broadcast, so no rank is left waiting in a collective)."""
+    fd, error = None, None
+    if rank == 0:
+        try:
+            fd = acquire(Path(folder))
+        except Exception as e:  # in use, or the folder cannot be created
+            error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        message = [str(error) if error else None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] and error is None:
+            raise DumpFolderInUse(message[0])
+    if error is not None:
+        raise error
+    try:
+        yield
+    finally:
+        release(fd)
