@@ -222,7 +222,8 @@ def _suggest(name: str, valid) -> str:
 
 
 def _subsections(obj) -> list[str]:
-    return [f.name for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))]
+    return [f.name for f in dataclasses.fields(obj)
+            if dataclasses.is_dataclass(getattr(obj, f.name))]
 
 
 def _keys(obj) -> list[str]:
@@ -231,7 +232,7 @@ def _keys(obj) -> list[str]:
 
 
 def _section(cfg: "JobConfig", path: str):
-    """The section at a dotted path: "training", or a nested one such as "quantize.linear.float8"."""
+    """The section at a dotted path: "training", or a nested one, "quantize.linear.float8"."""
     obj, parts = cfg, path.split(".")
     for i, name in enumerate(parts):
         if name in _keys(obj):
