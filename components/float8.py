@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from components.config import Float8
 
 CONVERTER = "quantize.linear.float8"
-MIN_TORCHAO = (0, 16)  # the oldest torchao whose float8 training tests pass here (0.16 .. 0.18)
+MIN_TORCHAO = (0, 16)  # tests pass with 0.16 to 0.18; 0.15 fails to import with torch 2.13
 FP8_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) are the first GPUs with fp8 tensor cores
 INSTALL_HINT = "pip install 'flce-recipes[float8]' (or: pip install torchao)"
 
@@ -64,7 +64,15 @@ class _QuietImport(logging.Filter):
 
 
 def import_torchao_float8():
-    """torchao.float8, or an error that says how to install it."""
+    """torchao.float8, or an error that says what to install."""
+    need = f"[model] converters lists {CONVERTER!r}, which needs torchao"
+    try:
+        version = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version and tuple(int(part) for part in version.split(".")[:2]) < MIN_TORCHAO:
+        raise ImportError(f"{need} >= {'.'.join(map(str, MIN_TORCHAO))}, found {version}: "
+                          f"{INSTALL_HINT}")
     if "torchao.float8" not in sys.modules:
         quiet = _QuietImport()
         loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
@@ -73,15 +81,13 @@ def import_torchao_float8():
         try:
             import torchao.float8  # noqa: F401
         except ImportError as e:
-            raise ImportError(f"[model] converters lists {CONVERTER!r}, which needs torchao: "
-                              f"{INSTALL_HINT} ({e})") from e
+            if isinstance(e, ModuleNotFoundError) and e.name == "torchao":
+                raise ImportError(f"{need}: {INSTALL_HINT} ({e})") from e
+            raise ImportError(f"{need}; torchao {version} failed to import ({e}): is it a build "
+                              f"for this torch {torch.__version__}?") from e
         finally:
             for logger in loggers:
                 logger.removeFilter(quiet)
-    version = importlib.metadata.version("torchao")
-    if tuple(int(part) for part in version.split(".")[:2]) < MIN_TORCHAO:
-        raise ImportError(f"torchao {version} is too old for float8 training here: "
-                          f"{'.'.join(map(str, MIN_TORCHAO))} or newer is needed ({INSTALL_HINT})")
     return sys.modules["torchao.float8"]
 
 

@@ -167,7 +167,7 @@ def _without_torchao(code: str) -> subprocess.CompletedProcess:
         class NoTorchao(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path, target=None):
                 if name.split(".")[0] == "torchao":
-                    raise ModuleNotFoundError(f"No module named {name!r}")
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         sys.meta_path.insert(0, NoTorchao())
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
