@@ -246,6 +246,7 @@ def test_tp_float8_styles_on_one_process():
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
     from components.loss import ModelWithLoss, TrainingLoss
+    from parallelisms.init import init_as_on_one_device
     from parallelisms.tp import apply_tp
 
     args = LlamaArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128,
@@ -260,7 +261,7 @@ def test_tp_float8_styles_on_one_process():
             apply_tp(model, init_device_mesh("cpu", (1,)), "sequence")
         model.to_empty(device=CPU)
         torch.manual_seed(0)
-        model.model.init_weights()
+        init_as_on_one_device(model, model.model.init_weights)
         return model
 
     def inputs_in_float8(model) -> dict[str, bool]:
@@ -475,21 +476,26 @@ def test_cuda_fp8_gemms_match_emulation(recipe):
 @pytest.mark.skipif(_fp8_gpus() < 2, reason="needs 2 CUDA GPUs with fp8 (NCCL)")
 def test_cuda_two_gpus_float8_fsdp_and_tp(tmp_path):
     """What gloo cannot run: TP=2 with torchao's float8 styles (float8 all-gathers of the
-    sequence) matches one GPU; FSDP=2 with the float8 weight all-gather matches FSDP=2 without."""
+    sequence) matches one GPU; FSDP=2 with the float8 weight all-gather matches FSDP=2 without;
+    TP=2 with the float8 weight all-gather too (its weight scales are then per TP rank, so it
+    only follows the curve)."""
+    float8 = CUDA_BASE + ["--training.steps", "10", "--model.converters",
+                          "quantize.linear.float8"]
+    all_gather = ["--quantize.linear.float8.enable_fsdp_float8_all_gather", "true",
+                  "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "true"]
+
     def torchrun(dump, *overrides):
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "2", str(ROOT / "train.py"), *CUDA_BASE,
-                        "--training.steps", "10", "--model.converters", "quantize.linear.float8",
+                        "--nproc_per_node", "2", str(ROOT / "train.py"), *float8,
                         "--job.dump_folder", str(dump), *overrides], check=True, cwd=ROOT,
                        timeout=600)
-    assert train.main(CUDA_BASE + ["--training.steps", "10", "--model.converters",
-                                   "quantize.linear.float8",
-                                   "--job.dump_folder", str(tmp_path / "one")]) == 0
+    assert train.main(float8 + ["--job.dump_folder", str(tmp_path / "one")]) == 0
+    one = _metrics(tmp_path / "one")
     torchrun(tmp_path / "tp", "--parallelism.tensor_parallel_degree", "2")
-    _assert_same_curves(_metrics(tmp_path / "tp"), _metrics(tmp_path / "one"), 5e-3)
+    _assert_same_curves(_metrics(tmp_path / "tp"), one, 5e-3)
+    torchrun(tmp_path / "tp_all_gather", "--parallelism.tensor_parallel_degree", "2", *all_gather)
+    _assert_same_curves(_metrics(tmp_path / "tp_all_gather"), one, 0.05)
     half = ["--training.local_batch_size", "4"]
     torchrun(tmp_path / "cast", *half)
-    torchrun(tmp_path / "all_gather", *half,
-             "--quantize.linear.float8.enable_fsdp_float8_all_gather", "true",
-             "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", "true")
+    torchrun(tmp_path / "all_gather", *half, *all_gather)
     _assert_same_curves(_metrics(tmp_path / "all_gather"), _metrics(tmp_path / "cast"), 1e-3)
