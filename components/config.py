@@ -215,9 +215,9 @@ class ConfigError(ValueError):
 
 
 def _suggest(name: str, valid) -> str:
-    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
     if not valid:
         return ""
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else f" (valid: {', '.join(valid)})"
 
 
