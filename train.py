@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from components.checkpoint import Checkpointer
 from components.config import JobConfig, config_changes, load_config, to_toml
 from components.data import build_data
+from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
 from components.metrics import MetricsLogger, StepMeter, peak_flops
@@ -33,7 +34,7 @@ from models import FLAVORS, Llama, flops_per_token
 from models.sdpa import set_sdpa_backend
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
-from parallelisms.fsdp import apply_fsdp
+from parallelisms.fsdp import apply_fsdp, precompute_float8_scales
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
 from parallelisms.teardown import exit_without_teardown
@@ -81,9 +82,19 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
     set_sdpa_backend(cfg.model.sdpa_backend, device)  # before compile traces the attention
     with torch.device("meta"):
         model = ModelWithLoss(Llama(args, seq_len=cfg.training.seq_len), TrainingLoss(cfg.loss))
-    # torchtitan's order: TP's plan names the blocks' submodules, so it goes before the
-    # checkpoint wrapper renames them; compile wraps what AC built; FSDP comes last.
+    # torchtitan's order: float8 swaps the linear layers that TP's plan then shards (with
+    # float8 styles); the plan names the blocks' submodules, so it goes before the checkpoint
+    # wrapper renames them; compile wraps what AC built; FSDP comes last.
     mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
+    float8 = cfg.quantize.linear.float8
+    if FLOAT8 in cfg.model.converters:
+        # the loss takes output.weight itself: a Float8Linear there would never run as one
+        done = convert_to_float8(model.model, float8, device, fsdp=mesh is not None,
+                                 keep={"output": "the loss reads its weight directly"})
+        log(done.summary())
+    elif ignored_settings(float8):
+        log(f"warning: [quantize.linear.float8] sets {', '.join(ignored_settings(float8))}, but "
+            f"[model] converters does not list {FLOAT8!r}: float8 is off")
     if mesh is not None and dims.tp > 1:
         apply_tp(model, mesh["tp"], cfg.loss.parallel)
     apply_activation_checkpointing(model.model, cfg.activation_checkpoint.mode,
@@ -361,6 +372,10 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
             restore_hyperparameters(optimizer, scheduler, configured)
             start_step, tokens_seen = resumed.step + 1, resumed.tokens_seen
             log_resume(ckpt.folder / f"step-{resumed.step}", cfg)
+    # Not an optimizer step hook: loading a checkpoint runs a dummy optimizer step before the
+    # weights are loaded, which would leave scales of the old weights for the first step.
+    precompute_float8 = (FLOAT8 in cfg.model.converters
+                         and cfg.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
 
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics.enable_wandb,
                             cfg.metrics.wandb_project, cfg.metrics.wandb_run_name or None,
@@ -378,6 +393,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
             loss, norm, bad = train_step(model, micro, optimizer, scheduler, params,
                                          cfg.training.max_norm, dims.tp, device,
                                          poison=step in poisoned)
+            if precompute_float8:  # the next float8 all-gathers' scales, in one all-reduce
+                precompute_float8_scales(model)
             bad_steps.update(bad, step)
             step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.tp
             meter.step_done(step_tokens)

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from components.config import Checkpoint
+from components.float8 import plain_weights
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -140,7 +141,7 @@ class Checkpointer:
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
+        return {"model": plain_weights(model_sd), "optimizer": optim_sd}
 
     def save(self, step: int, tokens_seen: int) -> None:
         """Write step-<step>; with async_mode = "async" return once the state is staged (it is
@@ -302,7 +303,7 @@ class Checkpointer:
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: not a DCP checkpoint "
                                     "folder (no .metadata)")
-        model_sd = get_model_state_dict(self.model)
+        model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
         dcp.load({"model": model_sd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))

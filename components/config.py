@@ -30,6 +30,9 @@ class Model:
     flavor: str = "debug"
     vocab_size: int = 0  # 0: the flavor's; may exceed the tokenizer's (padding rows)
     sdpa_backend: str = "auto"  # CUDA attention kernel: auto | cudnn | flash | efficient | math
+    # Transforms of the built model, in order; the one known: "quantize.linear.float8" (float8
+    # linear layers through torchao, configured in [quantize.linear.float8]).
+    converters: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -161,6 +164,37 @@ class Profiling:
 
 
 @dataclass
+class Float8:
+    """[quantize.linear.float8]: used when [model] converters lists "quantize.linear.float8"."""
+    # "tensorwise" (one scale per tensor; the fastest) | "rowwise" (one per row) |
+    # "rowwise_with_gw_hp" (rowwise, with the weight gradient's GEMM in high precision)
+    recipe_name: str = "tensorwise"
+    # Linear layers left in high precision: a layer is skipped when any entry is a substring of
+    # its name (e.g. "layers.0.", "wk"). "output" always stays: the loss reads its weight
+    # directly, it never runs as a linear layer. Layers with a dimension that is not a multiple
+    # of 16 are skipped too (fp8 GEMMs need it), and named in the log.
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    # FSDP all-gathers the weights cast to float8 (half the bytes of bf16); tensorwise only.
+    enable_fsdp_float8_all_gather: bool = False
+    # With the float8 all-gather: every weight's scale from one all-reduce after the optimizer
+    # step instead of one small all-reduce per weight at each all-gather.
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    # Emulate the float8 GEMMs in high precision (same rounding): for tests on the CPU or on GPUs
+    # without fp8 (compute capability < 8.9). Slow; not for training.
+    emulate: bool = False
+
+
+@dataclass
+class QuantizeLinear:
+    float8: Float8 = field(default_factory=Float8)
+
+
+@dataclass
+class Quantize:
+    linear: QuantizeLinear = field(default_factory=QuantizeLinear)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -177,6 +211,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     profiling: Profiling = field(default_factory=Profiling)
+    quantize: Quantize = field(default_factory=Quantize)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -187,15 +222,34 @@ class ConfigError(ValueError):
 
 
 def _suggest(name: str, valid) -> str:
+    if not valid:
+        return ""
     close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else f" (valid: {', '.join(valid)})"
 
 
-def _section_fields(section: str):
-    sections = {f.name: f for f in dataclasses.fields(JobConfig)}
-    if section not in sections:
-        raise ConfigError(f"unknown config section [{section}]" + _suggest(section, sections))
-    return {f.name: f for f in dataclasses.fields(sections[section].default_factory)}
+def _subsections(obj) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)
+            if dataclasses.is_dataclass(getattr(obj, f.name))]
+
+
+def _keys(obj) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)
+            if not dataclasses.is_dataclass(getattr(obj, f.name))]
+
+
+def _section(cfg: "JobConfig", path: str):
+    """The section at a dotted path: "training", or a nested one, "quantize.linear.float8"."""
+    obj, parts = cfg, path.split(".")
+    for i, name in enumerate(parts):
+        if name in _keys(obj):
+            raise ConfigError(f"[{'.'.join(parts[:i])}] {name} is a key, not a section")
+        if name not in _subsections(obj):
+            prefix = ".".join(parts[:i] + [""])
+            raise ConfigError(f"unknown config section [{'.'.join(parts[:i + 1])}]"
+                              + _suggest(prefix + name, [prefix + s for s in _subsections(obj)]))
+        obj = getattr(obj, name)
+    return obj
 
 
 def _coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
@@ -229,13 +283,28 @@ def _coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
     return value
 
 
-def _set(cfg: JobConfig, section: str, key: str, value: Any, from_text: bool) -> None:
-    fields = _section_fields(section)
-    if key not in fields:
-        raise ConfigError(f"unknown config key [{section}] {key}" + _suggest(key, fields))
-    hints = typing.get_type_hints(type(getattr(cfg, section)))
-    setattr(getattr(cfg, section), key,
-            _coerce(f"[{section}] {key}", value, hints[key], from_text))
+def _set(section, where: str, key: str, value: Any, from_text: bool) -> None:
+    if key not in _keys(section):
+        if key in _subsections(section):
+            example, path = getattr(section, key), f"{where}.{key}"
+            while not _keys(example):
+                path += "." + _subsections(example)[0]
+                example = getattr(example, _subsections(example)[0])
+            raise ConfigError(f"[{where}.{key}] is a section, not a key: set its keys, e.g. "
+                              f"--{path}.{_keys(example)[0]}")
+        raise ConfigError(f"unknown config key [{where}] {key}" + _suggest(key, _keys(section)))
+    hints = typing.get_type_hints(type(section))
+    setattr(section, key, _coerce(f"[{where}] {key}", value, hints[key], from_text))
+
+
+def _set_table(cfg: "JobConfig", where: str, table: dict) -> None:
+    """A TOML table's keys; nested tables are subsections ([quantize.linear.float8])."""
+    section = _section(cfg, where)
+    for key, value in table.items():
+        if isinstance(value, dict) and key not in _keys(section):
+            _set_table(cfg, f"{where}.{key}", value)
+        else:
+            _set(section, where, key, value, from_text=False)
 
 
 CHOICES = {
@@ -257,7 +326,9 @@ CHOICES = {
     ("checkpoint", "async_mode"): ("disabled", "async"),
     ("activation_checkpoint", "mode"): ("none", "full", "selective"),
     ("metrics", "wandb_mode"): ("offline", "online", "disabled"),
+    ("quantize.linear.float8", "recipe_name"): ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
 }
+CONVERTERS = ("quantize.linear.float8",)
 POSITIVE = [("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
             ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
             ("checkpoint", "interval"), ("validation", "freq"), ("validation", "steps"),
@@ -266,7 +337,7 @@ POSITIVE = [("training", "local_batch_size"), ("training", "seq_len"), ("trainin
 
 def check_values(cfg: JobConfig) -> None:
     for (section, key), valid in CHOICES.items():
-        value = getattr(getattr(cfg, section), key)
+        value = getattr(_section(cfg, section), key)
         if value not in valid:
             raise ConfigError(f"[{section}] {key} = {value!r}: expected one of {valid}")
     for component in cfg.compile.components:
@@ -276,6 +347,21 @@ def check_values(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
             raise ConfigError(f"[{section}] {key} = {value}: must be >= 1")
+    for name in cfg.model.converters:
+        if name not in CONVERTERS:
+            raise ConfigError(f"[model] converters: {name!r} is not a known converter"
+                              + _suggest(name, CONVERTERS))
+        if cfg.model.converters.count(name) > 1:
+            raise ConfigError(f"[model] converters lists {name!r} twice")
+    float8 = cfg.quantize.linear.float8
+    if float8.enable_fsdp_float8_all_gather and float8.recipe_name != "tensorwise":
+        raise ConfigError("[quantize.linear.float8] enable_fsdp_float8_all_gather needs "
+                          f"recipe_name = \"tensorwise\", not {float8.recipe_name!r} (torchao "
+                          "all-gathers float8 weights with one scale per tensor)")
+    if float8.precompute_float8_dynamic_scale_for_fsdp and not float8.enable_fsdp_float8_all_gather:
+        raise ConfigError("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp needs "
+                          "enable_fsdp_float8_all_gather = true (it precomputes that all-gather's "
+                          "scales)")
 
 
 def load_config(argv: Optional[list[str]] = None) -> JobConfig:
@@ -307,16 +393,14 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
             for section, values in data.items():
                 if not isinstance(values, dict):
                     raise ConfigError(f"{value}: top-level key {section!r} must be a [section]")
-                _section_fields(section)
-                for key, v in values.items():
-                    _set(cfg, section, key, v, from_text=False)
+                _set_table(cfg, section, values)
     for name, value in pairs:
         if name == "config":
             continue
-        section, dot, key = name.partition(".")
+        section, dot, key = name.rpartition(".")  # the section may be nested: a.b.c.key
         if not dot:
             raise ConfigError(f"--{name}: expected --section.key" + _suggest(name, ["config"]))
-        _set(cfg, section, key, value, from_text=True)
+        _set(_section(cfg, section), section, key, value, from_text=True)
     check_values(cfg)
     return cfg
 
@@ -334,22 +418,38 @@ def _toml_value(v) -> str:
 def to_toml(cfg: JobConfig) -> str:
     """The resolved config as TOML that load_config reads back (None values are left out)."""
     out = []
-    for section, values in cfg.to_dict().items():
-        out.append(f"[{section}]")
-        out += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
-        out.append("")
+
+    def add(section, where: str) -> None:
+        values = [(key, getattr(section, key)) for key in _keys(section)]
+        if values:  # a section holding only subsections needs no header of its own
+            out.append(f"[{where}]")
+            out.extend(f"{key} = {_toml_value(v)}" for key, v in values if v is not None)
+            out.append("")
+        for name in _subsections(section):
+            add(getattr(section, name), f"{where}.{name}")
+
+    for name in _subsections(cfg):
+        add(getattr(cfg, name), name)
     return "\n".join(out)
 
 
 def config_changes(saved_toml: str, cfg: JobConfig) -> list[str]:
     """`[section] key: old -> new` for every key whose value differs between a saved config (the
     config.toml a run wrote) and cfg; "unset" stands for a key one side lacks."""
-    old, new = tomllib.loads(saved_toml), tomllib.loads(to_toml(cfg))
+    old, new = _flat(tomllib.loads(saved_toml)), _flat(tomllib.loads(to_toml(cfg)))
     show = lambda values, key: _toml_value(values[key]) if key in values else "unset"  # noqa: E731
-    changes = []
-    for section in dict.fromkeys([*old, *new]):
-        before, after = old.get(section, {}), new.get(section, {})
-        for key in dict.fromkeys([*before, *after]):
-            if (key in before, before.get(key)) != (key in after, after.get(key)):
-                changes.append(f"[{section}] {key}: {show(before, key)} -> {show(after, key)}")
-    return changes
+    return [f"[{section}] {key}: {show(old, (section, key))} -> {show(new, (section, key))}"
+            for section, key in dict.fromkeys([*old, *new])
+            if ((section, key) in old, old.get((section, key)))
+            != ((section, key) in new, new.get((section, key)))]
+
+
+def _flat(tables: dict, where: str = "") -> dict:
+    """{(dotted section, key): value} of parsed TOML, nested tables ([a.b.c]) included."""
+    flat = {}
+    for key, value in tables.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{where}.{key}" if where else key))
+        else:
+            flat[(where, key)] = value
+    return flat

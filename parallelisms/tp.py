@@ -4,7 +4,12 @@ Embedding rowwise to sequence-sharded activations, norms SequenceParallel, atten
 colwise/rowwise (so each block all-gathers the sequence once before attention and once before
 the FFN, and reduce-scatters after each), then the loss: with `[loss] parallel = "sequence"` the
 output weight is replicated and each rank takes the loss of its own tokens (LinearLossParallel);
-with "vocab" the output weight is sharded on the vocabulary (VocabParallelLinearLoss)."""
+with "vocab" the output weight is sharded on the vocabulary (VocabParallelLinearLoss).
+
+Float8 linear layers with tensorwise scaling get torchao's float8 styles, as in torchtitan: the
+shared input of wq/wk/wv (and of w1/w3) is cast to float8 once, before its all-gather, so the
+sequence is all-gathered in float8. Rowwise-scaled float8 layers use the plain styles (their
+all-gathers stay in high precision) and cast inside the layer."""
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -13,6 +18,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
+from components.float8 import is_float8_tensorwise
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss
 from models.args import LlamaArgs
 from models.llama import TransformerBlock
@@ -48,6 +54,18 @@ def _shard_rows(name, module, mesh):
         module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
 
+def _styles(*linears: nn.Module) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare-input) styles for linear layers that read the same input:
+    torchao's float8 ones only if every one of them is a tensorwise Float8Linear (the prepared
+    input is cast to float8 for all of them)."""
+    if all(is_float8_tensorwise(linear) for linear in linears):
+        from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel,
+                                                           Float8RowwiseParallel,
+                                                           PrepareFloat8ModuleInput)
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
 def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str) -> None:
     if loss_parallel not in LOSS_PARALLEL:
         raise ValueError(f"[loss] parallel = {loss_parallel!r}: expected one of {LOSS_PARALLEL}")
@@ -72,20 +90,25 @@ def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str
             # activation checkpointing or compile) would silently stay unsharded.
             raise TypeError(f"layers.{name} is a {type(block).__name__}: apply tensor "
                             "parallelism before activation checkpointing and compile wrap blocks")
+        attention, ffn = block.attention, block.feed_forward
+        qkv_colwise, _, attention_input = _styles(attention.wq, attention.wk, attention.wv)
+        _, wo_rowwise, _ = _styles(attention.wo)
+        w13_colwise, _, ffn_input = _styles(ffn.w1, ffn.w3)
+        _, w2_rowwise, _ = _styles(ffn.w2)
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention": attention_input(input_layouts=(Shard(1), None),
+                                         desired_input_layouts=(Replicate(), None)),
+            "attention.wq": qkv_colwise(),
+            "attention.wk": qkv_colwise(),
+            "attention.wv": qkv_colwise(),
+            "attention.wo": wo_rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward": ffn_input(input_layouts=(Shard(1),),
+                                      desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": w13_colwise(),
+            "feed_forward.w2": w2_rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": w13_colwise(),
         })
     if loss_parallel == "sequence":
         distribute_module(model.output, tp_mesh)  # replicated: every rank holds all of it
