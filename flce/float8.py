@@ -47,6 +47,22 @@ def quantize_rows_torch(src: Tensor, dst: Tensor, scale: Tensor) -> None:
     dst.copy_((src.to(torch.float32) * inv[:, None]).clamp_(-fp8_max, fp8_max))
 
 
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Optional[Tensor],
+              fast_accum: bool, out: Optional[Tensor] = None) -> Tensor:
+    """bf16 (a * scale_a) @ (b * scale_b) (+ bias) of float8 a, b with rowwise scales ([M, 1],
+    [1, N]). On the CPU the same product in fp32: torch < 2.12 runs only per-tensor scales there
+    (oneDNN), and an fp32 product of the float8 values is what an fp8 GEMM computes."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast_accum, out=out)
+    product = torch.mm(a.float(), b.float()).mul_(scale_a).mul_(scale_b)
+    if bias is not None:
+        product += bias
+    if out is None:
+        return product.to(torch.bfloat16)
+    return out.copy_(product)
+
+
 class Float8Gemms:
     """The float8 operands of one sweep of the chunk loop (`ops.chunk_loop`), which calls
     `logits` per chunk and, with dx, lets the row kernel fill `grad_outputs` before `dx_into`.
@@ -83,8 +99,8 @@ class Float8Gemms:
         x, x_scale = self.x[:n], self.x_scale[:n]
         self.quantize(x_c, x[:, :self.H], x_scale[:, 0])
         # fast accumulation, as torchao's forward GEMM: K = H terms
-        mm = lambda **o: torch._scaled_mm(x, self.w.t(), x_scale, self.w_scale, bias=self.bias,
-                                          out_dtype=torch.bfloat16, use_fast_accum=True, **o)
+        mm = lambda out=None: scaled_mm(x, self.w.t(), x_scale, self.w_scale, self.bias,
+                                        fast_accum=True, out=out)
         if out.dtype == torch.bfloat16:
             mm(out=out)
         else:
@@ -98,7 +114,7 @@ class Float8Gemms:
         """out = G @ W for the rows [start, start + len(out)) whose G `grad_outputs` holds."""
         n = out.shape[0]
         # no fast accumulation: partial sums promoted to fp32 over the K = V terms
-        gw = torch._scaled_mm(self.g[:n], self.wt.t(), self.g_scale[:n], self.wt_scale,
-                              out_dtype=torch.bfloat16, use_fast_accum=False, out=self.dx_out[:n])
+        gw = scaled_mm(self.g[:n], self.wt.t(), self.g_scale[:n], self.wt_scale, None,
+                       fast_accum=False, out=self.dx_out[:n])
         y = self.target[start:start + n].clamp(0, self.V - 1).long()  # ignored rows: G_y = 0
         torch.addcmul(gw[:, :self.H], weight[y], self.target_grad[:n, None], out=out)
