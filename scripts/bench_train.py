@@ -673,6 +673,10 @@ def probe_environment() -> dict:
 
 
 def git_revision() -> str | None:
+    """HEAD (+dirty) of this checkout, or $FLCE_GIT_REVISION when set: a copy of the tree sent to
+    another machine can carry a stale .git, so its sender names the commit it sent."""
+    if os.environ.get("FLCE_GIT_REVISION"):
+        return os.environ["FLCE_GIT_REVISION"]
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
