@@ -1,5 +1,7 @@
 """Tokenizers: a built-in byte tokenizer (needs no files) and a wrapper for a Hugging Face tokenizer.json."""
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -20,7 +22,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def fingerprint(self) -> str: ...
 
 
 class ByteTokenizer:
@@ -34,9 +40,15 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         # A window may cut a multi-byte character in half; "replace" keeps decoding such slices usable.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return _sha256({"byte_tokenizer": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id})
 
 
 class HFTokenizer:
@@ -65,8 +77,23 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # One call into Rust for many texts (threads there unless TOKENIZERS_PARALLELISM=false).
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def fingerprint(self) -> str:
+        """What the ids mean: every token's id, and the ids that frame documents. Not the file's
+        bytes, which another `tokenizers` version may serialise differently."""
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        return _sha256({"tokens": sorted((i, t) for t, i in vocab.items()), "bos_id": self.bos_id,
+                        "eos_id": self.eos_id})
+
+
+def _sha256(what: dict) -> str:
+    return hashlib.sha256(json.dumps(what, ensure_ascii=False).encode()).hexdigest()
 
 
 def build_tokenizer(name: str, path: str | None = None, bos_token: str | None = None,
