@@ -3,7 +3,9 @@ and cut into windows of seq_len + 1 tokens; every data-parallel rank reads its o
 
 Document i of a split goes to rank i % dp_world, and document i of the source is held out for validation
 when i % val_every == 0 (unless the source has a real validation split). Both rules are the same with and
-without streaming, so a run reads the same windows either way.
+without streaming, so a run reads the same windows either way. Documents are read in order, not
+shuffled: for real pretraining, tokenize once into token shards (scripts/prepare_data.py), which
+build_data reads through components/shard_batches.py in a shuffled, layout-independent order.
 """
 
 import functools
@@ -23,6 +25,9 @@ import numpy as np
 import torch
 
 from components.data_check import MissingTextField, check_files
+from components.document_tokens import Framed, TokenizerPool, frame_inline
+from components.shard_batches import ShardBatches, build_shard_batches
+from components.shards import is_shard_folder
 from components.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,8 @@ STDLIB_CORPUS_BYTES = 6 * 2**20
 # idlelib, turtledemo and lib2to3 are applications or legacy tools rather than library code.
 STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
                                  "turtledemo", "lib2to3", "__pycache__"})
+
+DOCUMENTS_PER_TASK = 32  # documents tokenized together (one task of a worker)
 
 Documents = datasets.Dataset | datasets.IterableDataset
 Window = tuple[torch.Tensor, torch.Tensor]
@@ -195,16 +202,23 @@ class TokenWindows:
     """Yields (inputs, labels), each a torch.long tensor of shape [seq_len], forever: when this rank's
     documents run out a new epoch goes over them again in the same order.
 
+    Documents are tokenized DOCUMENTS_PER_TASK at a time: on the calling thread, or with
+    num_workers > 0 in that many worker processes running ahead (the training thread then only
+    cuts windows). Either way the windows are the same.
+
     The state is the position of the next unread token (epoch, document within this rank's share, token
     offset within that document's [bos] + tokens + [eos]), so it stays a few ints however long the
-    documents are; resuming re-tokenizes one document."""
+    documents are; resuming re-tokenizes from that document on."""
 
     def __init__(self, documents: Documents, tokenizer: Tokenizer, seq_len: int, dp_rank: int = 0,
-                 dp_world: int = 1, max_token_id: int | None = None, text_field: str = "text"):
+                 dp_world: int = 1, max_token_id: int | None = None, text_field: str = "text",
+                 num_workers: int = 0):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}: must be >= 1")
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank={dp_rank}, dp_world={dp_world}: need 0 <= dp_rank < dp_world")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers}: must be >= 0")
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.dp_rank = dp_rank
@@ -225,82 +239,103 @@ class TokenWindows:
                 raise ValueError(f"data-parallel rank {dp_rank} of {dp_world} gets no documents: there are "
                                  f"only {len(documents)} (for a held-out validation split, a smaller "
                                  f"[data] val_every holds out more)")
+        # Workers read the rows of a map-style dataset themselves; a stream is read here.
+        self._pool = TokenizerPool(tokenizer, num_workers, documents if self._stream is None else None,
+                                   text_field, max_token_id) if num_workers else None
         self._move_to(epoch=0, document=0, token_offset=0)
 
     def _move_to(self, epoch: int, document: int, token_offset: int) -> None:
         self._epoch = epoch
         self._document = document
         self._token_offset = token_offset
-        self._tokens: torch.Tensor | None = None  # the document at the position, once read
-        self._reader: Iterator[tuple[int, int, dict]] | None = None
+        self._resume_offset = token_offset  # where the first document read from here starts
+        self._tokens: np.ndarray | None = None  # the documents being read, concatenated
+        self._ends: np.ndarray | None = None  # where each of them ends in _tokens
+        self._position = 0  # the next token in _tokens
+        self._reader: Iterator[tuple[tuple[int, int], Framed]] | None = None
 
     def __iter__(self) -> "TokenWindows":
         return self
 
     def __next__(self) -> Window:
-        needed = self.seq_len + 1
-        pieces = []
-        while needed:
-            if self._tokens is None:
-                self._tokens = self._read_next_document()
-            piece = self._tokens[self._token_offset:self._token_offset + needed]
-            pieces.append(piece)
-            needed -= len(piece)
-            self._token_offset += len(piece)
-            if self._token_offset == len(self._tokens):
-                self._document += 1
-                self._token_offset = 0
-                self._tokens = None
-        window = torch.cat(pieces)
+        window = torch.from_numpy(self._take(self.seq_len + 1).astype(np.int64))
         return window[:-1], window[1:]
 
-    def _read_next_document(self) -> torch.Tensor:
-        if self._reader is None:
-            self._reader = self._examples_from(self._epoch, self._document)
-        self._epoch, self._document, example = next(self._reader)
-        tokens = self._tokenize(example)
-        if self._token_offset >= len(tokens):
-            raise ValueError(f"data state does not match the documents: document {self._document} of epoch "
-                             f"{self._epoch} on rank {self.dp_rank} has {len(tokens)} tokens, the state "
-                             f"points at token {self._token_offset}")
-        return tokens
+    def next_windows(self, count: int) -> torch.Tensor:
+        """The next `count` windows as one [count, seq_len + 1] tensor (consecutive in the stream)."""
+        tokens = self._take(count * (self.seq_len + 1)).astype(np.int64)
+        return torch.from_numpy(tokens).view(count, self.seq_len + 1)
 
-    def _examples_from(self, epoch: int, document: int) -> Iterator[tuple[int, int, dict]]:
+    def _take(self, count: int) -> np.ndarray:
+        pieces = []
+        while count:
+            if self._tokens is None:
+                self._read_next_documents()
+            piece = self._tokens[self._position:self._position + count]
+            pieces.append(piece)
+            count -= piece.size
+            self._position += piece.size
+            if self._position == self._tokens.size:
+                self._document += self._ends.size
+                self._token_offset = 0
+                self._tokens = None
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _read_next_documents(self) -> None:
+        if self._reader is None:
+            tasks = self._tasks_from(self._epoch, self._document)
+            self._reader = (self._pool.map(tasks) if self._pool is not None else
+                            frame_inline(self.tokenizer, tasks, self._documents, self.text_field,
+                                         self.max_token_id))
+        expected = (self._epoch, self._document)
+        (self._epoch, self._document), (tokens, lengths) = next(self._reader)
+        if self._resume_offset:
+            if (self._epoch, self._document) != expected or self._resume_offset >= lengths[0]:
+                raise ValueError(f"data state does not match the documents: document {expected[1]} of "
+                                 f"epoch {expected[0]} on rank {self.dp_rank} has "
+                                 f"{lengths[0] if (self._epoch, self._document) == expected else 0} "
+                                 f"tokens, the state points at token {self._resume_offset}")
+            self._position, self._resume_offset = self._resume_offset, 0
+        else:
+            self._position = 0
+        self._tokens, self._ends = tokens, np.cumsum(lengths)
+
+    def _tasks_from(self, epoch: int, document: int) -> Iterator[tuple]:
+        """(key, first document, rows, texts) for each batch of documents from the position on:
+        the key (epoch, document) marks where the batch starts."""
         while True:
             if self._share is not None:
-                for d in range(document, len(self._share)):
-                    yield epoch, d, self._documents[self._share[d]]
+                for first in range(document, len(self._share), DOCUMENTS_PER_TASK):
+                    rows = list(self._share[first:first + DOCUMENTS_PER_TASK])
+                    yield (epoch, first), first, rows, None
             else:
                 # No set_epoch: in datasets 5 a nonzero epoch reorders the stream's file shards even
                 # without shuffle(), which would move documents between the train and validation splits.
                 count = document
-                for example in itertools.islice(self._stream, document, None):
-                    yield epoch, count, example
-                    count += 1
+                for examples in _batched(itertools.islice(self._stream, document, None), DOCUMENTS_PER_TASK):
+                    texts = [self._text_of(example, count + i) for i, example in enumerate(examples)]
+                    yield (epoch, count), count, None, texts
+                    count += len(examples)
                 if count == 0:
                     raise ValueError(f"data-parallel rank {self.dp_rank} of {self.dp_world} gets no "
                                      f"documents from the stream")
             epoch, document = epoch + 1, 0
             logger.info("data: rank %d read all its documents; epoch %d starts", self.dp_rank, epoch)
 
-    def _tokenize(self, example: dict) -> torch.Tensor:
+    def _text_of(self, example: dict, document: int):
         if self.text_field not in example:
-            raise MissingTextField(f"document {self._document} has no field {self.text_field!r} (its fields: "
+            raise MissingTextField(f"document {document} has no field {self.text_field!r} (its fields: "
                                    f"{', '.join(example)}); set [data] text_field")
-        text = example[self.text_field]
-        if not isinstance(text, str):
-            raise TypeError(f"document {self._document}: field {self.text_field!r} holds "
-                            f"{type(text).__name__}, not text")
-        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
-        tokens = torch.tensor(ids, dtype=torch.long)
-        if self.max_token_id is not None and int(tokens.max()) >= self.max_token_id:
-            bad = int(tokens[tokens >= self.max_token_id][0])
-            raise ValueError(f"token id {bad} is out of range for the model's vocab size {self.max_token_id} "
-                             f"(the tokenizer's vocab size is {self.tokenizer.vocab_size})")
-        return tokens
+        return example[self.text_field]
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "document": self._document, "token_offset": self._token_offset,
+        if self._tokens is None:
+            document, token_offset = self._document, self._token_offset
+        else:
+            within = int(np.searchsorted(self._ends, self._position, side="right"))
+            document = self._document + within
+            token_offset = self._position - (int(self._ends[within - 1]) if within else 0)
+        return {"epoch": self._epoch, "document": document, "token_offset": token_offset,
                 "dp_rank": self.dp_rank, "dp_world": self.dp_world}
 
     def load_state_dict(self, state: dict) -> None:
@@ -311,6 +346,16 @@ class TokenWindows:
             raise ValueError(f"data state points at document {state['document']}, but rank {self.dp_rank} "
                              f"has {len(self._share)} documents")
         self._move_to(int(state["epoch"]), int(state["document"]), int(state["token_offset"]))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+
+def _batched(items, size: int) -> Iterator[list]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
 
 
 class SyntheticTokens:
@@ -377,6 +422,9 @@ class Batches:
         return self
 
     def __next__(self) -> Window:
+        if isinstance(self.windows, TokenWindows):  # consecutive windows: one slice of the stream
+            windows = self.windows.next_windows(self.local_batch_size)
+            return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         pairs = [next(self.windows) for _ in range(self.local_batch_size)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
@@ -393,20 +441,38 @@ class Batches:
             raise ValueError("only synthetic data can be positioned by step under a new layout")
         self.windows._windows = n_batches * self.local_batch_size
 
+    def close(self) -> None:
+        """Stop the tokenizer workers, if any."""
+        if isinstance(self.windows, TokenWindows):
+            self.windows.close()
+
 
 def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                dp_rank: int = 0, dp_world: int = 1, synthetic: bool = False, seed: int = 0,
                max_token_id: int | None = None, streaming: bool = False, text_field: str = "text",
                val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
-               on_bad_document: str = "error") -> Batches:
+               on_bad_document: str = "error", mixture: list[tuple[str, float]] | None = None,
+               num_workers: int = 0) -> Batches | ShardBatches:
+    """Synthetic tokens; token shards (source a folder made by scripts/prepare_data.py, or a
+    mixture of such folders: (folder, weight) pairs); or text documents, tokenized by num_workers
+    worker processes (0: on this thread; validation always tokenizes here, it reads little)."""
     if synthetic:
         vocab_size = max_token_id if max_token_id is not None else tokenizer.vocab_size
         # Validation gets its own stream so it never scores the windows it trained on.
         split_seed = seed if split == "train" else seed + 1
         windows = SyntheticTokens(vocab_size, seq_len, split_seed, dp_rank, dp_world, local_batch_size)
         return Batches(windows, local_batch_size)
+    if mixture or is_shard_folder(source):
+        for folder, _ in mixture or []:
+            if not is_shard_folder(folder):
+                raise ValueError(f"[[data.mixture]] source {folder!r}: not a token shard folder (a mixture "
+                                 f"mixes folders made by scripts/prepare_data.py)")
+        return build_shard_batches(sources=mixture or [(source, 1.0)], split=split, tokenizer=tokenizer,
+                                   seq_len=seq_len, local_batch_size=local_batch_size, seed=seed,
+                                   dp_rank=dp_rank, dp_world=dp_world, max_token_id=max_token_id)
     documents = load_documents(source, split, text_field=text_field, streaming=streaming,
                                val_every=val_every, cache_dir=cache_dir, on_bad_document=on_bad_document)
     windows = TokenWindows(documents, tokenizer, seq_len, dp_rank=dp_rank, dp_world=dp_world,
-                           max_token_id=max_token_id, text_field=text_field)
+                           max_token_id=max_token_id, text_field=text_field,
+                           num_workers=num_workers if split == "train" else 0)
     return Batches(windows, local_batch_size)

@@ -1,0 +1,108 @@
+"""Texts to framed token ids, [bos] + ids + [eos] per document, a batch of documents at a time: on
+the calling thread, or in worker processes that run ahead of the training loop.
+
+Workers are forked on Linux, as torch's DataLoader does (they touch no CUDA; "spawn" would import
+the launching script, train.py and all, into every worker), spawned elsewhere. Each worker is one
+single-threaded tokenizer; several run side by side."""
+
+import multiprocessing
+import os
+import sys
+import weakref
+from collections import deque
+from typing import Iterator
+
+import numpy as np
+
+from components.data_check import MissingTextField
+
+Framed = tuple[np.ndarray, np.ndarray]  # the documents' tokens concatenated (int32), their lengths
+
+
+def frame_texts(tokenizer, texts: list, first_document: int = 0, max_token_id: int | None = None,
+                text_field: str = "text") -> Framed:
+    """first_document numbers the documents in errors."""
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"document {first_document + i}: field {text_field!r} holds "
+                            f"{type(text).__name__}, not text")
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    flat, lengths = [], []
+    for ids in tokenizer.encode_batch(texts):
+        flat.append(bos)
+        flat += ids
+        flat.append(eos)
+        lengths.append(len(ids) + 2)
+    tokens = np.array(flat, dtype=np.int32)
+    lengths = np.array(lengths, dtype=np.int64)
+    if max_token_id is not None and tokens.size and int(tokens.max()) >= max_token_id:
+        at = int(np.flatnonzero(tokens >= max_token_id)[0])
+        document = first_document + int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+        raise ValueError(f"document {document}: token id {int(tokens[at])} is out of range for the "
+                         f"model's vocab size {max_token_id} (the tokenizer's vocab size is "
+                         f"{tokenizer.vocab_size})")
+    return tokens, lengths
+
+
+# What a worker keeps between tasks (set by _start_worker in each worker process).
+_worker: dict = {}
+
+
+def _start_worker(tokenizer, documents, text_field: str, max_token_id: int | None) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; the workers are the parallelism
+    _worker.update(tokenizer=tokenizer, documents=documents, text_field=text_field,
+                   max_token_id=max_token_id)
+
+
+def texts_of_rows(documents, rows: list[int], text_field: str, first_document: int) -> list:
+    if text_field not in documents.column_names:
+        raise MissingTextField(f"document {first_document} has no field {text_field!r} (its fields: "
+                               f"{', '.join(documents.column_names)}); set [data] text_field")
+    return documents[rows][text_field]
+
+
+def _frame_task(first_document: int, rows: list[int] | None, texts: list | None) -> Framed:
+    if texts is None:  # rows of the worker's own copy of a memory-mapped dataset
+        texts = texts_of_rows(_worker["documents"], rows, _worker["text_field"], first_document)
+    return frame_texts(_worker["tokenizer"], texts, first_document, _worker["max_token_id"],
+                       _worker["text_field"])
+
+
+class TokenizerPool:
+    """num_workers processes framing batches of documents, given as texts or, for a map-style
+    `datasets.Dataset` (memory-mapped, so each worker opens it cheaply), as row numbers. Results
+    come back in the order submitted; up to `ahead` batches are in flight."""
+
+    def __init__(self, tokenizer, num_workers: int, documents=None, text_field: str = "text",
+                 max_token_id: int | None = None, ahead: int | None = None):
+        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        self._pool = context.Pool(num_workers, initializer=_start_worker,
+                                  initargs=(tokenizer, documents, text_field, max_token_id))
+        self.ahead = ahead or 4 * num_workers
+        # Terminated with this object, not at interpreter exit: a trainer may end with os._exit.
+        self._finalizer = weakref.finalize(self, self._pool.terminate)
+
+    def map(self, tasks: Iterator[tuple]) -> Iterator[tuple]:
+        """For each (key, first_document, rows, texts) task, (key, framed), in order; the tasks
+        are drawn only as far as `ahead` batches beyond what has been consumed."""
+        pending = deque()
+        for key, first_document, rows, texts in tasks:
+            pending.append((key, self._pool.apply_async(_frame_task, (first_document, rows, texts))))
+            if len(pending) >= self.ahead:
+                key, result = pending.popleft()
+                yield key, result.get()
+        while pending:
+            key, result = pending.popleft()
+            yield key, result.get()
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def frame_inline(tokenizer, tasks: Iterator[tuple], documents=None, text_field: str = "text",
+                 max_token_id: int | None = None) -> Iterator[tuple]:
+    """TokenizerPool.map's results on the calling thread."""
+    for key, first_document, rows, texts in tasks:
+        if texts is None:
+            texts = texts_of_rows(documents, rows, text_field, first_document)
+        yield key, frame_texts(tokenizer, texts, first_document, max_token_id, text_field)
