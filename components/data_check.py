@@ -174,6 +174,49 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
     return report
 
 
+def read_documents(path: Path, text_field: str, start: int = 0,
+                   stop: int | None = None) -> Iterator[tuple[str | None, str, int, str | None]]:
+    """(text, where, bytes, problem) for each document of a .jsonl/.json/.txt file, the documents
+    the trainer's reader sees: text is None when problem says why the document is bad. A JSON
+    lines file can be read in byte ranges: the lines that begin in [start, stop)."""
+    with open(path, "rb") as f:
+        if path.suffix == ".txt":
+            for raw, where, problem in _paragraphs(f):
+                yield (None if problem else raw.decode("utf-8")), where, len(raw), problem
+            return
+        if start == 0 and stop is None:
+            documents = _json_documents(f, path, text_field)
+        else:
+            documents = _json_line_range(f, text_field, start, stop)
+        for raw, where, problem in documents:
+            text = None if problem else json.loads(raw.decode("utf-8"))[text_field]
+            yield text, where, len(raw), problem
+
+
+def _json_line_range(f: BinaryIO, text_field: str, start: int, stop: int | None) -> Iterator[Document]:
+    if start:
+        f.seek(start - 1)
+        f.readline()  # to the first line that begins at or after start
+    number = 1 if start == 0 else None  # line numbers are known only from the file's start
+    while (stop is None or f.tell() < stop) and (line := f.readline()):
+        where = f"line {number}" if number else f"the line at byte {f.tell() - len(line)}"
+        if number == 1:
+            line = line.removeprefix(_BOM)
+        if number:
+            number += 1
+        if line.strip():
+            yield line, where, _line_problem(line, text_field)
+
+
+def _line_problem(line: bytes, text_field: str) -> str | None:
+    try:
+        return _document_problem(json.loads(line.rstrip(b"\r\n").decode("utf-8")), text_field)
+    except UnicodeDecodeError as e:
+        return _not_utf8(line, e)
+    except json.JSONDecodeError as e:
+        return _invalid_json(e)
+
+
 def _json_documents(f: BinaryIO, path: Path, text_field: str) -> Iterator[Document]:
     """JSON lines, as pyarrow reads them (blank lines are not documents), or, for a .json file
     that starts with '[', one JSON array of documents (which `datasets` also reads)."""
@@ -187,13 +230,7 @@ def _json_documents(f: BinaryIO, path: Path, text_field: str) -> Iterator[Docume
             line = line.removeprefix(_BOM)
         if not line.strip():
             continue
-        try:
-            problem = _document_problem(json.loads(line.rstrip(b"\r\n").decode("utf-8")), text_field)
-        except UnicodeDecodeError as e:
-            problem = _not_utf8(line, e)
-        except json.JSONDecodeError as e:
-            problem = _invalid_json(e)
-        yield line if line.endswith(b"\n") else line + b"\n", f"line {number}", problem
+        yield line if line.endswith(b"\n") else line + b"\n", f"line {number}", _line_problem(line, text_field)
 
 
 def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:

@@ -1,0 +1,437 @@
+"""Raw documents to token shards (the format: components/shards.py), in parallel worker processes,
+resumably; scripts/prepare_data.py is the command line.
+
+The work is cut into units: a byte range of a .jsonl file, some row groups of a .parquet file, a
+whole .json or .txt file, a range of rows of a Hugging Face dataset, a file of a streamed one.
+Unit "fffff-ppppp" is part p of input file f; it becomes one shard per split, written under
+temporary names and renamed, then marked done (units/<unit>.json). prepare.json, written first,
+holds the settings and the units. So a killed run leaves its done units done and the same command
+does the rest; a finished folder is left as it is; another tokenizer, other settings, or a source
+file that changed after some of its units were done are refused, naming what differs.
+"""
+
+import contextlib
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from components.data_check import NAMED, BadDocumentError, MissingTextField, read_documents
+from components.document_tokens import frame_texts
+from components.shards import (FORMAT, INDEX, PLAN, SPLITS, VERSION, ShardFormatError, ShardWriter,
+                               token_dtype)
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+BATCH_BYTES = 1 << 20  # documents tokenized together
+UNITS = "units"
+
+
+class PrepareError(ValueError):
+    pass
+
+
+@dataclass
+class Unit:
+    name: str  # "fffff-ppppp": part p of input f
+    kind: str  # "jsonl" | "json" | "txt" (a whole file of paragraphs) | "parquet" | "rows" | "stream"
+    path: str  # the file, or the dataset's name
+    start: int = 0  # jsonl: first byte; parquet: first row group; rows: first row; stream: its shard
+    stop: int = 0
+    size: int = 0  # bytes to read, as far as known before reading (the progress bar's)
+
+
+def held_out(text: str, val_every: int) -> bool:
+    """Validation takes the documents whose text hashes into 1/val_every of the range: copies of a
+    document land in the same split, whichever units they are in."""
+    if val_every < 1:
+        return False
+    digest = hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % val_every == 0
+
+
+# ----------------------------------------------------------------------------- planning
+
+def local_files(sources: list[str]) -> list[Path]:
+    """Files, folders (their .jsonl/.json/.parquet/.txt files, hidden ones left out) and globs."""
+    files = []
+    for source in sources:
+        expanded = os.path.expanduser(source)
+        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [expanded]
+        if not matches or not all(os.path.exists(m) for m in matches):
+            raise PrepareError(f"--source {source}: no such file or folder")
+        found = []
+        for match in map(Path, matches):
+            if match.is_dir():
+                found += sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in SUFFIXES
+                                and not any(part.startswith(".") for part in p.relative_to(match).parts))
+            elif match.suffix in SUFFIXES:
+                found.append(match)
+            elif not glob.has_magic(expanded):
+                raise PrepareError(f"--source {source}: unsupported file type {match.suffix!r}; expected "
+                                   f"one of {', '.join(SUFFIXES)}")
+        if not found:
+            raise PrepareError(f"--source {source}: no {'/'.join(SUFFIXES)} files there")
+        files += found
+    return sorted(set(p.resolve() for p in files))
+
+
+def file_units(number: int, path: Path, unit_bytes: int) -> list[Unit]:
+    size = path.stat().st_size
+    name = lambda part: f"{number:05d}-{part:05d}"  # noqa: E731
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        metadata = pq.ParquetFile(path).metadata
+        units, first, gathered = [], 0, 0
+        for group in range(metadata.num_row_groups):
+            gathered += metadata.row_group(group).total_byte_size
+            if gathered >= unit_bytes or group == metadata.num_row_groups - 1:
+                units.append(Unit(name(len(units)), "parquet", str(path), first, group + 1, gathered))
+                first, gathered = group + 1, 0
+        return units or [Unit(name(0), "parquet", str(path), 0, 0, 0)]
+    if path.suffix == ".jsonl":
+        parts = max(1, -(-size // unit_bytes))
+        bounds = [size * i // parts for i in range(parts + 1)]
+        return [Unit(name(i), "jsonl", str(path), bounds[i], bounds[i + 1], bounds[i + 1] - bounds[i])
+                for i in range(parts)]
+    return [Unit(name(0), path.suffix[1:], str(path), 0, size, size)]
+
+
+def listing(files: list[Path]) -> dict:
+    return {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+
+
+def load_hf(name: str, subset: str | None, split: str, streaming: bool):
+    import datasets
+
+    if Path(name).expanduser().is_dir() and (Path(name).expanduser() / "dataset_info.json").is_file() \
+            and not streaming:
+        loaded = datasets.load_from_disk(str(Path(name).expanduser()))
+        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    try:
+        return datasets.load_dataset(name, subset, split=split, streaming=streaming)
+    except Exception as err:
+        raise PrepareError(f"--hf-dataset {name}: could not load it ({type(err).__name__}: {err})") from err
+
+
+def hf_units(dataset, unit_bytes: int) -> list[Unit]:
+    name = dataset.info.dataset_name or "dataset"
+    if hasattr(dataset, "num_rows"):  # a map-style Dataset: ranges of rows
+        rows = dataset.num_rows
+        per_unit = max(1, int(rows * unit_bytes / max(dataset.data.nbytes, 1)))
+        row_bytes = dataset.data.nbytes / max(rows, 1)
+        return [Unit(f"00000-{i:05d}", "rows", name, first, min(first + per_unit, rows),
+                     int((min(first + per_unit, rows) - first) * row_bytes))
+                for i, first in enumerate(range(0, rows, per_unit))]
+    return [Unit(f"{i:05d}-00000", "stream", name, i, i + 1, 0) for i in range(dataset.num_shards)]
+
+
+# ----------------------------------------------------------------------------- one unit (in a worker)
+
+# Set before the workers are forked: what every unit needs.
+_job: dict = {}
+
+
+def _documents(unit: Unit, text_field: str) -> Iterator[tuple[str | None, str, int, str | None]]:
+    """(text, where, bytes, problem) for each document of the unit."""
+    if unit.kind in ("jsonl", "json", "txt"):
+        yield from read_documents(Path(unit.path), text_field, unit.start if unit.kind == "jsonl" else 0,
+                                  unit.stop if unit.kind == "jsonl" else None)
+    elif unit.kind == "parquet":
+        yield from _parquet_documents(Path(unit.path), text_field, unit.start, unit.stop)
+    elif unit.kind == "rows":
+        dataset = _job["dataset"]
+        _check_field(dataset.column_names, text_field, unit.path)
+        for first in range(unit.start, unit.stop, 1000):
+            texts = dataset[first:min(first + 1000, unit.stop)][text_field]
+            for i, text in enumerate(texts):
+                yield _checked(text, f"{unit.path}: row {first + i}", text_field)
+    else:
+        stream = _job["dataset"].shard(num_shards=_job["dataset"].num_shards, index=unit.start)
+        for i, example in enumerate(stream):
+            if i == 0:
+                _check_field(list(example), text_field, unit.path)
+            yield _checked(example.get(text_field), f"{unit.path}: shard {unit.start}, row {i}", text_field)
+
+
+def _check_field(fields: list[str], text_field: str, where: str) -> None:
+    if text_field not in fields:
+        raise MissingTextField(f"{where}: the documents have no field {text_field!r} (their fields: "
+                               f"{', '.join(fields)}); set --text-field")
+
+
+def _checked(text, where: str, text_field: str) -> tuple[str | None, str, int, str | None]:
+    if isinstance(text, str):
+        return text, where, len(text), None
+    return None, where, 0, f"field {text_field!r} holds {type(text).__name__}, not text"
+
+
+def _parquet_documents(path: Path, text_field: str, first_group: int, stop_group: int):
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    _check_field(parquet.schema_arrow.names, text_field, str(path))
+    row = sum(parquet.metadata.row_group(g).num_rows for g in range(first_group))
+    for group in range(first_group, stop_group):
+        for batch in parquet.iter_batches(row_groups=[group], columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                yield _checked(text, f"row {row}", text_field)
+                row += 1
+
+
+def _fault_point(unit: str) -> None:
+    """Test-only: FLCE_TEST_PREPARE_KILL=<unit> kills the whole run (its process group) while that
+    unit is half written, as a kill -9 or a lost node would."""
+    if os.environ.get("FLCE_TEST_PREPARE_KILL") == unit:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def prepare_unit(unit: Unit) -> dict:
+    """Tokenize one unit into its shards; returns (and writes, last) its report."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    out, settings, tokenizer = _job["out"], _job["settings"], _job["tokenizer"]
+    dtype = np.dtype(settings["dtype"])
+    writers = {split: ShardWriter(out / split / unit.name, dtype) for split in SPLITS}
+    report = {"unit": unit.name, "bad": 0, "named": [], "max_token_id": -1, "bytes": 0}
+    progress, progress_tokens = _job.get("progress"), _job.get("progress_tokens")
+    try:
+        batch, batch_bytes, counted = [], 0, 0
+        for text, where, size, problem in _documents(unit, settings["text_field"]):
+            if problem is not None:
+                where = where if where.startswith(unit.path) else f"{unit.path}: {where}"
+                if settings["on_bad_document"] == "error":
+                    raise BadDocumentError(f"{where}: {problem}. Pass --on-bad-document skip to skip "
+                                           f"such documents (each is then counted, the first named)")
+                report["bad"] += 1
+                if len(report["named"]) < NAMED:
+                    report["named"].append(f"{where}: {problem}")
+                continue
+            batch.append(text)
+            batch_bytes += size
+            if batch_bytes >= BATCH_BYTES:
+                tokens = _write_batch(batch, writers, tokenizer, settings["val_every"], report)
+                _fault_point(unit.name)
+                if progress is not None:
+                    with progress.get_lock():
+                        progress.value += batch_bytes
+                        progress_tokens.value += tokens
+                counted += batch_bytes
+                batch, batch_bytes = [], 0
+        tokens = _write_batch(batch, writers, tokenizer, settings["val_every"], report)
+        _fault_point(unit.name)
+        report["bytes"] = counted + batch_bytes
+        if progress is not None:  # the unit's estimated size is what the bar counts in the end
+            with progress.get_lock():
+                progress.value += unit.size - counted
+                progress_tokens.value += tokens
+        report["splits"] = {split: writer.finish() for split, writer in writers.items()}
+    except BaseException:
+        for writer in writers.values():
+            writer.abandon()
+        raise
+    _write_json(out / UNITS / f"{unit.name}.json", report)
+    return report
+
+
+def _write_batch(texts: list[str], writers: dict, tokenizer, val_every: int, report: dict) -> int:
+    """Returns the number of tokens written."""
+    written = 0
+    validation = [held_out(t, val_every) for t in texts]
+    for split, wanted in (("train", False), ("validation", True)):
+        chosen = [t for t, v in zip(texts, validation) if v == wanted]
+        if chosen:
+            tokens, lengths = frame_texts(tokenizer, chosen)
+            writers[split].add(tokens, lengths)
+            report["max_token_id"] = max(report["max_token_id"], int(tokens.max()))
+            written += tokens.size
+    return written
+
+
+def _write_json(path: Path, what: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(what, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- the whole run
+
+def tokenizer_record(tokenizer, name: str, path: str | None) -> dict:
+    return {"fingerprint": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "name": name,
+            "path": str(Path(path).expanduser().resolve()) if path else None}
+
+
+def settings_for(tokenizer: dict, text_field: str, val_every: int, on_bad_document: str,
+                 unit_bytes: int, source: dict) -> dict:
+    return {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer, "text_field": text_field,
+            "val_every": val_every, "on_bad_document": on_bad_document, "unit_bytes": unit_bytes,
+            "dtype": token_dtype(tokenizer["vocab_size"]).name, "source": source}
+
+
+def _differences(old: dict, new: dict, keys=("tokenizer", "text_field", "val_every", "on_bad_document",
+                                             "unit_bytes", "dtype")) -> list[str]:
+    out = []
+    for key in keys:
+        if old.get(key) != new.get(key):
+            if key == "tokenizer":
+                what = lambda t: f"{t.get('path') or t.get('name')} (vocab {t.get('vocab_size')})"  # noqa: E731
+                out.append(f"tokenizer: {what(old[key])} -> {what(new[key])}"
+                           + (" with the same name but other tokens or bos/eos" if what(old[key]) == what(new[key])
+                              else ""))
+            else:
+                out.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    return out
+
+
+def reconcile(out: Path, settings: dict, units: list[Unit], files: dict | None) -> list[Unit]:
+    """The units of this folder: those of prepare.json when the folder was begun with the same
+    settings (a changed file whose units are all still to do is planned again), else these."""
+    plan_path = out / PLAN
+    if not plan_path.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(plan_path, {**settings, "units": [asdict(u) for u in units]})
+        return units
+    plan = json.loads(plan_path.read_text())
+    differences = _differences(plan, settings)
+    old_files, new_files = plan["source"].get("files"), (files or {})
+    if files is not None and old_files is not None and sorted(old_files) != sorted(new_files):
+        differences.append(f"source files: {len(old_files)} -> {len(new_files)} (added: "
+                           f"{sorted(set(new_files) - set(old_files))[:3]}, gone: "
+                           f"{sorted(set(old_files) - set(new_files))[:3]})")
+    elif files is None and plan["source"] != settings["source"]:
+        differences.append(f"source: {plan['source']} -> {settings['source']}")
+    if differences:
+        raise PrepareError(f"{out} was begun with other settings ({'; '.join(differences)}): finish it with "
+                           f"the arguments it was begun with, or write to another --out")
+    planned = [Unit(**u) for u in plan["units"]]
+    if files is not None:
+        done = {p.stem for p in (out / UNITS).glob("*.json")}
+        for path, stat in new_files.items():
+            if old_files[path] == stat:
+                continue
+            mine = [u for u in planned if u.path == path]
+            if any(u.name in done for u in mine):
+                raise PrepareError(f"{path} changed after some of its units were tokenized into {out}: "
+                                   f"write to another --out (or remove {out})")
+            fresh = [u for u in units if u.path == path]
+            planned = [u for u in planned if u.path != path] + fresh
+            planned.sort(key=lambda u: u.name)
+        if planned != [Unit(**u) for u in plan["units"]] or old_files != new_files:
+            _write_json(plan_path, {**settings, "units": [asdict(u) for u in planned]})
+    return planned
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Temporary files of a killed run (their units are not done, so they are tokenized again)."""
+    for folder in (*SPLITS, UNITS):
+        for leftover in (out / folder).glob("*.tmp"):
+            leftover.unlink()
+
+
+@contextlib.contextmanager
+def _locked(out: Path):
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / "prepare.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise PrepareError(f"{out} is being written by another prepare_data.py run") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: int, files: dict | None = None,
+            dataset=None, progress_bar: bool = True, log=print) -> dict:
+    """Tokenize what is not done yet and write index.json; returns the index."""
+    with _locked(out):
+        units = reconcile(out, settings, units, files)
+        _clean_leftovers(out)
+        done = {p.stem for p in (out / UNITS).glob("*.json")}
+        todo = [u for u in units if u.name not in done]
+        if not todo and (out / INDEX).is_file():
+            log(f"{out}: complete already, nothing to do")
+            return json.loads((out / INDEX).read_text())
+        if todo:
+            log(f"{out}: {len(todo)} of {len(units)} units to tokenize with {min(workers, len(todo))} "
+                f"worker process(es)" + (f" ({len(units) - len(todo)} done before)" if done else ""))
+            _run(out, todo, settings, tokenizer, workers, dataset, progress_bar)
+        index = write_index(out, units, settings)
+        return index
+
+
+def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, dataset,
+         progress_bar: bool) -> None:
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    progress, tokens = context.Value("q", 0), context.Value("q", 0)
+    _job.update(out=out, settings=settings, tokenizer=tokenizer, dataset=dataset, progress=progress,
+                progress_tokens=tokens)
+    bar = None
+    if progress_bar:
+        from tqdm import tqdm
+
+        # In a log file (not a terminal) a line every 30 s rather than a redraw every 0.1 s.
+        bar = tqdm(total=sum(u.size for u in todo), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc="tokenizing", dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
+    started = time.time()
+    with context.Pool(min(workers, len(todo))) as pool:
+        pending = [pool.apply_async(prepare_unit, (u,)) for u in todo]
+        try:
+            while pending:
+                time.sleep(0.2)
+                for result in [r for r in pending if r.ready()]:
+                    pending.remove(result)
+                    result.get()  # a worker's error is raised here
+                if bar is not None:
+                    bar.set_postfix_str(f"{tokens.value / max(time.time() - started, 1e-9):,.0f} tokens/s",
+                                        refresh=False)
+                    bar.update(progress.value - bar.n)
+        finally:
+            if bar is not None:
+                bar.close()
+            pool.terminate()
+
+
+def write_index(out: Path, units: list[Unit], settings: dict) -> dict:
+    reports = [json.loads((out / UNITS / f"{u.name}.json").read_text()) for u in units]
+    splits = {}
+    for split in SPLITS:
+        shards = [{"file": f"{split}/{r['unit']}.tokens.npy", **r["splits"][split]} for r in reports]
+        for shard in shards:
+            if not (out / shard["file"]).is_file():
+                raise ShardFormatError(f"{out / shard['file']} is missing, though its unit is marked done: "
+                                       f"remove {out / UNITS}/{Path(shard['file']).name.split('.')[0]}.json "
+                                       f"and run again to redo it")
+        splits[split] = {"tokens": sum(s["tokens"] for s in shards),
+                         "documents": sum(s["documents"] for s in shards),
+                         "shards": [s for s in shards if s["tokens"]]}
+    if not splits["train"]["tokens"]:
+        raise PrepareError(f"{out}: no training documents in the source"
+                           + (f" ({sum(r['bad'] for r in reports)} bad ones were skipped)"
+                              if any(r["bad"] for r in reports) else ""))
+    bad = sum(r["bad"] for r in reports)
+    index = {**{k: settings[k] for k in ("format", "version", "dtype", "tokenizer", "val_every",
+                                          "text_field", "source")},
+             "max_token_id": max(r["max_token_id"] for r in reports),
+             "splits": splits, "skipped_documents": bad,
+             "skipped_named": [n for r in reports for n in r["named"]][:NAMED],
+             "created": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    _write_json(out / INDEX, index)
+    return index

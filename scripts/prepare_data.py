@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Tokenize a corpus once into token shards that the trainer memory-maps (`[data] source = OUT`).
+
+    python scripts/prepare_data.py --source data/raw/ "more/*.jsonl" --tokenizer tokenizer.json \\
+        --out shards/web [--workers 16] [--val-every 100] [--text-field text]
+    python scripts/prepare_data.py --hf-dataset HuggingFaceFW/fineweb-edu --hf-subset sample-10BT \\
+        --hf-streaming --tokenizer tokenizer.json --out shards/fineweb-edu
+
+--source takes .jsonl/.json/.parquet/.txt files (a .txt file: one document per paragraph),
+folders of them and globs; --hf-dataset a Hugging Face dataset (a hub name, a local folder of
+data files, or one saved with save_to_disk), read whole (--hf-streaming: file by file, without
+a local copy). Documents are framed [bos] + tokens + [eos] and tokenized by --workers processes.
+Every --val-every-th document (by a hash of its text) goes to the validation split; 0: none.
+
+The same command again resumes a killed run (finished units are kept) and does nothing on a
+finished folder; a folder begun with another tokenizer or other settings is refused. The format
+is documented in components/shards.py; the trainer refuses shards of another tokenizer.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from components.data_check import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
+from components.shard_prepare import (PrepareError, file_units, hf_units, listing, load_hf,  # noqa: E402
+                                      local_files, prepare, settings_for, tokenizer_record)
+from components.shards import ShardFormatError  # noqa: E402
+from components.tokenizer import build_tokenizer  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="prepare_data.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--source", nargs="+", metavar="PATH", help="files, folders or globs")
+    where.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face dataset")
+    parser.add_argument("--hf-subset", default=None, help="the dataset's configuration (subset)")
+    parser.add_argument("--hf-split", default="train", help="its split (default: train)")
+    parser.add_argument("--hf-streaming", action="store_true",
+                        help="read the dataset file by file, without a local copy (one unit per file)")
+    parser.add_argument("--tokenizer", required=True, metavar="PATH|byte",
+                        help='a tokenizer.json, or "byte" for the built-in byte tokenizer')
+    parser.add_argument("--bos-token", default="", help="the tokenizer's bos token (default: found)")
+    parser.add_argument("--eos-token", default="", help="the tokenizer's eos token (default: found)")
+    parser.add_argument("--out", required=True, type=Path, help="the shard folder")
+    parser.add_argument("--text-field", default="text", help="the documents' text field (default: text)")
+    parser.add_argument("--val-every", type=int, default=100,
+                        help="hold out 1 in this many documents for validation; 0: none (default: 100)")
+    parser.add_argument("--on-bad-document", choices=ON_BAD_DOCUMENT, default="error",
+                        help="a document that is not UTF-8, not JSON or has no text: stop, naming it, "
+                             "or skip it, counting it (default: error)")
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                        help="tokenizer processes (default: this machine's CPUs)")
+    parser.add_argument("--unit-mb", type=float, default=256,
+                        help="input per unit of work, in MiB: a unit is one shard per split, and what a "
+                             "killed run redoes (default: 256)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.val_every < 0 or args.workers < 1 or args.unit_mb <= 0:
+        parser.error("--val-every must be >= 0, --workers >= 1 and --unit-mb > 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    try:
+        name = "byte" if args.tokenizer == "byte" else "hf"
+        tokenizer = build_tokenizer(name, None if name == "byte" else args.tokenizer, args.bos_token,
+                                    args.eos_token)
+        record = tokenizer_record(tokenizer, name, None if name == "byte" else args.tokenizer)
+        unit_bytes = int(args.unit_mb * 2**20)
+        dataset, files = None, None
+        if args.source:
+            paths = local_files(args.source)
+            files = listing(paths)
+            units = [u for number, path in enumerate(paths) for u in file_units(number, path, unit_bytes)]
+            source = {"files": files}
+        else:
+            dataset = load_hf(args.hf_dataset, args.hf_subset, args.hf_split, args.hf_streaming)
+            units = hf_units(dataset, unit_bytes)
+            source = {"hf_dataset": args.hf_dataset, "subset": args.hf_subset, "split": args.hf_split,
+                      "streaming": args.hf_streaming,
+                      "rows_or_files": getattr(dataset, "num_rows", None) or dataset.num_shards}
+        settings = settings_for(record, args.text_field, args.val_every, args.on_bad_document, unit_bytes,
+                                source)
+        index = prepare(args.out, units, settings, tokenizer, args.workers, files=files, dataset=dataset,
+                        progress_bar=not args.no_progress)
+    except (PrepareError, ShardFormatError, ValueError, FileNotFoundError, MissingTextField) as e:
+        print(f"prepare_data.py: error: {e}", file=sys.stderr)
+        return 1
+    train, validation = index["splits"]["train"], index["splits"]["validation"]
+    print(f"{args.out}: train {train['tokens']:,} tokens in {train['documents']:,} documents, validation "
+          f"{validation['tokens']:,} tokens in {validation['documents']:,}; {index['dtype']}, "
+          f"{time.time() - started:.1f} s")
+    if index["skipped_documents"]:
+        print(f"skipped {index['skipped_documents']} bad document(s), the first: "
+              + "; ".join(index["skipped_named"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
