@@ -352,9 +352,12 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                        seed=cfg.training.seed, max_token_id=args.vocab_size,
                        streaming=cfg.data.streaming, text_field=cfg.data.text_field,
                        val_every=cfg.data.val_every, cache_dir=cfg.data.cache_dir,
-                       on_bad_document=cfg.data.on_bad_document)
+                       on_bad_document=cfg.data.on_bad_document, num_workers=cfg.data.num_workers,
+                       mixture=[(m.source, m.weight) for m in cfg.data.mixture])
     train_batches = build_data(split="train", **data_kwargs)
     val_batches = build_data(split="validation", **data_kwargs) if cfg.validation.enable else None
+    if hasattr(train_batches, "describe"):
+        log(train_batches.describe())
     train_iter = iter(train_batches)
     # Every evaluation scores the same held-out batches, so validation losses are comparable.
     val_start = val_batches.state_dict() if val_batches is not None else None
@@ -431,6 +434,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()
+    train_batches.close()  # tokenizer workers, if any
     return exit_code
 
 

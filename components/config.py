@@ -8,6 +8,7 @@ wrong type, is an error that names it (and suggests the closest valid name); not
 
 import dataclasses
 import difflib
+import math
 import sys
 import tomllib
 import types
@@ -71,12 +72,41 @@ class LRScheduler:
 
 
 @dataclass
+class MixtureSource:
+    """One [[data.mixture]] table: a token shard folder and its weight."""
+    source: str = ""
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, where: str, text: str) -> "MixtureSource":
+        """The command line's spelling, "folder:weight" (split at the last colon)."""
+        source, colon, weight = text.rpartition(":")
+        try:
+            if not colon:
+                raise ValueError
+            return cls(source.strip(), float(weight))
+        except ValueError:
+            raise ConfigError(f"{where}: expected folder:weight, got {text!r}") from None
+
+
+@dataclass
 class Data:
-    source: str = "stdlib"  # "stdlib" (embedded, offline), a local file/dir, or a hub name
+    # "stdlib" (embedded, offline), a local .jsonl/.json/.parquet/.txt file or folder of them, a hub
+    # name, or a token shard folder made by scripts/prepare_data.py (read in a seeded shuffled order)
+    source: str = "stdlib"
+    # Token shard folders mixed by weight (each one's share of the windows; they need not sum to
+    # 1), in place of source. TOML: one [[data.mixture]] table per folder, with source and weight;
+    # command line: --data.mixture "shards/web:0.7,shards/code:0.3" ("" for none).
+    mixture: list[MixtureSource] = field(default_factory=list)
     text_field: str = "text"
     streaming: bool = False
     synthetic: bool = False  # random tokens, for throughput runs
-    val_every: int = 100  # every n-th document is held out for validation
+    # text sources: every n-th document is held out for validation (token shards hold theirs out
+    # when they are prepared: prepare_data.py --val-every)
+    val_every: int = 100
+    # text sources: tokenizer processes per rank, running ahead of training; 0 tokenizes on the
+    # training thread (fine for the byte tokenizer; a 32k BPE tokenizes ~0.5M tokens/s per core)
+    num_workers: int = 2
     cache_dir: str = "~/.cache/flce-recipes"
     # A document of a local .jsonl/.json/.txt file that is not UTF-8, not a JSON object or has no
     # text: "error" stops before training and names it (file, line); "skip" leaves it out, with
@@ -265,7 +295,22 @@ def _coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(where, v, typing.get_args(annotation)[0], from_text) for v in value]
+        inner = typing.get_args(annotation)[0]
+        if dataclasses.is_dataclass(inner):  # "[data] mixture" -> "[[data.mixture]] #1"
+            section, _, key = where.removeprefix("[").partition("] ")
+            return [_coerce(f"[[{section}.{key}]] #{i}", v, inner, from_text) for i, v in enumerate(value, 1)]
+        return [_coerce(where, v, inner, from_text) for v in value]
+    if dataclasses.is_dataclass(annotation):  # a table in an array of tables: [[data.mixture]]
+        if from_text:
+            return annotation.parse(where, value)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
+        item, hints = annotation(), typing.get_type_hints(annotation)
+        for key, v in value.items():
+            if key not in hints:
+                raise ConfigError(f"{where}: unknown key {key!r}" + _suggest(key, list(hints)))
+            setattr(item, key, _coerce(f"{where} {key}", v, hints[key], from_text))
+        return item
     if from_text:
         try:
             if annotation is bool:
@@ -347,6 +392,9 @@ def check_values(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
             raise ConfigError(f"[{section}] {key} = {value}: must be >= 1")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
+    _check_mixture(cfg.data)
     for name in cfg.model.converters:
         if name not in CONVERTERS:
             raise ConfigError(f"[model] converters: {name!r} is not a known converter"
@@ -362,6 +410,24 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp needs "
                           "enable_fsdp_float8_all_gather = true (it precomputes that all-gather's "
                           "scales)")
+
+
+def _check_mixture(data: Data) -> None:
+    if data.mixture and data.source != Data.source:
+        raise ConfigError(f"[data] source = {data.source!r} and [[data.mixture]] are both set: a mixture "
+                          "takes the place of source, set one of them")
+    seen = set()
+    for i, item in enumerate(data.mixture, 1):
+        where = f"[[data.mixture]] #{i}"
+        if not item.source:
+            raise ConfigError(f"{where}: source is empty")
+        if not (math.isfinite(item.weight) and item.weight > 0):
+            raise ConfigError(f"{where} ({item.source}): weight = {item.weight}: must be > 0")
+        if not Path(item.source).expanduser().exists():
+            raise ConfigError(f"{where}: source {item.source!r} does not exist")
+        if item.source in seen:
+            raise ConfigError(f"{where}: source {item.source!r} is listed twice")
+        seen.add(item.source)
 
 
 def load_config(argv: Optional[list[str]] = None) -> JobConfig:
@@ -412,6 +478,10 @@ def _toml_value(v) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if dataclasses.is_dataclass(v):
+        v = dataclasses.asdict(v)
+    if isinstance(v, dict):  # an inline table: what [[data.mixture]] tables read back as
+        return "{" + ", ".join(f"{key} = {_toml_value(x)}" for key, x in v.items()) + "}"
     return repr(v)
 
 
