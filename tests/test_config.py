@@ -91,3 +91,48 @@ def test_config_changes_lists_every_differing_key():
         "[lr_scheduler] decay_ratio: 0.2 -> unset",
     ]
     assert config_changes(to_toml(cfg), cfg) == []
+
+
+def test_mixture_tables_parse_override_and_round_trip(tmp_path):
+    for name in ("web", "code", "books"):
+        (tmp_path / name).mkdir()
+    toml = tmp_path / "m.toml"
+    toml.write_text(f'[data]\nnum_workers = 4\n[[data.mixture]]\nsource = "{tmp_path / "web"}"\nweight = 0.7\n'
+                    f'[[data.mixture]]\nsource = "{tmp_path / "code"}"\nweight = 3\n')
+    cfg = load_config(["--config", str(toml)])
+    assert [(m.source, m.weight) for m in cfg.data.mixture] == [(str(tmp_path / "web"), 0.7),
+                                                               (str(tmp_path / "code"), 3.0)]
+    assert cfg.data.num_workers == 4
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(to_toml(cfg))
+    assert load_config(["--config", str(resolved)]) == cfg
+    # The command line replaces the whole list ("folder:weight,..."); "" empties it.
+    books = load_config(["--config", str(toml), "--data.mixture", f"{tmp_path / 'books'}:2,{tmp_path / 'web'}:1"])
+    assert [(m.source, m.weight) for m in books.data.mixture] == [(str(tmp_path / "books"), 2.0),
+                                                                 (str(tmp_path / "web"), 1.0)]
+    assert load_config(["--config", str(toml), "--data.mixture", ""]).data.mixture == []
+    assert config_changes(to_toml(cfg), books) == [
+        f'[data] mixture: [{{source = "{tmp_path / "web"}", weight = 0.7}}, {{source = "{tmp_path / "code"}", '
+        f'weight = 3.0}}] -> [{{source = "{tmp_path / "books"}", weight = 2.0}}, {{source = "{tmp_path / "web"}", '
+        f'weight = 1.0}}]']
+
+
+@pytest.mark.parametrize("tables,argv,match", [
+    ('source = "{web}"\nweight = 0', [], r"\[\[data.mixture\]\] #1 \(.*web\): weight = 0.0: must be > 0"),
+    ('source = "{web}"\nweight = -1', [], r"weight = -1.0: must be > 0"),
+    ('source = "{web}/nope"\nweight = 1', [], r"#1: source '.*web/nope' does not exist"),
+    ('source = "{web}"\nwieght = 1', [], r"\[\[data.mixture\]\] #1: unknown key 'wieght' \(did you mean 'weight'\?\)"),
+    ('source = "{web}"\nweight = "heavy"', [], r"#1 weight: expected float, got str 'heavy'"),
+    ('weight = 1', [], r"#1: source is empty"),
+    ('source = "{web}"\n[[data.mixture]]\nsource = "{web}"', [], r"#2: source '.*web' is listed twice"),
+    ('source = "{web}"', ["--data.source", "corpus.jsonl"], r"\[data\] source = 'corpus.jsonl' and "
+                                                           r"\[\[data.mixture\]\] are both set"),
+    ('source = "{web}"', ["--data.mixture", "{web}"], r"\[\[data.mixture\]\] #1: expected folder:weight"),
+    ('source = "{web}"', ["--data.num_workers", "-1"], r"num_workers = -1: must be >= 0"),
+])
+def test_bad_mixtures_are_named(tmp_path, tables, argv, match):
+    (tmp_path / "web").mkdir()
+    path = tmp_path / "bad.toml"
+    path.write_text("[[data.mixture]]\n" + tables.format(web=tmp_path / "web") + "\n")
+    with pytest.raises(ConfigError, match=match):
+        load_config(["--config", str(path), *[a.format(web=tmp_path / "web") for a in argv]])

@@ -3,6 +3,7 @@
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -16,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from components import data_check
+from components import data, data_check
 from components.data import (STDLIB_CORPUS_BYTES, Batches, MissingTextField, SyntheticTokens, TokenWindows,
                              build_data, embedded_corpus, load_documents)
 from components.data_check import BadDocumentError
@@ -445,3 +446,48 @@ def test_an_empty_file_among_others_is_a_warning(tmp_path, caplog):
     with pytest.raises(MissingTextField, match=r"b\.jsonl: the documents have no field 'body' "
                                                r"\(their fields: text\); set \[data\] text_field"):
         load_documents(str(folder), "train", text_field="body", cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_tokenizer_workers_give_the_same_windows_and_resume(tmp_path, rng, monkeypatch, streaming):
+    """num_workers > 0 tokenizes in worker processes ahead of the loop: the same windows and states
+    as on the calling thread, across batches of documents, epochs and resumes; close() ends them."""
+    monkeypatch.setattr(data, "DOCUMENTS_PER_TASK", 3)  # many batches of documents per epoch
+    path = write_jsonl(tmp_path / "docs.jsonl", random_texts(rng, 50, max_length=30))
+    documents = load_documents(str(path), "train", streaming=streaming, val_every=5,
+                               cache_dir=tmp_path / "cache")
+
+    def fresh(workers: int) -> Batches:
+        return Batches(TokenWindows(documents, BYTE, seq_len=9, dp_rank=1, dp_world=2, num_workers=workers),
+                       local_batch_size=3)
+
+    children = set(multiprocessing.active_children())
+    inline, pooled = fresh(0), fresh(2)
+    states, batches = [], []
+    for _ in range(40):
+        states.append(plain(pooled.state_dict()))
+        assert states[-1] == plain(inline.state_dict())
+        batches.append(next(pooled))
+        expected = next(inline)
+        assert torch.equal(batches[-1][0], expected[0]) and torch.equal(batches[-1][1], expected[1])
+    assert states[-1]["epoch"] >= 2
+    for k in rng.sample(range(len(states) - 3), 3):
+        pooled.load_state_dict(states[k])
+        for n in range(k, k + 3):
+            assert torch.equal(next(pooled)[0], batches[n][0]), (k, n)
+    assert len(set(multiprocessing.active_children()) - children) == 2
+    pooled.close()
+    assert not set(multiprocessing.active_children()) - children
+
+
+def test_errors_in_tokenizer_workers_reach_the_training_loop():
+    documents = datasets.Dataset.from_dict({"text": ["abc", None, "xyz"]})
+    windows = TokenWindows(documents, BYTE, 4, num_workers=1)
+    with pytest.raises(TypeError, match="document 1: field 'text' holds NoneType, not text"):
+        next(windows)
+    windows.close()
+    windows = TokenWindows(datasets.Dataset.from_dict({"text": ["abc", "xyz"]}), BYTE, 4, max_token_id=200,
+                           num_workers=1)
+    with pytest.raises(ValueError, match=r"document 0: token id 256 .* vocab size 200"):
+        next(windows)
+    windows.close()

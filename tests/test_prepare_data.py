@@ -1,0 +1,206 @@
+"""scripts/prepare_data.py: every document once, framed as the text loader frames it, split by its
+hash; parallel and resumable after a kill with the same result; other tokenizers and settings
+refused; bad documents named or skipped; Hugging Face datasets read whole or streamed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from components.data import load_documents
+from components.shard_batches import build_shard_batches
+from components.shards import ShardFormatError, read_index
+from components.tokenizer import ByteTokenizer
+from shard_cases import framed, held_out, random_texts, shard_documents, train_tokenizer, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import prepare_data  # noqa: E402
+
+SMALL_UNITS = ["--unit-mb", "0.001", "--no-progress"]  # ~1 KB of input per unit: many units
+
+
+def prepare(*args) -> int:
+    return prepare_data.main([str(a) for a in args])
+
+
+def mixed_corpus(root: Path, rng) -> list[str]:
+    """Files of every kind; returns the documents in the order prepare_data.py reads them."""
+    texts = random_texts(rng, 81)
+    jsonl, array, paragraphs, rows = texts[:40], texts[40:45], texts[45:51], texts[51:]
+    write_jsonl(root / "a" / "one.jsonl", jsonl)
+    (root / "a" / "two.json").write_text(json.dumps([{"text": t, "id": i} for i, t in enumerate(array)]))
+    # Paragraphs: lines of a document wrap once, a blank line ends it.
+    (root / "a" / "three.txt").write_text("\n\n".join(t.replace(" ", "\n", 1) for t in paragraphs))
+    (root / "b").mkdir()
+    pq.write_table(pa.table({"text": rows, "n": list(range(len(rows)))}), root / "b" / "four.parquet",
+                   row_group_size=7)
+    paragraphs = [t.replace(" ", "\n", 1) for t in paragraphs]
+    return jsonl + paragraphs + array + rows  # a/one.jsonl, a/three.txt, a/two.json, b/four.parquet
+
+
+def test_shards_hold_every_document_once_in_order_split_by_hash(tmp_path, rng):
+    expected = mixed_corpus(tmp_path, rng)
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", rng)
+    out = tmp_path / "shards"
+    assert prepare("--source", tmp_path / "a", tmp_path / "b" / "*.parquet", "--tokenizer",
+                   tmp_path / "tokenizer.json", "--out", out, "--workers", 2, "--val-every", 3,
+                   *SMALL_UNITS) == 0
+    index = read_index(out)
+    assert index["dtype"] == "uint16" and index["tokenizer"]["fingerprint"] == tokenizer.fingerprint()
+    validation = [t for t in expected if held_out(t, 3)]
+    assert 0 < len(validation) < len(expected)
+    for split, texts in (("train", [t for t in expected if not held_out(t, 3)]), ("validation", validation)):
+        documents = shard_documents(out, split)
+        assert documents == [framed(tokenizer, t) for t in texts], split
+        assert index["splits"][split]["documents"] == len(texts)
+        assert index["splits"][split]["tokens"] == sum(map(len, documents))
+    assert len(index["splits"]["train"]["shards"]) > 8, "small units make many shards"
+    assert index["max_token_id"] == max(max(d) for d in shard_documents(out, "train")
+                                        + shard_documents(out, "validation"))
+    # The documents are the ones the trainer's text loader reads from the same files.
+    loaded = [d["text"] for f in ("one.jsonl", "three.txt", "two.json") for split in ("validation", "train")
+              for d in load_documents(str(tmp_path / "a" / f), split, val_every=10**9,  # 0 | 1, 2, ...
+                                      cache_dir=tmp_path / "cache")]
+    assert loaded == expected[:51]
+
+
+def test_a_killed_run_resumes_to_the_same_shards(tmp_path, rng):
+    texts = random_texts(rng, 120)
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", texts[:70])
+    write_jsonl(tmp_path / "corpus" / "b.jsonl", texts[70:])
+    train_tokenizer(tmp_path / "tokenizer.json", rng)
+    args = ["--source", tmp_path / "corpus", "--tokenizer", tmp_path / "tokenizer.json", "--val-every", 4,
+            *SMALL_UNITS]
+    assert prepare(*args, "--out", tmp_path / "straight", "--workers", 2) == 0
+    units = sorted(p.stem for p in (tmp_path / "straight" / "units").glob("*.json"))
+    assert len(units) >= 6
+
+    # One worker takes the units in order: the kill comes when the last of a.jsonl is half written.
+    out = tmp_path / "killed"
+    last_of_a = [u for u in units if u.startswith("00000-")][-1]
+    killed = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
+                             *map(str, args), "--out", str(out), "--workers", "1"],
+                            env={**os.environ, "FLCE_TEST_PREPARE_KILL": last_of_a},
+                            start_new_session=True, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    done = sorted(p.stem for p in (out / "units").glob("*.json"))
+    assert done == [u for u in units if u < last_of_a]
+    assert list((out / "train").glob(f"{last_of_a}*.tmp")), "the unit was half written"
+    with pytest.raises(ShardFormatError, match="unfinished token shards"):
+        read_index(out)
+
+    assert prepare(*args, "--out", out, "--workers", 2) == 0
+    files = lambda folder: sorted(p.relative_to(folder) for p in folder.rglob("*.npy"))  # noqa: E731
+    assert files(out) == files(tmp_path / "straight")
+    for name in files(out):
+        assert (out / name).read_bytes() == (tmp_path / "straight" / name).read_bytes(), name
+    assert not list(out.rglob("*.tmp"))
+    index = read_index(out)
+    assert index["splits"] == read_index(tmp_path / "straight")["splits"]
+
+    # Finished: the same command again changes nothing.
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name != "prepare.lock"}
+    assert prepare(*args, "--out", out, "--workers", 2) == 0
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.name != "prepare.lock"}
+
+
+def test_another_tokenizer_or_other_settings_are_refused(tmp_path, rng, capsys):
+    write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 30))
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", rng)
+    other = train_tokenizer(tmp_path / "other.json", rng, vocab_size=350)
+    args = ["--source", tmp_path / "a.jsonl", "--out", tmp_path / "shards", "--workers", 1, *SMALL_UNITS]
+    assert prepare(*args, "--tokenizer", tmp_path / "tokenizer.json") == 0
+    capsys.readouterr()
+    assert prepare(*args, "--tokenizer", tmp_path / "other.json") == 1
+    assert "was begun with other settings (tokenizer: " in capsys.readouterr().err
+    assert prepare(*args, "--tokenizer", "byte") == 1
+    assert prepare(*args, "--tokenizer", tmp_path / "tokenizer.json", "--val-every", 7) == 1
+    assert "val_every: 100 -> 7" in capsys.readouterr().err
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "changed"}) + "\n")
+    assert prepare(*args, "--tokenizer", tmp_path / "tokenizer.json") == 1
+    assert "a.jsonl changed after some of its units were tokenized" in capsys.readouterr().err
+
+    # The trainer refuses them with another tokenizer too.
+    for wrong in (other, ByteTokenizer()):
+        with pytest.raises(ShardFormatError, match="its shards were made with another tokenizer"):
+            build_shard_batches(sources=[(str(tmp_path / "shards"), 1.0)], split="train", tokenizer=wrong,
+                                seq_len=8, local_batch_size=2, seed=0)
+    batches = build_shard_batches(sources=[(str(tmp_path / "shards"), 1.0)], split="train",
+                                  tokenizer=tokenizer, seq_len=8, local_batch_size=2, seed=0)
+    assert next(batches)[0].shape == (2, 8)
+    with pytest.raises(ShardFormatError, match=r"holds token id \d+, out of range for the model's vocab size 300"):
+        build_shard_batches(sources=[(str(tmp_path / "shards"), 1.0)], split="train", tokenizer=tokenizer,
+                            seq_len=8, local_batch_size=2, seed=0, max_token_id=300)
+
+
+def test_bad_documents_are_named_or_skipped(tmp_path, rng, capsys):
+    texts = random_texts(rng, 40)
+    lines = [json.dumps({"text": t}).encode() for t in texts]
+    lines[30] = b'{"text": "caf\xe9"}'  # Latin-1: not UTF-8, far into the file (a later unit)
+    lines[31] = b'{"body": "elsewhere"}'
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    offset = len(b"\n".join(lines[:30])) + 1
+    train_tokenizer(tmp_path / "tokenizer.json", rng)
+    args = ["--source", tmp_path / "a.jsonl", "--tokenizer", tmp_path / "tokenizer.json", "--workers", 2,
+            "--val-every", 0, *SMALL_UNITS]
+    assert prepare(*args, "--out", tmp_path / "stop") == 1
+    err = capsys.readouterr().err
+    assert f"a.jsonl: the line at byte {offset}: not UTF-8 (byte 0xe9 at column 14)" in err
+    assert "--on-bad-document skip" in err
+
+    assert prepare(*args, "--out", tmp_path / "skip", "--on-bad-document", "skip") == 0
+    assert "skipped 2 bad document(s)" in capsys.readouterr().out
+    index = read_index(tmp_path / "skip")
+    assert index["skipped_documents"] == 2
+    assert any("no field 'text' (its fields: body)" in n for n in index["skipped_named"])
+    good = [t for i, t in enumerate(texts) if i not in (30, 31)]
+    assert len(shard_documents(tmp_path / "skip", "train")) == len(good)
+    assert not index["splits"]["validation"]["shards"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hugging_face_dataset_gives_the_shards_of_its_files(tmp_path, rng, monkeypatch, streaming):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    texts = random_texts(rng, 50)
+    folder = tmp_path / "hub-like"
+    folder.mkdir()
+    for i, part in enumerate((texts[:20], texts[20:])):  # two files: two shards of a stream
+        pq.write_table(pa.table({"text": part}), folder / f"train-{i:05d}.parquet", row_group_size=8)
+    train_tokenizer(tmp_path / "tokenizer.json", rng)
+    common = ["--tokenizer", tmp_path / "tokenizer.json", "--workers", 2, "--val-every", 5, *SMALL_UNITS]
+    assert prepare("--hf-dataset", folder, *(["--hf-streaming"] if streaming else []), "--out",
+                   tmp_path / "hf", *common) == 0
+    assert prepare("--source", folder, "--out", tmp_path / "files", *common) == 0
+    for split in ("train", "validation"):
+        assert shard_documents(tmp_path / "hf", split) == shard_documents(tmp_path / "files", split)
+    assert len(read_index(tmp_path / "hf")["splits"]["train"]["shards"]) > (1 if streaming else 2)
+
+
+def test_byte_tokenizer_and_the_stored_arrays_load_with_plain_numpy(tmp_path, rng):
+    texts = random_texts(rng, 10)
+    write_jsonl(tmp_path / "a.jsonl", texts)
+    assert prepare("--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out", tmp_path / "s",
+                   "--workers", 1, "--val-every", 0, "--no-progress") == 0
+    tokens = np.load(tmp_path / "s" / "train" / "00000-00000.tokens.npy")
+    offsets = np.load(tmp_path / "s" / "train" / "00000-00000.docs.npy")
+    assert tokens.dtype == np.uint16 and offsets.dtype == np.int64 and offsets[0] == 0
+    byte = ByteTokenizer()
+    assert [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == [framed(byte, t) for t in texts]
+
+
+def test_sources_that_are_not_there_are_named(tmp_path, capsys):
+    for source, message in ((tmp_path / "missing.jsonl", "missing.jsonl: no such file or folder"),
+                            (tmp_path / "*.jsonl", "*.jsonl: no such file or folder"),
+                            (tmp_path, "no .jsonl/.json/.parquet/.txt files there")):
+        assert prepare("--source", source, "--tokenizer", "byte", "--out", tmp_path / "out",
+                       "--no-progress") == 1
+        assert message in capsys.readouterr().err

@@ -1,0 +1,261 @@
+"""Token shards in the trainer: windows of seq_len + 1 in a seeded order that visits each window
+once per epoch; the same global batches for any data-parallel layout; exact resume from the state
+(in the loader and through train.py's checkpoints); weighted mixtures; a held-out validation split
+disjoint from train; clear errors for folders that cannot be read."""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from components.data import build_data
+from components.shard_batches import MIXTURE_BLOCK, Mixture, ShardBatches, _keys, permute
+from components.shards import ShardFormatError, TokenShards, read_index
+from components.tokenizer import ByteTokenizer
+from shard_cases import random_texts, shard_documents, train_tokenizer, write_jsonl, write_token_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import prepare_data  # noqa: E402
+BYTE = ByteTokenizer()
+
+
+def stream_shards(folder: Path, rng: np.random.Generator, sizes: list[int], vocab: int = BYTE.vocab_size,
+                  validation: list[int] = ()) -> tuple[Path, np.ndarray]:
+    """A folder whose train stream is random tokens in shards of the given sizes; returns it and
+    the whole stream."""
+    pieces = [rng.integers(0, vocab, size) for size in sizes]
+    write_token_shards(folder, pieces, vocab, BYTE, [rng.integers(0, vocab, n) for n in validation])
+    return folder, np.concatenate(pieces)
+
+
+def batches(folders, seq_len, batch, seed=0, rank=0, world=1, weights=None) -> ShardBatches:
+    sources = [TokenShards(f) for f in folders]
+    return ShardBatches(sources, weights or [1.0] * len(sources), seq_len, batch, seed, rank, world)
+
+
+def windows_of(inputs: torch.Tensor, labels: torch.Tensor) -> list[tuple]:
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    return [tuple(row) for row in torch.cat([inputs, labels[:, -1:]], dim=1).tolist()]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 64, 1000, 4097])
+def test_permutation_is_a_bijection(size, rng):
+    keys = _keys(rng.randrange(2**31), 0, 0)
+    assert sorted(permute(np.arange(size), size, keys).tolist()) == list(range(size))
+    big = 10**12 + 39
+    sample = rng.sample(range(big), 1000)
+    out = permute(np.array(sample), big, keys)
+    assert len(set(out.tolist())) == 1000 and out.min() >= 0 and out.max() < big
+
+
+def test_windows_visit_every_stride_once_per_epoch_in_a_new_order(tmp_path, rng):
+    generator = np.random.default_rng(rng.randrange(2**31))
+    seq_len, batch = rng.randint(3, 9), rng.randint(1, 4)
+    folder, stream = stream_shards(tmp_path / "s", generator, [rng.randint(1, 40) for _ in range(5)] + [30])
+    per_epoch = (stream.size - 1) // seq_len
+    expected = sorted(tuple(stream[k * seq_len:k * seq_len + seq_len + 1]) for k in range(per_epoch))
+    source = batches([folder], seq_len, batch, seed=rng.randrange(2**31))
+    read = [w for _ in range(-(-3 * per_epoch // batch)) for w in windows_of(*next(source))]
+    epochs = [read[e * per_epoch:(e + 1) * per_epoch] for e in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch) == expected, "each window once per epoch, shard boundaries crossed"
+    if per_epoch > 3:
+        assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0]), "shuffled anew each epoch"
+    other = batches([folder], seq_len, batch, seed=1 + source.seed)
+    assert [w for _ in range(3) for w in windows_of(*next(other))] != read[:3 * batch] or per_epoch < 4
+
+
+def test_global_batches_do_not_depend_on_the_data_parallel_layout(tmp_path, rng):
+    """1 rank of batch 4 = 2 ranks of batch 2 = 4 ranks of batch 1, step by step (as for synthetic
+    data), for one source and for a mixture; the windows of a step are disjoint across ranks."""
+    generator = np.random.default_rng(rng.randrange(2**31))
+    folders = [stream_shards(tmp_path / n, generator, [rng.randint(50, 300), 80])[0] for n in "abc"]
+    seed = rng.randrange(2**31)
+    for sources, weights in (([folders[0]], None), (folders, [0.5, 0.3, 0.2])):
+        layouts = {world: [batches(sources, 8, 4 // world, seed, r, world, weights) for r in range(world)]
+                   for world in (1, 2, 4)}
+        for _ in range(20):
+            steps = {world: [w for ranks in [next(b) for b in group] for w in windows_of(*ranks)]
+                     for world, group in layouts.items()}
+            assert steps[1] == steps[2] == steps[4]
+
+
+def test_resume_continues_exactly_from_any_rank_and_layout(tmp_path, rng):
+    generator = np.random.default_rng(rng.randrange(2**31))
+    folder, stream = stream_shards(tmp_path / "s", generator, [rng.randint(20, 60) for _ in range(3)])
+    seq_len = 5  # a few windows per epoch: the run crosses epochs
+    reference = [batches([folder], seq_len, 2, 7, r, 2) for r in (0, 1)]
+    states, steps = [], []
+    for _ in range(30):
+        buffer = io.BytesIO()  # the checkpoint's rank files: plain data through torch.save / load
+        torch.save(reference[1].state_dict(), buffer)
+        states.append(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+        steps.append([w for b in reference for w in windows_of(*next(b))])
+    assert states[-1]["global_windows"] > 2 * reference[0].windows_per_epoch[0]
+    for k in rng.sample(range(len(states) - 3), 5):
+        resumed = batches([folder], seq_len, 2, 7, 0, 2)
+        resumed.load_state_dict(states[k])  # rank 1's state resumes rank 0: the state is global
+        one = batches([folder], seq_len, 4, 7)  # and one rank of the same global batch
+        one.load_state_dict(json.loads(json.dumps(states[k])))
+        for n in range(k, k + 3):
+            assert windows_of(*next(resumed)) == steps[n][:2]
+            assert windows_of(*next(one)) == steps[n]
+    positioned = batches([folder], seq_len, 2, 7, 1, 2)
+    positioned.resume_at_batch(4)  # a rank without a state of its own (the world grew)
+    assert windows_of(*next(positioned)) == steps[4][2:]
+
+
+def test_mixture_meets_its_weights_and_each_source_keeps_its_epochs(tmp_path, rng):
+    generator = np.random.default_rng(rng.randrange(2**31))
+    sizes = [400, 1500, 90]
+    folders = [stream_shards(tmp_path / str(i), generator, [n])[0] for i, n in enumerate(sizes)]
+    weights = [0.6, 0.3, 0.1]
+    mixture = Mixture(weights, seed=3)
+    assert mixture.quotas.sum() == MIXTURE_BLOCK
+    assert np.allclose(mixture.realized_weights, weights, atol=1 / MIXTURE_BLOCK)
+    source, number = mixture.locate(np.arange(2 * MIXTURE_BLOCK + 100))
+    for s in range(3):
+        assert (source[:MIXTURE_BLOCK] == s).sum() == mixture.quotas[s], "exact in every block"
+        assert sorted(number[source == s].tolist()) == list(range((source == s).sum()))
+    assert not (source[:64] == source[0]).all(), "sources interleave"
+
+    seq_len = 9
+    loader = batches(folders, seq_len, 8, seed=3, weights=weights)
+    tokens = {i: {tuple(TokenShards(f)._arrays[0][k:k + seq_len + 1]) for k in range(0, n - seq_len, seq_len)}
+              for i, (f, n) in enumerate(zip(folders, sizes))}
+    seen = Counter()
+    for _ in range(200):
+        for window in windows_of(*next(loader)):
+            owners = [i for i, ws in tokens.items() if window in ws]
+            assert len(owners) == 1
+            seen[owners[0]] += 1
+    total = sum(seen.values())
+    assert all(abs(seen[i] / total - w) < 0.05 for i, w in enumerate(weights)), seen
+    assert seen[2] > 2 * loader.windows_per_epoch[2], "the small source went round several epochs"
+    with pytest.raises(ValueError, match="all > 0"):
+        Mixture([1.0, 0.0], 0)
+
+
+def test_validation_split_is_held_out_and_read_the_same_way_for_any_seed(tmp_path, rng):
+    texts = random_texts(rng, 90)
+    write_jsonl(tmp_path / "a.jsonl", texts)
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", rng)
+    assert prepare_data.main(["--source", str(tmp_path / "a.jsonl"), "--tokenizer",
+                                    str(tmp_path / "tokenizer.json"), "--out", str(tmp_path / "s"),
+                                    "--val-every", "4", "--workers", "1", "--no-progress"]) == 0
+    train_docs = {tuple(d) for d in shard_documents(tmp_path / "s", "train")}
+    validation_docs = {tuple(d) for d in shard_documents(tmp_path / "s", "validation")}
+    assert validation_docs and train_docs and not train_docs & validation_docs
+    assert len(train_docs) + len(validation_docs) == len(texts)
+
+    def first_batches(split, seed):
+        data = build_data(source=str(tmp_path / "s"), split=split, tokenizer=tokenizer, seq_len=16,
+                          local_batch_size=4, seed=seed)
+        return [windows_of(*next(data)) for _ in range(3)]
+
+    validation_stream = np.concatenate([np.load(tmp_path / "s" / s["file"]) for s in
+                                        read_index(tmp_path / "s")["splits"]["validation"]["shards"]])
+    text = ",".join(map(str, validation_stream.tolist())) + ","
+    for window in sum(first_batches("validation", 0), []):
+        assert ",".join(map(str, window)) + "," in text, "validation windows come from validation documents"
+    assert first_batches("validation", 0) == first_batches("validation", 5)
+    assert first_batches("train", 0) != first_batches("train", 5)
+
+
+def test_folders_that_cannot_be_read_are_named(tmp_path, rng):
+    generator = np.random.default_rng(rng.randrange(2**31))
+    folder, _ = stream_shards(tmp_path / "s", generator, [50, 20])
+    with pytest.raises(ShardFormatError, match="fewer than one window of seq_len \\+ 1 = 71"):
+        batches([folder], 70, 1)
+    with pytest.raises(ShardFormatError, match="no validation documents"):
+        build_data(source=str(folder), split="validation", tokenizer=BYTE, seq_len=8, local_batch_size=1)
+    with pytest.raises(ShardFormatError, match="out of range for the model's vocab size 10"):
+        build_data(source=str(folder), split="train", tokenizer=BYTE, seq_len=8, local_batch_size=1,
+                   max_token_id=10)
+    shard = folder / "train" / "00001-00000.tokens.npy"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ShardFormatError, match="00001-00000.tokens.npy: .* bytes, expected .*truncated"):
+        TokenShards(folder)
+    (folder / "index.json").rename(folder / "prepare.json")
+    with pytest.raises(ShardFormatError, match="unfinished token shards"):
+        build_data(source=str(folder), split="train", tokenizer=BYTE, seq_len=8, local_batch_size=1)
+    with pytest.raises(ValueError, match="not a token shard folder"):
+        build_data(source="stdlib", mixture=[(str(tmp_path), 1.0)], split="train", tokenizer=BYTE,
+                   seq_len=8, local_batch_size=1)
+
+
+# ---- end to end through train.py ------------------------------------------------------------
+
+# The unfused loss: the fastest on the CPU, where the fused kernels run in Triton's interpreter.
+SMALL = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu", "--loss.impl", "unfused",
+         "--training.seq_len", "32", "--metrics.log_freq", "1", "--job.print_config", "false",
+         "--lr_scheduler.warmup_steps", "2", "--validation.enable", "false"]
+
+
+@pytest.fixture(scope="module")
+def byte_shards(tmp_path_factory):
+    """Two shard folders of the byte tokenizer from random documents."""
+    import random
+
+    root = tmp_path_factory.mktemp("shards")
+    rng = random.Random(0)
+    for name, count in (("web", 150), ("code", 60)):
+        write_jsonl(root / f"{name}.jsonl", random_texts(rng, count))
+        assert prepare_data.main(["--source", str(root / f"{name}.jsonl"), "--tokenizer", "byte",
+                                        "--out", str(root / name), "--workers", "1", "--no-progress",
+                                        "--val-every", "10"]) == 0
+    return root
+
+
+def losses(dump: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def test_training_on_shards_resumes_exactly(tmp_path, byte_shards):
+    """8 steps straight = a new process resuming from the step-4 checkpoint (the data position
+    comes back from the rank file); validation passes in between read their own split."""
+    args = SMALL + ["--data.source", str(byte_shards / "web"), "--training.local_batch_size", "4",
+                    "--training.steps", "8", "--checkpoint.interval", "4", "--checkpoint.enable_checkpoint",
+                    "true", "--validation.enable", "true", "--validation.freq", "4", "--validation.steps", "2"]
+    straight = tmp_path / "straight"
+    assert train.main(args + ["--job.dump_folder", str(straight)]) == 0
+    state = torch.load(straight / "checkpoint" / "step-4" / "rank-0.pt", weights_only=True)["data"]
+    assert state["global_windows"] == 16
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    assert train.main(args + ["--job.dump_folder", str(resumed)]) == 0
+    a, b = losses(straight), losses(resumed)
+    assert sorted(a) == list(range(1, 9)) and sorted(b) == list(range(5, 9))
+    assert max(abs(a[s] - b[s]) for s in b) <= 1e-6
+
+
+def test_torchrun_gloo_two_processes_match_one_on_a_mixture(tmp_path, byte_shards):
+    """[[data.mixture]] from TOML; FSDP over 2 CPU processes with local batch 2 gives the losses of
+    one process with local batch 4."""
+    config = tmp_path / "mixture.toml"
+    config.write_text(f'[[data.mixture]]\nsource = "{byte_shards / "web"}"\nweight = 3\n'
+                      f'[[data.mixture]]\nsource = "{byte_shards / "code"}"\nweight = 1\n')
+    args = SMALL + ["--config", str(config), "--training.steps", "4"]
+    assert train.main(args + ["--job.dump_folder", str(tmp_path / "one"), "--training.local_batch_size", "4"]) == 0
+    resolved = (tmp_path / "one" / "config.toml").read_text()
+    assert f'mixture = [{{source = "{byte_shards / "web"}", weight = 3.0}}' in resolved
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(ROOT / "train.py"), *args, "--training.local_batch_size", "2",
+                    "--job.dump_folder", str(tmp_path / "two")], check=True, cwd=ROOT, env=env, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    assert max(abs(one[s] - two[s]) for s in one) <= 1e-5
