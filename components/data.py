@@ -339,6 +339,8 @@ class TokenWindows:
                 "dp_rank": self.dp_rank, "dp_world": self.dp_world}
 
     def load_state_dict(self, state: dict) -> None:
+        if not {"epoch", "document", "token_offset", "dp_rank", "dp_world"} <= set(state):
+            raise ValueError(f"data state of another kind of source (keys {sorted(state)}), not text documents")
         if (state["dp_rank"], state["dp_world"]) != (self.dp_rank, self.dp_world):
             raise ValueError(f"data state was saved by rank {state['dp_rank']} of {state['dp_world']}, "
                              f"this is rank {self.dp_rank} of {self.dp_world}: the document shares differ")

@@ -111,6 +111,9 @@ class ShardWriter:
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Documents, concatenated, and each one's length."""
+        if tokens.size and int(tokens.max()) > np.iinfo(self.dtype).max:
+            raise ShardFormatError(f"token id {int(tokens.max())} does not fit the shards' {self.dtype} (the "
+                                   f"tokenizer's vocab size decides it): is the tokenizer's vocab size right?")
         self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._offsets.append(self._count + np.cumsum(lengths, dtype=np.int64))
         self._count += int(tokens.size)
@@ -217,7 +220,8 @@ def _allow_open_files(count: int) -> None:
     """Each mapped shard keeps a file descriptor; raise the soft limit when the default (often
     1024) is too low for a folder of many shards."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = count + 256
+    open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 256
+    needed = count + open_now + 64
     if soft != resource.RLIM_INFINITY and soft < needed:
         if hard != resource.RLIM_INFINITY and hard < needed:
             raise ShardFormatError(f"{count} shards to map, but this process may open only {hard} files "

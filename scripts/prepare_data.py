@@ -93,6 +93,10 @@ def main(argv=None) -> int:
     except (PrepareError, ShardFormatError, ValueError, FileNotFoundError, MissingTextField) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\nprepare_data.py: interrupted; the same command resumes ({args.out} keeps the finished "
+              f"units)", file=sys.stderr)
+        return 130
     train, validation = index["splits"]["train"], index["splits"]["validation"]
     print(f"{args.out}: train {train['tokens']:,} tokens in {train['documents']:,} documents, validation "
           f"{validation['tokens']:,} tokens in {validation['documents']:,}; {index['dtype']}, "

@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""The data loaders alone, without a model: tokens/s per rank from token shards and from text (a
+32k BPE tokenizer, 0..N tokenizer worker processes), against what one H200 consumes training the
+llama_150m flavor, and the time a loop consuming at that rate waits for data.
+
+    python scripts/bench_data.py --out benchmarks/data_loader_cpu [--workers 0,1,2] \\
+        [--corpus FILE_OR_FOLDER] [--tokenizer tokenizer.json] [--seq-len 2048 --batch 8] \\
+        [--compare-libraries]
+
+Without --corpus the embedded corpus (this Python's standard library sources) is copied --copies
+times; without --tokenizer a 32,768-token byte-level BPE is trained on it. The H200's rate is
+estimated from llama_150m's training FLOPs per token (the trainer's MFU formula, the tokenizer's
+vocabulary) at 50% MFU of 989 TFLOP/s. --compare-libraries also times litdata's optimize +
+StreamingDataset and datatrove's tokenizer + DatatroveFolderDataset on the same corpus (each when
+installed) and checks whether their windows depend on the data-parallel layout. Writes OUT.json
+and OUT.md (machine, versions, date, command, commit).
+"""
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from components.data import build_data, embedded_corpus  # noqa: E402
+from components.shard_batches import ShardBatches  # noqa: E402
+from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402
+                                      tokenizer_record)
+from components.shards import TokenShards  # noqa: E402
+from components.tokenizer import build_tokenizer  # noqa: E402
+from models import FLAVORS, flops_per_token  # noqa: E402
+
+H200_BF16_PEAK = 989e12
+MFU = 0.5
+SHARD_TARGET = 20  # shards must deliver this many times what one GPU consumes
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="bench_data.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser.add_argument("--out", required=True, help="OUT.json and OUT.md are written")
+    parser.add_argument("--corpus", nargs="+", help="files/folders (default: the embedded corpus)")
+    parser.add_argument("--copies", type=int, default=4, help="copies of the embedded corpus (default 4)")
+    parser.add_argument("--tokenizer", help="a tokenizer.json (default: a 32k BPE trained here)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8, help="local batch size (default 8)")
+    parser.add_argument("--workers", default="0,1,2", help="text loader num_workers to try (default 0,1,2)")
+    parser.add_argument("--prepare-workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--seconds", type=float, default=8.0, help="per measurement (default 8)")
+    parser.add_argument("--compare-libraries", action="store_true")
+    parser.add_argument("--work-dir", help="keep the corpus and shards here (default: a temporary folder)")
+    return parser.parse_args(argv)
+
+
+def git_revision() -> str | None:
+    if os.environ.get("FLCE_GIT_REVISION"):
+        return os.environ["FLCE_GIT_REVISION"]
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = {}
+    for name in ("torch", "numpy", "tokenizers", "datasets", "pyarrow", "litdata", "datatrove"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"cpu": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "load_average": os.getloadavg(),
+            "python": platform.python_version(), **versions,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "git": git_revision()}
+
+
+def make_corpus(work: Path, copies: int) -> list[Path]:
+    """The embedded corpus, copied; each copy's documents get a suffix, so none repeats."""
+    lines = embedded_corpus(work / "cache").read_text(encoding="utf-8").splitlines()
+    files = []
+    for k in range(copies):
+        path = work / "corpus" / f"part{k}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(json.dumps({"text": json.loads(line)["text"] + f"\n# copy {k}\n"}) + "\n")
+        files.append(path)
+    return files
+
+
+def train_bpe(files: list[Path], path: Path, vocab_size: int = 32768) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = (json.loads(line)["text"] for line in open(files[0], encoding="utf-8"))
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(path))
+
+
+def h200_rate(vocab_size: int, seq_len: int) -> dict:
+    args = dataclasses.replace(FLAVORS["llama_150m"], vocab_size=vocab_size)
+    flops = flops_per_token(args, seq_len)
+    return {"flavor": "llama_150m", "vocab_size": vocab_size, "seq_len": seq_len, "flops_per_token": flops,
+            "mfu": MFU, "peak_flops": H200_BF16_PEAK, "tokens_per_s": MFU * H200_BF16_PEAK / flops}
+
+
+def timed(batches, seconds: float, skip: int = 1) -> dict:
+    """Tokens/s of next(batches) after `skip` batches (start-up), for about `seconds`."""
+    for _ in range(skip):
+        next(batches)
+    tokens, count, start = 0, 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
+        inputs, _ = next(batches)
+        tokens += inputs.numel()
+        count += 1
+    return {"tokens_per_s": tokens / elapsed, "batches": count, "seconds": elapsed}
+
+
+def consuming_at(batches, rate: float, steps: int) -> dict:
+    """A loop that takes a batch, then 'trains' on it for batch tokens / rate seconds (sleeping,
+    as a GPU-bound trainer's host thread waits): the share of its time spent waiting for data."""
+    next(batches)
+    wait = busy = 0.0
+    for _ in range(steps):
+        start = time.perf_counter()
+        inputs, _ = next(batches)
+        wait += time.perf_counter() - start
+        step = inputs.numel() / rate
+        time.sleep(step)
+        busy += step
+    return {"steps": steps, "rate": rate, "data_wait_share": wait / (wait + busy), "wait_s": wait}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    meta = machine()
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench_data_"))
+    work.mkdir(parents=True, exist_ok=True)
+    files = local_files(args.corpus) if args.corpus else make_corpus(work, args.copies)
+    tokenizer_path = Path(args.tokenizer) if args.tokenizer else work / "tokenizer.json"
+    if not args.tokenizer and not tokenizer_path.is_file():
+        train_bpe(files, tokenizer_path)
+    tokenizer = build_tokenizer("hf", str(tokenizer_path))
+    result = {"corpus_bytes": sum(f.stat().st_size for f in files), "tokenizer_vocab": tokenizer.vocab_size,
+              "seq_len": args.seq_len, "local_batch_size": args.batch}
+    rate = h200_rate(tokenizer.vocab_size, args.seq_len)
+    result["h200_llama_150m"] = rate
+
+    shards = work / "shards"
+    shutil.rmtree(shards, ignore_errors=True)
+    start = time.perf_counter()
+    record = tokenizer_record(tokenizer, "hf", str(tokenizer_path))
+    units = [u for n, p in enumerate(files) for u in file_units(n, p, 64 * 2**20)]
+    index = prepare(shards, units, settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)}),
+                    tokenizer, args.prepare_workers, files=listing(files), progress_bar=False, log=lambda _: None)
+    seconds = time.perf_counter() - start
+    total = index["splits"]["train"]["tokens"] + index["splits"]["validation"]["tokens"]
+    result["prepare"] = {"workers": args.prepare_workers, "seconds": seconds, "tokens": total,
+                         "tokens_per_s": total / seconds}
+
+    source = TokenShards(shards)
+    loaders = {"shards": ShardBatches([source], [1.0], args.seq_len, args.batch, seed=0),
+               "shards, mixture of 2": ShardBatches([source, TokenShards(shards)], [0.7, 0.3], args.seq_len,
+                                                    args.batch, seed=0),
+               "shards, rank 3 of 8": ShardBatches([source], [1.0], args.seq_len, args.batch, seed=0,
+                                                   dp_rank=3, dp_world=8)}
+    result["loaders"] = {name: timed(loader, args.seconds) for name, loader in loaders.items()}
+    for workers in [int(w) for w in args.workers.split(",")]:
+        text = build_data(source=str(files[0]), split="train", tokenizer=tokenizer, seq_len=args.seq_len,
+                          local_batch_size=args.batch, num_workers=workers, cache_dir=work / "cache")
+        result["loaders"][f"text, num_workers={workers}"] = timed(text, args.seconds, skip=2)
+        text.close()
+    most = max(int(w) for w in args.workers.split(","))
+    text = build_data(source=str(files[0]), split="train", tokenizer=tokenizer, seq_len=args.seq_len,
+                      local_batch_size=args.batch, num_workers=most, cache_dir=work / "cache")
+    steps = max(20, int(args.seconds * rate["tokens_per_s"] / (args.seq_len * args.batch)))
+    result["text_consumed_at_h200_rate"] = {"num_workers": most, **consuming_at(text, rate["tokens_per_s"], steps)}
+    text.close()
+    if args.compare_libraries:
+        result["libraries"] = compare_libraries(work, files, tokenizer_path, tokenizer, args)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "result": result}, indent=1))
+    out.with_suffix(".md").write_text(report(meta, result, args))
+    print(out.with_suffix(".md").read_text())
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def report(meta: dict, result: dict, args) -> str:
+    rate = result["h200_llama_150m"]
+    lines = [f"CPU: {meta['cpu']} ({meta['cpus_usable']} usable, load average {meta['load_average'][0]:.1f} "
+             f"at the start) · Python {meta['python']} · torch {meta.get('torch')} · numpy {meta.get('numpy')} · "
+             f"tokenizers {meta.get('tokenizers')} · datasets {meta.get('datasets')}"
+             + "".join(f" · {n} {meta[n]}" for n in ("litdata", "datatrove") if n in meta)
+             + f" · {meta['date']} · "
+             f"commit {meta['git']}", f"Command: `{meta['command']}`", "",
+             f"Corpus: {result['corpus_bytes'] / 2**20:.1f} MiB of JSON lines; tokenizer: byte-level BPE, "
+             f"{result['tokenizer_vocab']:,} tokens; windows of seq_len {result['seq_len']} + 1, local batch "
+             f"{result['local_batch_size']}.", "",
+             f"One H200 training llama_150m (vocab {rate['vocab_size']:,}, seq {rate['seq_len']}) consumes "
+             f"about **{rate['tokens_per_s']:,.0f} tokens/s**: {rate['flops_per_token'] / 1e9:.3f} GFLOP per token "
+             f"(6 x non-embedding parameters + attention, the trainer's MFU formula) at {rate['mfu']:.0%} MFU of "
+             f"{rate['peak_flops'] / 1e12:.0f} TFLOP/s. Shard target: {SHARD_TARGET}x that = "
+             f"{SHARD_TARGET * rate['tokens_per_s']:,.0f} tokens/s per rank.", "",
+             "| loader (one rank) | tokens/s | x one H200's need | batches timed |", "|---|---|---|---|"]
+    for name, r in result["loaders"].items():
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / rate['tokens_per_s']:.1f} | "
+                     f"{r['batches']} |")
+    p = result["prepare"]
+    c = result["text_consumed_at_h200_rate"]
+    lines += ["", f"prepare_data ({p['workers']} worker processes): {p['tokens']:,} tokens in {p['seconds']:.1f} s, "
+              f"{p['tokens_per_s']:,.0f} tokens/s.", "",
+              f"Text loader with num_workers={c['num_workers']} consumed at the H200 rate ({c['steps']} steps, "
+              f"the loop sleeping for each batch's share): **{c['data_wait_share']:.2%} of the time waiting for "
+              f"data** ({c['wait_s']:.2f} s)."]
+    if "libraries" in result:
+        lines += ["", "Libraries on the same corpus and tokenizer (same worker count; windows read in a "
+                  "shuffled order; 'layout-independent': 2 ranks of batch 2 read the windows of 1 rank of "
+                  "batch 4):", "", "| library | tokenize s | tokens | read tokens/s | layout-independent |",
+                  "|---|---|---|---|---|"]
+        for name, r in result["libraries"].items():
+            lines.append(f"| {name} | {r.get('prepare_s', float('nan')):.1f} | {r.get('tokens', 0):,} | "
+                         f"{r.get('read_tokens_per_s', float('nan')):,.0f} | {r.get('layout_independent', '-')} |"
+                         + (f" {r['error']}" if "error" in r else ""))
+    return "\n".join(lines) + "\n"
+
+
+def compare_libraries(work: Path, files: list[Path], tokenizer_path: Path, tokenizer, args) -> dict:
+    """This repo's shards against litdata and datatrove, each only when installed."""
+    out = {}
+    workers = args.prepare_workers
+    start = time.perf_counter()
+    shards = work / "shards-again"
+    shutil.rmtree(shards, ignore_errors=True)
+    record = tokenizer_record(tokenizer, "hf", str(tokenizer_path))
+    units = [u for n, p in enumerate(files) for u in file_units(n, p, 64 * 2**20)]
+    index = prepare(shards, units, settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)}),
+                    tokenizer, workers, files=listing(files), progress_bar=False, log=lambda _: None)
+    ours = {"prepare_s": time.perf_counter() - start,
+            "tokens": index["splits"]["train"]["tokens"] + index["splits"]["validation"]["tokens"]}
+    ours["read_tokens_per_s"] = timed(ShardBatches([TokenShards(shards)], [1.0], args.seq_len, 1, 0),
+                                      args.seconds / 2)["tokens_per_s"]
+    one = [tuple(r) for r in next(ShardBatches([TokenShards(shards)], [1.0], 64, 4, 0))[0].tolist()]
+    two = [tuple(r) for rank in (0, 1) for r in next(ShardBatches([TokenShards(shards)], [1.0], 64, 2, 0, rank, 2))[0].tolist()]
+    ours["layout_independent"] = one == two
+    out["this repo (numpy .npy shards)"] = ours
+    for name, run in (("litdata", _litdata), ("datatrove", _datatrove)):
+        try:
+            out[name] = run(work, files, tokenizer_path, tokenizer, workers, args)
+        except ImportError:
+            continue
+        except Exception as e:  # a library's failure is a result, not the end of the benchmark
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _litdata_tokenize(path: str):
+    import torch
+
+    from components.tokenizer import build_tokenizer as build
+    tokenizer = build("hf", os.environ["BENCH_TOKENIZER"])
+    for line in open(path, encoding="utf-8"):
+        ids = tokenizer.encode(json.loads(line)["text"])
+        yield torch.tensor([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=torch.int32)
+
+
+def _litdata(work, files, tokenizer_path, tokenizer, workers, args) -> dict:
+    from litdata import StreamingDataset, TokensLoader, optimize
+    from litdata.utilities.env import _DistributedEnv
+
+    out = work / "litdata"
+    shutil.rmtree(out, ignore_errors=True)
+    os.environ["BENCH_TOKENIZER"] = str(tokenizer_path)
+    start = time.perf_counter()
+    optimize(fn=_litdata_tokenize, inputs=[str(f) for f in files], output_dir=str(out), chunk_bytes="64MB",
+             item_loader=TokensLoader(), num_workers=workers)
+    result = {"prepare_s": time.perf_counter() - start}
+    dataset = StreamingDataset(str(out), item_loader=TokensLoader(block_size=args.seq_len + 1), shuffle=True,
+                               seed=0)
+    result["tokens"] = len(dataset) * (args.seq_len + 1)
+    iterator = iter(dataset)
+    next(iterator)
+    tokens, start = 0, time.perf_counter()
+    while time.perf_counter() - start < args.seconds / 2:
+        tokens += next(iterator).numel()
+    result["read_tokens_per_s"] = tokens / (time.perf_counter() - start)
+    windows = {}
+    for world in (1, 2):
+        windows[world] = []
+        for rank in range(world):
+            data = StreamingDataset(str(out), item_loader=TokensLoader(block_size=65), shuffle=True, seed=0)
+            data.distributed_env = _DistributedEnv(world, rank, 1)
+            it = iter(data)
+            windows[world] += [tuple(next(it).tolist()) for _ in range(4 // world)]
+    result["layout_independent"] = windows[1] == windows[2]
+    return result
+
+
+def _datatrove(work, files, tokenizer_path, tokenizer, workers, args) -> dict:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens import DocumentTokenizer
+    from datatrove.utils.dataset import DatatroveFolderDataset
+
+    out, logs = work / "datatrove", work / "datatrove-logs"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(logs, ignore_errors=True)
+    start = time.perf_counter()
+    LocalPipelineExecutor(pipeline=[JsonlReader(str(files[0].parent)),
+                                    DocumentTokenizer(str(out), tokenizer_name_or_path=str(tokenizer_path),
+                                                      eos_token="<|end_of_text|>", shuffle_documents=False)],
+                          tasks=len(files), workers=workers, logging_dir=str(logs)).run()
+    result = {"prepare_s": time.perf_counter() - start}
+    dataset = DatatroveFolderDataset(str(out), seq_len=args.seq_len, token_size=2 if tokenizer.vocab_size <= 2**16 else 4)
+    order = np.random.default_rng(0).permutation(len(dataset))
+    tokens, count, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < args.seconds / 2:
+        tokens += dataset[int(order[count % len(order)])]["input_ids"].numel()
+        count += 1
+    result["read_tokens_per_s"] = tokens / (time.perf_counter() - start)
+    result["tokens"] = len(dataset) * args.seq_len
+    result["layout_independent"] = "no loader state of its own (a map-style dataset: order and resume come from the sampler)"
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
