@@ -356,8 +356,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                        mixture=[(m.source, m.weight) for m in cfg.data.mixture])
     train_batches = build_data(split="train", **data_kwargs)
     val_batches = build_data(split="validation", **data_kwargs) if cfg.validation.enable else None
-    if hasattr(train_batches, "describe"):
-        log(train_batches.describe())
+    log(train_batches.describe())
     train_iter = iter(train_batches)
     # Every evaluation scores the same held-out batches, so validation losses are comparable.
     val_start = val_batches.state_dict() if val_batches is not None else None
@@ -434,7 +433,9 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()
-    train_batches.close()  # tokenizer workers, if any
+    for batches in (train_batches, val_batches):  # their threads and tokenizer workers
+        if batches is not None:
+            batches.close()
     return exit_code
 
 

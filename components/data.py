@@ -26,7 +26,8 @@ import torch
 
 from components.data_check import MissingTextField, check_files
 from components.document_tokens import Framed, TokenizerPool, frame_inline
-from components.shard_batches import ShardBatches, build_shard_batches
+from components.prefetch import Prefetched
+from components.shard_batches import build_shard_batches
 from components.shards import is_shard_folder
 from components.tokenizer import Tokenizer
 
@@ -225,6 +226,7 @@ class TokenWindows:
         self.dp_world = dp_world
         self.max_token_id = max_token_id
         self.text_field = text_field
+        self.num_workers = num_workers
         self._documents = documents
         if isinstance(documents, datasets.IterableDataset):
             # By example, so document i of the stream goes to rank i % dp_world as without
@@ -443,6 +445,13 @@ class Batches:
             raise ValueError("only synthetic data can be positioned by step under a new layout")
         self.windows._windows = n_batches * self.local_batch_size
 
+    def describe(self) -> str:
+        if isinstance(self.windows, TokenWindows):
+            workers = self.windows.num_workers
+            return ("data: text documents, tokenized " + (f"by {workers} worker processes" if workers
+                                                          else "on the loading thread"))
+        return "data: synthetic tokens"
+
     def close(self) -> None:
         """Stop the tokenizer workers, if any."""
         if isinstance(self.windows, TokenWindows):
@@ -454,10 +463,11 @@ def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, l
                max_token_id: int | None = None, streaming: bool = False, text_field: str = "text",
                val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
                on_bad_document: str = "error", mixture: list[tuple[str, float]] | None = None,
-               num_workers: int = 0) -> Batches | ShardBatches:
+               num_workers: int = 0) -> Batches | Prefetched:
     """Synthetic tokens; token shards (source a folder made by scripts/prepare_data.py, or a
     mixture of such folders: (folder, weight) pairs); or text documents, tokenized by num_workers
-    worker processes (0: on this thread; validation always tokenizes here, it reads little)."""
+    worker processes (0: by the loading thread; validation always is, it reads little). Shards
+    and text are made ahead by a background thread (components/prefetch.py)."""
     if synthetic:
         vocab_size = max_token_id if max_token_id is not None else tokenizer.vocab_size
         # Validation gets its own stream so it never scores the windows it trained on.
@@ -469,12 +479,13 @@ def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, l
             if not is_shard_folder(folder):
                 raise ValueError(f"[[data.mixture]] source {folder!r}: not a token shard folder (a mixture "
                                  f"mixes folders made by scripts/prepare_data.py)")
-        return build_shard_batches(sources=mixture or [(source, 1.0)], split=split, tokenizer=tokenizer,
-                                   seq_len=seq_len, local_batch_size=local_batch_size, seed=seed,
-                                   dp_rank=dp_rank, dp_world=dp_world, max_token_id=max_token_id)
+        return Prefetched(build_shard_batches(
+            sources=mixture or [(source, 1.0)], split=split, tokenizer=tokenizer, seq_len=seq_len,
+            local_batch_size=local_batch_size, seed=seed, dp_rank=dp_rank, dp_world=dp_world,
+            max_token_id=max_token_id))
     documents = load_documents(source, split, text_field=text_field, streaming=streaming,
                                val_every=val_every, cache_dir=cache_dir, on_bad_document=on_bad_document)
     windows = TokenWindows(documents, tokenizer, seq_len, dp_rank=dp_rank, dp_world=dp_world,
                            max_token_id=max_token_id, text_field=text_field,
                            num_workers=num_workers if split == "train" else 0)
-    return Batches(windows, local_batch_size)
+    return Prefetched(Batches(windows, local_batch_size))

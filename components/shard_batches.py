@@ -26,6 +26,7 @@ from components.shards import ShardFormatError, TokenShards, check_tokenizer, re
 logger = logging.getLogger(__name__)
 
 MIXTURE_BLOCK = 4096  # mixture weights are met exactly in every block of this many windows
+PERMUTED_BLOCK = 4096  # a source's permutation is evaluated (and kept) this many windows at a time
 FEISTEL_ROUNDS = 6
 VALIDATION_SEED = 0  # validation reads the same windows whatever [training] seed is
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -146,6 +147,7 @@ class ShardBatches:
             self.windows_per_epoch.append(windows)
         self.mixture = Mixture(weights, seed)
         self._global = 0
+        self._permuted: dict[tuple[int, int, int], np.ndarray] = {}
 
     def __iter__(self) -> "ShardBatches":
         return self
@@ -161,12 +163,30 @@ class ShardBatches:
             picked = np.empty_like(within)
             for epoch in np.unique(epochs):
                 same = epochs == epoch
-                picked[same] = permute(within[same], windows, _keys(self.seed, s, int(epoch)))
+                picked[same] = self._permute(int(s), int(epoch), within[same])
                 if announce and int(epoch) > 0 and (within[same] == 0).any():
                     logger.info("data: %s (%s) starts epoch %d", self.sources[s].folder,
                                 self.sources[s].split, epoch)
             start[here] = picked * self.seq_len
         return source, start
+
+    def _permute(self, source: int, epoch: int, within: np.ndarray) -> np.ndarray:
+        """Epoch `epoch`'s permutation of the source's windows at `within`, computed a block of
+        consecutive positions at a time (the next batches need the next positions)."""
+        blocks, places = np.divmod(within, PERMUTED_BLOCK)
+        out = np.empty_like(within)
+        for block in np.unique(blocks).tolist():
+            key = (source, epoch, block)
+            if key not in self._permuted:
+                if len(self._permuted) >= 4 * len(self.sources):
+                    self._permuted.clear()
+                first = block * PERMUTED_BLOCK
+                positions = np.arange(first, min(first + PERMUTED_BLOCK, self.windows_per_epoch[source]))
+                self._permuted[key] = permute(positions, self.windows_per_epoch[source],
+                                              _keys(self.seed, source, epoch))
+            here = blocks == block
+            out[here] = self._permuted[key][places[here]]
+        return out
 
     def _rank_windows(self, first: int) -> np.ndarray:
         return first + self.dp_rank * self.local_batch_size + np.arange(self.local_batch_size)

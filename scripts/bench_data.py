@@ -36,7 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from components.data import build_data, embedded_corpus  # noqa: E402
-from components.shard_batches import ShardBatches  # noqa: E402
+from components.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
 from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402
                                       tokenizer_record)
 from components.shards import TokenShards  # noqa: E402
@@ -148,15 +148,17 @@ def consuming_at(batches, rate: float, steps: int) -> dict:
     """A loop that takes a batch, then 'trains' on it for batch tokens / rate seconds (sleeping,
     as a GPU-bound trainer's host thread waits): the share of its time spent waiting for data."""
     next(batches)
-    wait = busy = 0.0
+    wait = busy = longest = 0.0
     for _ in range(steps):
         start = time.perf_counter()
         inputs, _ = next(batches)
-        wait += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        wait, longest = wait + waited, max(longest, waited)
         step = inputs.numel() / rate
         time.sleep(step)
         busy += step
-    return {"steps": steps, "rate": rate, "data_wait_share": wait / (wait + busy), "wait_s": wait}
+    return {"steps": steps, "rate": rate, "data_wait_share": wait / (wait + busy), "wait_s": wait,
+            "max_wait_s": longest}
 
 
 def main(argv=None) -> int:
@@ -186,24 +188,30 @@ def main(argv=None) -> int:
     result["prepare"] = {"workers": args.prepare_workers, "seconds": seconds, "tokens": total,
                          "tokens_per_s": total / seconds}
 
-    source = TokenShards(shards)
-    loaders = {"shards": ShardBatches([source], [1.0], args.seq_len, args.batch, seed=0),
-               "shards, mixture of 2": ShardBatches([source, TokenShards(shards)], [0.7, 0.3], args.seq_len,
-                                                    args.batch, seed=0),
-               "shards, rank 3 of 8": ShardBatches([source], [1.0], args.seq_len, args.batch, seed=0,
-                                                   dp_rank=3, dp_world=8)}
-    result["loaders"] = {name: timed(loader, args.seconds) for name, loader in loaders.items()}
-    for workers in [int(w) for w in args.workers.split(",")]:
-        text = build_data(source=str(files[0]), split="train", tokenizer=tokenizer, seq_len=args.seq_len,
+    def shard_loader(**kwargs):
+        options = dict(source=str(shards), split="train", tokenizer=tokenizer, seq_len=args.seq_len,
+                       local_batch_size=args.batch, **kwargs)
+        return build_data(**options)
+
+    def text_loader(workers: int):
+        return build_data(source=str(files[0]), split="train", tokenizer=tokenizer, seq_len=args.seq_len,
                           local_batch_size=args.batch, num_workers=workers, cache_dir=work / "cache")
-        result["loaders"][f"text, num_workers={workers}"] = timed(text, args.seconds, skip=2)
-        text.close()
-    most = max(int(w) for w in args.workers.split(","))
-    text = build_data(source=str(files[0]), split="train", tokenizer=tokenizer, seq_len=args.seq_len,
-                      local_batch_size=args.batch, num_workers=most, cache_dir=work / "cache")
+
+    loaders = {"shards": lambda: shard_loader(),
+               "shards, mixture of 2": lambda: shard_loader(mixture=[(str(shards), 0.7), (str(shards), 0.3)]),
+               "shards, rank 3 of 8": lambda: shard_loader(dp_rank=3, dp_world=8)}
+    workers = [int(w) for w in args.workers.split(",")]
+    loaders.update({f"text, num_workers={w}": (lambda w=w: text_loader(w)) for w in workers})
+    result["loaders"], result["consumed_at_h200_rate"] = {}, {}
     steps = max(20, int(args.seconds * rate["tokens_per_s"] / (args.seq_len * args.batch)))
-    result["text_consumed_at_h200_rate"] = {"num_workers": most, **consuming_at(text, rate["tokens_per_s"], steps)}
-    text.close()
+    for name, make in loaders.items():
+        loader = make()
+        result["loaders"][name] = timed(loader, args.seconds, skip=2)
+        loader.close()
+        if name in ("shards", f"text, num_workers={max(workers)}"):
+            loader = make()
+            result["consumed_at_h200_rate"][name] = consuming_at(loader, rate["tokens_per_s"], steps)
+            loader.close()
     if args.compare_libraries:
         result["libraries"] = compare_libraries(work, files, tokenizer_path, tokenizer, args)
 
@@ -238,12 +246,14 @@ def report(meta: dict, result: dict, args) -> str:
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / rate['tokens_per_s']:.1f} | "
                      f"{r['batches']} |")
     p = result["prepare"]
-    c = result["text_consumed_at_h200_rate"]
     lines += ["", f"prepare_data ({p['workers']} worker processes): {p['tokens']:,} tokens in {p['seconds']:.1f} s, "
               f"{p['tokens_per_s']:,.0f} tokens/s.", "",
-              f"Text loader with num_workers={c['num_workers']} consumed at the H200 rate ({c['steps']} steps, "
-              f"the loop sleeping for each batch's share): **{c['data_wait_share']:.2%} of the time waiting for "
-              f"data** ({c['wait_s']:.2f} s)."]
+              "A loop taking batches at the H200's rate (sleeping for each batch's share of a step, as a "
+              "GPU-bound trainer's host thread waits), the share of its time spent waiting for data "
+              "(what train.py logs as data_wait):", "", "| loader | steps | waiting | wait, max per step |",
+              "|---|---|---|---|"]
+    for name, c in result["consumed_at_h200_rate"].items():
+        lines.append(f"| {name} | {c['steps']} | **{c['data_wait_share']:.3%}** | {c['max_wait_s'] * 1e3:.2f} ms |")
     if "libraries" in result:
         lines += ["", "Libraries on the same corpus and tokenizer (same worker count; windows read in a "
                   "shuffled order; 'layout-independent': 2 ranks of batch 2 read the windows of 1 rank of "

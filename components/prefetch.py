@@ -1,0 +1,87 @@
+"""Batches made ahead by a background thread, so the training loop only takes a finished one.
+
+The copies that build a batch run in numpy and torch without the GIL, and so does the Hugging
+Face tokenizer: the thread works while the training thread launches kernels or waits for the
+GPU. The state is the one after the last batch the loop took, so a checkpoint resumes where
+training is, not where the thread has got to."""
+
+import queue
+import threading
+import weakref
+
+_DONE = object()  # what the thread sends instead of a batch when it failed: (_DONE, the error)
+
+
+class Prefetched:
+    def __init__(self, batches, depth: int = 2):
+        self.batches = batches
+        self.depth = depth
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue | None = None
+        self._state = batches.state_dict()
+
+    def __iter__(self) -> "Prefetched":
+        return self
+
+    def __next__(self):
+        if self._thread is None:
+            self._start()
+        batch, state = self._queue.get()
+        if batch is _DONE:
+            self._thread = None
+            raise state
+        self._state = state
+        return batch
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(self.depth)
+        # The thread holds the batches, not this object: once this object is gone, it stops.
+        self._thread = threading.Thread(target=_produce, args=(self.batches, self._queue, self._stop),
+                                        name="data-prefetch", daemon=True)
+        weakref.finalize(self, self._stop.set)
+        self._thread.start()
+
+    def _halt(self) -> None:
+        """Stop the thread and drop what it made: the batches are made again from the state."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._halt()
+        self.batches.load_state_dict(state)
+        self._state = self.batches.state_dict()
+
+    def resume_at_batch(self, n_batches: int) -> None:
+        self._halt()
+        self.batches.resume_at_batch(n_batches)
+        self._state = self.batches.state_dict()
+
+    def describe(self) -> str:
+        return self.batches.describe()
+
+    def close(self) -> None:
+        self._halt()
+        self.batches.close()
+
+
+def _produce(batches, out: queue.Queue, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            item = (next(batches), batches.state_dict())
+        except BaseException as e:  # raised in the training thread by __next__
+            item = (_DONE, e)
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        if item[0] is _DONE:
+            return
