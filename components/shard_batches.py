@@ -98,7 +98,10 @@ class Mixture:
 
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For global windows g: their sources, and their numbers among their sources' windows."""
-        blocks, places = np.divmod(np.asarray(g, dtype=np.int64), MIXTURE_BLOCK)
+        g = np.asarray(g, dtype=np.int64)
+        if len(self.quotas) == 1:
+            return np.zeros_like(g), g
+        blocks, places = np.divmod(g, MIXTURE_BLOCK)
         source = np.empty(blocks.shape, dtype=np.int64)
         number = np.empty(blocks.shape, dtype=np.int64)
         for block in np.unique(blocks):

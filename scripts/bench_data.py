@@ -256,11 +256,14 @@ def report(meta: dict, result: dict, args) -> str:
         lines.append(f"| {name} | {c['steps']} | **{c['data_wait_share']:.3%}** | {c['max_wait_s'] * 1e3:.2f} ms |")
     if "libraries" in result:
         lines += ["", "Libraries on the same corpus and tokenizer (same worker count; windows read in a "
-                  "shuffled order; 'layout-independent': 2 ranks of batch 2 read the windows of 1 rank of "
-                  "batch 4):", "", "| library | tokenize s | tokens | read tokens/s | layout-independent |",
-                  "|---|---|---|---|---|"]
+                  "shuffled order (this repo: batches of --batch windows; the others one window at a time; "
+                  "`datasets`: a slice of its memory-mapped values, no loader); 'layout-independent': 2 ranks of batch 2 read the windows "
+                  "of 1 rank of batch 4):", "",
+                  "| library | tokenize s | tokens | token bytes on disk | read tokens/s | layout-independent |",
+                  "|---|---|---|---|---|---|"]
         for name, r in result["libraries"].items():
-            lines.append(f"| {name} | {r.get('prepare_s', float('nan')):.1f} | {r.get('tokens', 0):,} | "
+            size = f"{r['bytes_on_disk'] / 2**20:.1f} MiB" if "bytes_on_disk" in r else "-"
+            lines.append(f"| {name} | {r.get('prepare_s', float('nan')):.1f} | {r.get('tokens', 0):,} | {size} | "
                          f"{r.get('read_tokens_per_s', float('nan')):,.0f} | {r.get('layout_independent', '-')} |"
                          + (f" {r['error']}" if "error" in r else ""))
     return "\n".join(lines) + "\n"
@@ -279,13 +282,14 @@ def compare_libraries(work: Path, files: list[Path], tokenizer_path: Path, token
                     tokenizer, workers, files=listing(files), progress_bar=False, log=lambda _: None)
     ours = {"prepare_s": time.perf_counter() - start,
             "tokens": index["splits"]["train"]["tokens"] + index["splits"]["validation"]["tokens"]}
-    ours["read_tokens_per_s"] = timed(ShardBatches([TokenShards(shards)], [1.0], args.seq_len, 1, 0),
+    ours["read_tokens_per_s"] = timed(ShardBatches([TokenShards(shards)], [1.0], args.seq_len, args.batch, 0),
                                       args.seconds / 2)["tokens_per_s"]
     one = [tuple(r) for r in next(ShardBatches([TokenShards(shards)], [1.0], 64, 4, 0))[0].tolist()]
     two = [tuple(r) for rank in (0, 1) for r in next(ShardBatches([TokenShards(shards)], [1.0], 64, 2, 0, rank, 2))[0].tolist()]
     ours["layout_independent"] = one == two
     out["this repo (numpy .npy shards)"] = ours
-    for name, run in (("litdata", _litdata), ("datatrove", _datatrove)):
+    ours["bytes_on_disk"] = sum(f.stat().st_size for f in shards.rglob("*.npy"))
+    for name, run in (("datasets (Arrow, map)", _datasets_arrow), ("litdata", _litdata), ("datatrove", _datatrove)):
         try:
             out[name] = run(work, files, tokenizer_path, tokenizer, workers, args)
         except ImportError:
@@ -293,6 +297,40 @@ def compare_libraries(work: Path, files: list[Path], tokenizer_path: Path, token
         except Exception as e:  # a library's failure is a result, not the end of the benchmark
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+def _datasets_tokenize(batch: dict) -> dict:
+    from components.tokenizer import build_tokenizer as build
+    tokenizer = build("hf", os.environ["BENCH_TOKENIZER"])
+    return {"ids": [[tokenizer.bos_id, *ids, tokenizer.eos_id] for ids in tokenizer.encode_batch(batch["text"])]}
+
+
+def _datasets_arrow(work, files, tokenizer_path, tokenizer, workers, args) -> dict:
+    """`datasets`' own route: map() over the documents into Arrow files of token lists."""
+    import datasets
+
+    cache = work / "datasets-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    os.environ["BENCH_TOKENIZER"] = str(tokenizer_path)
+    start = time.perf_counter()
+    documents = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train",
+                                      cache_dir=str(cache))
+    tokenized = documents.map(_datasets_tokenize, batched=True, num_proc=workers, remove_columns=["text"])
+    result = {"prepare_s": time.perf_counter() - start}
+    column = tokenized.data.column("ids")
+    result["tokens"] = int(sum(len(chunk.values) for chunk in column.chunks))
+    values = np.frombuffer(column.chunks[0].values.buffers()[1], dtype=np.int32)  # zero-copy, memory-mapped
+    order = np.random.default_rng(0).integers(0, max(1, values.size - args.seq_len - 1), 10**6)
+    tokens, count, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < args.seconds / 2:
+        window = values[order[count]:order[count] + args.seq_len + 1].astype(np.int64)
+        tokens += window.size
+        count += 1
+    result["read_tokens_per_s"] = tokens / (time.perf_counter() - start)
+    result["bytes_on_disk"] = sum(f.stat().st_size for f in cache.rglob("*.arrow")
+                                  if "cache-" in f.name)
+    result["layout_independent"] = "no loader: windows, order, ranks and resume would be this repo's code"
+    return result
 
 
 def _litdata_tokenize(path: str):
@@ -313,8 +351,8 @@ def _litdata(work, files, tokenizer_path, tokenizer, workers, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     os.environ["BENCH_TOKENIZER"] = str(tokenizer_path)
     start = time.perf_counter()
-    optimize(fn=_litdata_tokenize, inputs=[str(f) for f in files], output_dir=str(out), chunk_bytes="64MB",
-             item_loader=TokensLoader(), num_workers=workers)
+    optimize(fn=_litdata_tokenize, inputs=[str(f) for f in files], output_dir=str(out),
+             chunk_size=(args.seq_len + 1) * 256, item_loader=TokensLoader(), num_workers=workers)
     result = {"prepare_s": time.perf_counter() - start}
     dataset = StreamingDataset(str(out), item_loader=TokensLoader(block_size=args.seq_len + 1), shuffle=True,
                                seed=0)
