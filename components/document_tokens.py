@@ -7,9 +7,12 @@ single-threaded tokenizer; several run side by side."""
 
 import multiprocessing
 import os
+import signal
 import sys
 import weakref
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Iterator
 
 import numpy as np
@@ -49,6 +52,11 @@ _worker: dict = {}
 
 
 def _start_worker(tokenizer, documents, text_field: str, max_token_id: int | None) -> None:
+    # The trainer decides when to stop (Ctrl-C, SLURM's USR1 warning) and ends its workers then;
+    # a forked worker would otherwise run the trainer's own handlers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; the workers are the parallelism
     _worker.update(tokenizer=tokenizer, documents=documents, text_field=text_field,
                    max_token_id=max_token_id)
@@ -68,35 +76,46 @@ def _frame_task(first_document: int, rows: list[int] | None, texts: list | None)
                        _worker["text_field"])
 
 
+def worker_context() -> multiprocessing.context.BaseContext:
+    return multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+
+
 class TokenizerPool:
     """num_workers processes framing batches of documents, given as texts or, for a map-style
     `datasets.Dataset` (memory-mapped, so each worker opens it cheaply), as row numbers. Results
-    come back in the order submitted; up to `ahead` batches are in flight."""
+    come back in the order submitted; up to `ahead` batches are in flight. A worker that dies
+    (killed, out of memory) is an error, not a wait that never ends."""
 
     def __init__(self, tokenizer, num_workers: int, documents=None, text_field: str = "text",
                  max_token_id: int | None = None, ahead: int | None = None):
-        context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        self._pool = context.Pool(num_workers, initializer=_start_worker,
-                                  initargs=(tokenizer, documents, text_field, max_token_id))
+        self._executor = ProcessPoolExecutor(num_workers, mp_context=worker_context(), initializer=_start_worker,
+                                             initargs=(tokenizer, documents, text_field, max_token_id))
+        self._executor.submit(int).result()  # the workers start now, from this thread
         self.ahead = ahead or 4 * num_workers
-        # Terminated with this object, not at interpreter exit: a trainer may end with os._exit.
-        self._finalizer = weakref.finalize(self, self._pool.terminate)
+        # Shut down with this object (a trainer may end with os._exit, skipping atexit).
+        self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
 
     def map(self, tasks: Iterator[tuple]) -> Iterator[tuple]:
         """For each (key, first_document, rows, texts) task, (key, framed), in order; the tasks
         are drawn only as far as `ahead` batches beyond what has been consumed."""
         pending = deque()
-        for key, first_document, rows, texts in tasks:
-            pending.append((key, self._pool.apply_async(_frame_task, (first_document, rows, texts))))
-            if len(pending) >= self.ahead:
-                key, result = pending.popleft()
-                yield key, result.get()
-        while pending:
-            key, result = pending.popleft()
-            yield key, result.get()
+        try:
+            for key, first_document, rows, texts in tasks:
+                pending.append((key, self._executor.submit(_frame_task, first_document, rows, texts)))
+                if len(pending) >= self.ahead:
+                    key, future = pending.popleft()
+                    yield key, future.result()
+            while pending:
+                key, future = pending.popleft()
+                yield key, future.result()
+        except BrokenProcessPool as e:
+            raise RuntimeError("a tokenizer worker process died (killed, or out of memory?); [data] "
+                               "num_workers = 0 tokenizes without workers") from e
 
     def close(self) -> None:
-        self._finalizer()
+        """Cancel what is queued, let each worker finish its batch, and end them."""
+        self._finalizer.detach()
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 def frame_inline(tokenizer, tasks: Iterator[tuple], documents=None, text_field: str = "text",

@@ -14,11 +14,12 @@ import contextlib
 import glob
 import hashlib
 import json
-import multiprocessing
 import os
 import signal
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
@@ -26,7 +27,7 @@ from typing import Iterator
 import numpy as np
 
 from components.data_check import NAMED, BadDocumentError, MissingTextField, read_documents
-from components.document_tokens import frame_texts
+from components.document_tokens import frame_texts, worker_context
 from components.shards import (FORMAT, INDEX, PLAN, SPLITS, VERSION, ShardFormatError, ShardWriter,
                                token_dtype)
 
@@ -379,7 +380,7 @@ def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: in
 
 def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, dataset,
          progress_bar: bool) -> None:
-    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    context = worker_context()
     progress, tokens = context.Value("q", 0), context.Value("q", 0)
     _job.update(out=out, settings=settings, tokenizer=tokenizer, dataset=dataset, progress=progress,
                 progress_tokens=tokens)
@@ -391,14 +392,18 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
         bar = tqdm(total=sum(u.size for u in todo) or None, unit="B",  # None: streamed, size unknown unit_scale=True, unit_divisor=1024,
                    desc="tokenizing", dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
     started = time.time()
-    with context.Pool(min(workers, len(todo))) as pool:
-        pending = [pool.apply_async(prepare_unit, (u,)) for u in todo]
+    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=context) as pool:
+        pending = {pool.submit(prepare_unit, u) for u in todo}
         try:
             while pending:
-                time.sleep(0.2)
-                for result in [r for r in pending if r.ready()]:
-                    pending.remove(result)
-                    result.get()  # a worker's error is raised here
+                finished, pending = wait(pending, timeout=0.2)
+                for future in finished:
+                    try:
+                        future.result()  # a worker's error is raised here
+                    except BrokenProcessPool as e:
+                        raise PrepareError("a worker process died (killed, or out of memory?); the same "
+                                           "command resumes (fewer --workers or a smaller --unit-mb need "
+                                           "less memory)") from e
                 if bar is not None:
                     bar.set_postfix_str(f"{tokens.value / max(time.time() - started, 1e-9):,.0f} tokens/s",
                                         refresh=False)
@@ -406,7 +411,8 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
         finally:
             if bar is not None:
                 bar.close()
-            pool.terminate()
+            for future in pending:
+                future.cancel()
 
 
 def write_index(out: Path, units: list[Unit], settings: dict) -> dict:

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -490,4 +491,21 @@ def test_errors_in_tokenizer_workers_reach_the_training_loop():
                            num_workers=1)
     with pytest.raises(ValueError, match=r"document 0: token id 256 .* vocab size 200"):
         next(windows)
+    windows.close()
+
+
+def test_a_tokenizer_worker_that_dies_is_an_error_not_a_hang(rng, monkeypatch):
+    monkeypatch.setattr(data, "DOCUMENTS_PER_TASK", 2)
+    children = set(multiprocessing.active_children())
+    windows = TokenWindows(datasets.Dataset.from_dict({"text": random_texts(rng, 200)}), BYTE, 8, num_workers=1)
+    next(windows)
+    (worker,) = set(multiprocessing.active_children()) - children
+    os.kill(worker.pid, signal.SIGKILL)
+    signal.alarm(120)  # a hang fails the test instead of the whole run
+    try:
+        with pytest.raises(RuntimeError, match="a tokenizer worker process died"):
+            for _ in range(2000):
+                next(windows)
+    finally:
+        signal.alarm(0)
     windows.close()
