@@ -204,7 +204,7 @@ class TokenWindows:
     documents run out a new epoch goes over them again in the same order.
 
     Documents are tokenized DOCUMENTS_PER_TASK at a time: on the calling thread, or with
-    num_workers > 0 in that many worker processes running ahead (the training thread then only
+    num_workers > 0 in that many worker processes running ahead (the calling thread then only
     cuts windows). Either way the windows are the same.
 
     The state is the position of the next unread token (epoch, document within this rank's share, token

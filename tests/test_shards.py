@@ -84,10 +84,14 @@ def test_global_batches_do_not_depend_on_the_data_parallel_layout(tmp_path, rng)
     for sources, weights in (([folders[0]], None), (folders, [0.5, 0.3, 0.2])):
         layouts = {world: [batches(sources, 8, 4 // world, seed, r, world, weights) for r in range(world)]
                    for world in (1, 2, 4)}
-        for _ in range(20):
+        first_epoch = min(layouts[1][0].windows_per_epoch) // 4  # steps before any source repeats
+        read = []
+        for step in range(20):
             steps = {world: [w for ranks in [next(b) for b in group] for w in windows_of(*ranks)]
                      for world, group in layouts.items()}
             assert steps[1] == steps[2] == steps[4]
+            read += steps[4] if step < first_epoch else []
+        assert len(set(read)) == len(read), "no window twice within an epoch, on any rank"
 
 
 def test_resume_continues_exactly_from_any_rank_and_layout(tmp_path, rng):
