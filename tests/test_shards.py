@@ -94,27 +94,31 @@ def test_global_batches_do_not_depend_on_the_data_parallel_layout(tmp_path, rng)
         assert len(set(read)) == len(read), "no window twice within an epoch, on any rank"
 
 
-def test_resume_continues_exactly_from_any_rank_and_layout(tmp_path, rng):
+@pytest.mark.parametrize("mixed", [False, True], ids=["one source", "mixture"])
+def test_resume_continues_exactly_from_any_rank_and_layout(tmp_path, rng, mixed):
     generator = np.random.default_rng(rng.randrange(2**31))
-    folder, stream = stream_shards(tmp_path / "s", generator, [rng.randint(20, 60) for _ in range(3)])
+    folders = [stream_shards(tmp_path / n, generator, [rng.randint(20, 60) for _ in range(3)])[0]
+               for n in ("a", "b")[:1 + mixed]]
+    weights = [0.8, 0.2][:len(folders)]
     seq_len = 5  # a few windows per epoch: the run crosses epochs
-    reference = [batches([folder], seq_len, 2, 7, r, 2) for r in (0, 1)]
+    make = lambda batch, rank=0, world=1: batches(folders, seq_len, batch, 7, rank, world, weights)  # noqa: E731
+    reference = [make(2, r, 2) for r in (0, 1)]
     states, steps = [], []
     for _ in range(30):
         buffer = io.BytesIO()  # the checkpoint's rank files: plain data through torch.save / load
         torch.save(reference[1].state_dict(), buffer)
         states.append(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
         steps.append([w for b in reference for w in windows_of(*next(b))])
-    assert states[-1]["global_windows"] > 2 * reference[0].windows_per_epoch[0]
+    assert states[-1]["global_windows"] > 2 * max(reference[0].windows_per_epoch)
     for k in rng.sample(range(len(states) - 3), 5):
-        resumed = batches([folder], seq_len, 2, 7, 0, 2)
+        resumed = make(2, 0, 2)
         resumed.load_state_dict(states[k])  # rank 1's state resumes rank 0: the state is global
-        one = batches([folder], seq_len, 4, 7)  # and one rank of the same global batch
+        one = make(4)  # and one rank of the same global batch
         one.load_state_dict(json.loads(json.dumps(states[k])))
         for n in range(k, k + 3):
             assert windows_of(*next(resumed)) == steps[n][:2]
             assert windows_of(*next(one)) == steps[n]
-    positioned = batches([folder], seq_len, 2, 7, 1, 2)
+    positioned = make(2, 1, 2)
     positioned.resume_at_batch(4)  # a rank without a state of its own (the world grew)
     assert windows_of(*next(positioned)) == steps[4][2:]
 
