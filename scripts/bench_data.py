@@ -215,6 +215,7 @@ def main(argv=None) -> int:
     if args.compare_libraries:
         result["libraries"] = compare_libraries(work, files, tokenizer_path, tokenizer, args)
 
+    meta["load_average_end"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "result": result}, indent=1))
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
 def report(meta: dict, result: dict, args) -> str:
     rate = result["h200_llama_150m"]
     lines = [f"CPU: {meta['cpu']} ({meta['cpus_usable']} usable, load average {meta['load_average'][0]:.1f} "
-             f"at the start) · Python {meta['python']} · torch {meta.get('torch')} · numpy {meta.get('numpy')} · "
+             f"at the start, {meta['load_average_end'][0]:.1f} at the end) · Python {meta['python']} · torch {meta.get('torch')} · numpy {meta.get('numpy')} · "
              f"tokenizers {meta.get('tokenizers')} · datasets {meta.get('datasets')}"
              + "".join(f" · {n} {meta[n]}" for n in ("litdata", "datatrove") if n in meta)
              + f" · {meta['date']} · "
