@@ -1,5 +1,11 @@
-"""Tokenizers: a built-in byte tokenizer (needs no files) and a wrapper for a Hugging Face tokenizer.json."""
+"""Tokenizers: a built-in byte tokenizer (needs no files) and a wrapper for a Hugging Face tokenizer.json.
 
+Each also says how many UTF-8 bytes every id stands for (`byte_lengths()`), for bits per byte.
+"""
+
+import functools
+import json
+import re
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -22,6 +28,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def byte_lengths(self) -> list[int]: ...
+
 
 class ByteTokenizer:
     """The UTF-8 bytes of the text are the ids, so any text round-trips and no file is needed."""
@@ -37,6 +45,10 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         # A window may cut a multi-byte character in half; "replace" keeps decoding such slices usable.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def byte_lengths(self) -> list[int]:
+        """Bytes per id: 1 for each byte, 0 for bos, eos and pad."""
+        return [1] * 256 + [0] * (self.vocab_size - 256)
 
 
 class HFTokenizer:
@@ -67,6 +79,89 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    def byte_lengths(self) -> list[int]:
+        """UTF-8 bytes per id in decoded text (0 for special tokens, which decode() drops).
+
+        Byte-level BPE (GPT-2, Llama 3; a ByteLevel decoder): each character of a token stands
+        for one byte (GPT-2's byte-to-character map), so the lengths of any id sequence add up
+        to exactly the bytes it decodes to, also where a token holds part of a character.
+        SentencePiece-style tokenizers (Metaspace or a "▁" -> " " Replace, <0xNN> byte
+        fallback): "▁" counts as the space it decodes to and <0xNN> as one byte; decoding drops
+        the space such a tokenizer puts before a text's first word, so their sum over a text
+        that does not start with a space is its byte length + 1. Other decoders: the token's
+        own UTF-8 length."""
+        spec = json.loads(self._tokenizer.to_str()).get("decoder")
+        decoders = _decoder_specs(spec)
+        kinds = {d.get("type") for d in decoders}
+        replacements = [(d["replacement"], " ") for d in decoders if d.get("type") == "Metaspace"]
+        replacements += [(d["pattern"]["String"], d["content"]) for d in decoders
+                         if d.get("type") == "Replace" and "String" in d.get("pattern", {})]
+        specials = {i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                    if token.special}
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        lengths = []
+        for i in range(self.vocab_size):
+            token = self._tokenizer.id_to_token(i)
+            if token is None or i in specials:
+                lengths.append(0)
+            elif "ByteLevel" in kinds and all(c in byte_of for c in token):
+                lengths.append(len(token))
+            elif "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+                lengths.append(1)
+            else:  # also what the ByteLevel decoder does with a token outside its alphabet
+                for old, new in replacements:
+                    token = token.replace(old, new)
+                lengths.append(len(token.encode("utf-8")))
+        return lengths
+
+
+def _decoder_specs(spec: dict | None) -> list[dict]:
+    """A tokenizer.json decoder and, for a Sequence, the decoders in it."""
+    if not spec:
+        return []
+    if spec.get("type") == "Sequence":
+        return [d for inner in spec.get("decoders", []) for d in _decoder_specs(inner)]
+    return [spec]
+
+
+@functools.cache
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 byte values to printable characters, the alphabet in which
+    byte-level BPE vocabularies are written (tokenizers' ByteLevel uses the same map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return dict(sorted(chars.items()))
+
+
+BYTE_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")  # ids 256, 257, 258
+
+
+def byte_tokenizer_json() -> str:
+    """The byte tokenizer as a tokenizer.json (for an exported Hugging Face folder): the same ids
+    for any text, bos/eos/pad at 256/257/258 under Llama 3's names (so HFTokenizer finds them),
+    and a post-processor that puts bos first when asked for special tokens, as training framed
+    every document. Byte-level BPE without merges: each byte is its own token. (A text that
+    holds one of those names literally gets its special id, as Hugging Face tokenizers do;
+    ByteTokenizer encodes it as bytes.)"""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+
+    vocab = {c: b for b, c in _bytes_to_unicode().items()}
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in BYTE_SPECIAL_TOKENS])
+    bos = BYTE_SPECIAL_TOKENS[0]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ByteTokenizer.bos_id)])
+    return tokenizer.to_str()
 
 
 def build_tokenizer(name: str, path: str | None = None, bos_token: str | None = None,
