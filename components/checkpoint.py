@@ -2,7 +2,9 @@
 
 <dump_folder>/<folder>/step-<N>/ holds the model and optimizer (DCP, any parallel layout can
 load them), `train_state.json` (step, tokens seen, lr schedule), `rank-<r>.pt` per rank (data
-iterator position and RNG states) and the resolved `config.toml`.
+iterator position and RNG states) and the resolved `config.toml`. A run with no checkpoint of
+its own can start from `initial_load_path`'s model weights: a DCP step folder, or a Hugging Face
+LlamaForCausalLM folder (safetensors, read through the reader the trainer passes in).
 
 Nothing is lost to a kill at any point:
 - a save is written to `step-<N>.tmp/` and renamed to `step-<N>/` by rank 0 as soon as DCP
@@ -34,7 +36,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -126,8 +128,12 @@ def check_model_shapes(path: Path, model_sd: dict) -> None:
 
 class Checkpointer:
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model, optimizer, scheduler, data,
-                 batches_per_step: int, rank: int, config_toml: str):
+                 batches_per_step: int, rank: int, config_toml: str,
+                 read_hf_folder: Optional[Callable[[Path], dict]] = None):
+        """read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
+        named as in get_model_state_dict(model); the trainer passes models/hf.py's reader."""
         self.cfg = cfg
+        self.read_hf_folder = read_hf_folder
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
         self.batches_per_step = batches_per_step
@@ -300,10 +306,36 @@ class Checkpointer:
                               "from the start")
 
     def _load_model_only(self, path: Path) -> None:
+        if (path / "config.json").is_file() and not (path / ".metadata").is_file() \
+                and self.read_hf_folder is not None:
+            return self._load_hf_folder(path)
         if not (path / ".metadata").is_file():
-            raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: not a DCP checkpoint "
-                                    "folder (no .metadata)")
+            raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: neither a DCP "
+                                    "checkpoint folder (no .metadata) nor a Hugging Face model "
+                                    "folder (no config.json)")
         model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
         dcp.load({"model": model_sd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
+
+    def _load_hf_folder(self, path: Path) -> None:
+        """Rank 0 alone reads the folder into full CPU tensors (a shared filesystem is read
+        once, and one copy is held per node at most); set_model_state_dict broadcasts them one
+        at a time and each rank keeps its own shard of every parameter, whatever the layout
+        (FSDP, TP, both). The other ranks learn of a failed read from rank 0, with its error,
+        instead of waiting in the broadcast."""
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        full, error = {}, None
+        if self.rank == 0 or not distributed:
+            try:
+                full = self.read_hf_folder(path)
+            except (OSError, ValueError) as e:
+                error = f"[checkpoint] initial_load_path = {path}: {e}"
+        if distributed:
+            message = [error]
+            dist.broadcast_object_list(message, src=0)
+            error = message[0]
+        if error is not None:
+            raise ValueError(error)
+        set_model_state_dict(self.model, full, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=distributed, strict=True))
