@@ -25,12 +25,13 @@ from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
-from components.metrics import MetricsLogger, StepMeter, peak_flops
+from components.metrics import MetricsLogger, StepMeter, bits_per_byte, peak_flops
 from components.optim import (build_lr_schedule, build_optimizer, hyperparameters,
                               restore_hyperparameters)
 from components.profiling import maybe_profile
 from components.tokenizer import build_tokenizer
 from models import FLAVORS, Llama, flops_per_token
+from models.hf import load_hf_weights
 from models.sdpa import set_sdpa_backend
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
@@ -144,20 +145,30 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def evaluate(model, batches, steps: int, device) -> float:
-    """Mean token loss over `steps` held-out batches (all ranks)."""
+def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | None = None) -> dict:
+    """val_loss: the mean cross-entropy per token over `steps` held-out batches (all ranks;
+    without label smoothing or z-loss), and val_bpb when token_bytes (UTF-8 bytes per token
+    id, on the CPU) is given: the same summed losses / (ln 2 x the bytes the target tokens
+    decode to). Bytes are counted on the CPU from the labels, so nothing waits for the device."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
+    n_bytes = 0
     one = torch.ones((), device=device)
-    with torch.no_grad():
+    with torch.no_grad(), model.loss.cross_entropy_only():
         for _ in range(steps):
             inputs, labels = next(batches)
+            if token_bytes is not None:
+                n_bytes += int(token_bytes[labels[labels != IGNORE_INDEX]].sum())
             labels = labels.to(device)
             total[0] += model(inputs.to(device), labels, one).double()
             total[1] += (labels != IGNORE_INDEX).sum()
     model.train()
-    total = all_reduce_sum(total)
-    return (total[0] / total[1].clamp(min=1)).item()
+    total = torch.cat([total, torch.tensor([n_bytes], dtype=torch.float64, device=device)])
+    nats, tokens, n_bytes = all_reduce_sum(total).tolist()
+    metrics = {"val_loss": nats / max(tokens, 1)}
+    if token_bytes is not None and n_bytes > 0:
+        metrics["val_bpb"] = bits_per_byte(nats, n_bytes)
+    return metrics
 
 
 def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: int, device,
@@ -358,10 +369,16 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     train_iter = iter(train_batches)
     # Every evaluation scores the same held-out batches, so validation losses are comparable.
     val_start = val_batches.state_dict() if val_batches is not None else None
+    # UTF-8 bytes per token id for bits per byte (ids past the tokenizer's: padding, 0 bytes)
+    token_bytes = None
+    if val_batches is not None and not cfg.data.synthetic:
+        lengths = tokenizer.byte_lengths()
+        token_bytes = torch.tensor(lengths + [0] * (args.vocab_size - len(lengths)))
 
     accum = cfg.training.gradient_accumulation_steps
     ckpt = Checkpointer(cfg.checkpoint, dump, model, optimizer, scheduler, train_batches, accum,
-                        rank, to_toml(cfg))
+                        rank, to_toml(cfg), read_hf_folder=lambda folder: {
+                            f"model.{k}": v for k, v in load_hf_weights(folder, args).items()})
     start_step, tokens_seen = 1, 0
     if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
         configured = hyperparameters(optimizer)
@@ -426,8 +443,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 break
             if val_batches is not None and (step % cfg.validation.freq == 0 or last):
                 val_batches.load_state_dict(val_start)
-                metrics.log(step, {"val_loss": evaluate(model, val_batches, cfg.validation.steps,
-                                                        device)})
+                metrics.log(step, evaluate(model, val_batches, cfg.validation.steps, device,
+                                           token_bytes))
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()

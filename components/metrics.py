@@ -38,12 +38,22 @@ WANDB_MODES = ("offline", "online", "disabled")
 PRINTED_METRICS = (
     ("loss", "loss", "{:.4f}"),
     ("val_loss", "val_loss", "{:.4f}"),
+    ("val_bpb", "val_bpb", "{:.4f}"),
     ("grad_norm", "grad_norm", "{:.3g}"),
     ("lr", "lr", "{:.1e}"),
     ("tokens_per_second", "tok/s", "{:,.0f}"),
     ("mfu_percent", "mfu", "{:.1f}%"),
     ("memory_max_reserved_gib", "mem", "{:.1f} GiB"),
 )
+
+
+def bits_per_byte(nats: float, n_bytes: float) -> float:
+    """Cross-entropy per UTF-8 byte of the text, in bits: the summed token losses (nats) over
+    ln 2 x the bytes the target tokens decode to. Unlike a loss per token it does not depend on
+    the tokenizer, so runs with different tokenizers compare."""
+    if n_bytes <= 0:
+        raise ValueError(f"bits_per_byte: {n_bytes} bytes (the targets decode to no text)")
+    return nats / (math.log(2) * n_bytes)
 
 
 def peak_flops_for_name(device_name: str) -> float | None:

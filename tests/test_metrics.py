@@ -1,6 +1,7 @@
 """MetricsLogger's outputs (jsonl, stdout, offline wandb, TensorBoard), StepMeter, FLOP counts."""
 
 import json
+import math
 import re
 import sys
 import time
@@ -9,7 +10,8 @@ import pytest
 import torch
 import wandb
 
-from components.metrics import MetricsLogger, StepMeter, peak_flops, peak_flops_for_name
+from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, peak_flops,
+                                peak_flops_for_name)
 
 FULL_STEP_METRICS = {"loss": 3.45123, "grad_norm": 1.234, "lr": 3e-4, "tokens_per_second": 12345.4,
                      "mfu_percent": 41.23, "memory_max_reserved_gib": 10.24}
@@ -145,3 +147,19 @@ def test_peak_flops():
     assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops_for_name("NVIDIA H100 PCIe") == 756e12  # the longer key wins
     assert peak_flops_for_name("NVIDIA GeForce RTX 4090") is None
+
+
+def test_validation_line_and_bits_per_byte(tmp_path, capsys):
+    # 2.0 nats per token over tokens of 4 bytes each: 2 / (4 ln 2) bits per byte
+    assert bits_per_byte(2.0 * 100, 400) == pytest.approx(2.0 / (4 * math.log(2)))
+    with pytest.raises(ValueError, match="0 bytes"):
+        bits_per_byte(1.0, 0)
+    with MetricsLogger(tmp_path, rank=0, total_steps=100, tensorboard_enable=True) as logger:
+        logger.log(50, {"val_loss": 2.5, "val_bpb": 0.90123})
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "step 50/100 | val_loss 2.5000 | val_bpb 0.9012"
+    assert _read_jsonl(tmp_path / "metrics.jsonl")[0]["val_bpb"] == 0.90123
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val_bpb")] == [50]

@@ -1,11 +1,14 @@
-"""The byte tokenizer and a real tokenizer.json, trained here, round-trip text and find their specials."""
+"""The byte tokenizer and a real tokenizer.json, trained here, round-trip text and find their specials;
+the bytes each id stands for add up to the decoded text's (bits per byte); the byte tokenizer as a
+tokenizer.json encodes alike."""
 
+import json
 import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, byte_tokenizer_json
 
 ALPHABET = "abcdefghij klmnop\nqrstuvwxyz ABC 0123456789 .,;:!? éüßñ ÆØ Ωπ 漢字かな 🙂🚀"
 
@@ -112,3 +115,91 @@ def test_build_tokenizer_rejects_unknown_names_and_a_missing_path():
         build_tokenizer("hf")
     with pytest.raises(ValueError, match=r"\[tokenizer\] path"):
         build_tokenizer("hf", "")
+
+
+# ---- bytes per token (bits per byte) ---------------------------------------------------------
+
+def byte_sum(tokenizer, ids) -> int:
+    lengths = tokenizer.byte_lengths()
+    return sum(lengths[i] for i in ids)
+
+
+def test_byte_tokenizer_byte_lengths(rng):
+    tokenizer = ByteTokenizer()
+    lengths = tokenizer.byte_lengths()
+    assert len(lengths) == tokenizer.vocab_size and lengths[255] == 1 and lengths[256:] == [0] * 3
+    text = random_text(rng, 100)
+    ids = [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
+    assert byte_sum(tokenizer, ids) == len(text.encode("utf-8"))
+
+
+def test_byte_level_bpe_byte_lengths_add_up_to_the_decoded_bytes(tmp_path, rng):
+    """Exact, also where tokens hold parts of a character: characters never seen in training
+    are split into single bytes, each of which alone decodes to a replacement character."""
+    trained = train_byte_level_bpe(rng, ["<s>", "</s>"])
+    trained.add_tokens(["<|tool|>"])  # an added token that decodes to itself
+    trained.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    assert len(tokenizer.byte_lengths()) == tokenizer.vocab_size
+    assert tokenizer.byte_lengths()[tokenizer.bos_id] == 0
+    partial = set()
+    for _ in range(30):
+        text = random_text(rng, rng.randint(1, 150)) + rng.choice(["", " <|tool|> x", "龍🦀ǅ"])
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text
+        partial |= {i for i in ids if "\ufffd" in tokenizer.decode([i])}
+        framed = [tokenizer.bos_id, *ids, tokenizer.eos_id]
+        assert byte_sum(tokenizer, framed) == len(text.encode("utf-8")), text
+    assert partial  # some tokens held part of a multi-byte character
+
+
+@pytest.mark.parametrize("decoder", ["metaspace", "llama2_sequence"])
+def test_sentencepiece_style_byte_lengths_count_the_leading_space(tmp_path, rng, decoder):
+    """Metaspace ("▁") pieces with <0xNN> byte fallback, as Llama 2's tokenizer.json: exact but
+    for the space the tokenizer puts before a text's first word, which decoding drops."""
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    if decoder == "metaspace":
+        tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(
+            replacement="▁", prepend_scheme="first")])
+    else:
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                               decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    ascii_only = "abcdefghij klmnop qrstuvwxyz ABC 0123456789 .,;:!?"
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(["".join(rng.choice(ascii_only) for _ in range(200))
+                                   for _ in range(50)], trainer)
+    spec = json.loads(tokenizer.to_str())  # the byte tokens go into the vocabulary, as Llama 2's
+    vocab = spec["model"]["vocab"]
+    vocab.update({t: len(vocab) + i for i, t in enumerate(byte_tokens)})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    wrapped = HFTokenizer(tmp_path / "tokenizer.json")
+    lengths = wrapped.byte_lengths()
+    fell_back = False
+    for _ in range(30):
+        text = random_text(rng, rng.randint(1, 100))  # non-ASCII characters fall back to bytes
+        ids = wrapped.encode(text)
+        fell_back |= any(wrapped.id_to_token(i).startswith("<0x") for i in ids)
+        # decoding drops a leading space: the one added before the first word, or the text's own
+        assert wrapped.decode(ids) == text.removeprefix(" ")
+        expected = len(text.encode("utf-8")) + (not text.startswith(" "))
+        assert sum(lengths[i] for i in [wrapped.bos_id, *ids]) == expected, text
+    assert fell_back
+
+
+def test_byte_tokenizer_as_tokenizer_json_encodes_alike(tmp_path, rng):
+    """What export_hf.py ships for a byte-tokenizer run: the same ids for any text."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(byte_tokenizer_json())
+    wrapped, byte = HFTokenizer(path), ByteTokenizer()
+    assert (wrapped.bos_id, wrapped.eos_id, wrapped.vocab_size) == (256, 257, 259)
+    assert wrapped.byte_lengths() == byte.byte_lengths()
+    for _ in range(50):
+        text = "".join(chr(rng.choice([rng.randrange(0, 0x80), rng.randrange(0x80, 0x800),
+                                       rng.randrange(0x800, 0xD800), rng.randrange(0x10000, 0x110000)]))
+                       for _ in range(rng.randint(0, 30)))
+        assert wrapped.encode(text) == byte.encode(text)
+        assert wrapped.decode(wrapped.encode(text)) == text
+    assert Tokenizer.from_file(str(path)).encode("ab").ids == [256, 97, 98]  # bos, as trained
