@@ -175,6 +175,23 @@ def run_tokenizer(cfg: JobConfig, path: str | None = None):
 
 # ------------------------------------------------------------------------- a model to run
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    """auto: CUDA when there is a GPU, else the CPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    return torch.device("cuda" if name != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on a GPU (the trainer's forward), float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
 @dataclass
 class LoadedModel:
     model: Llama  # eval mode, on the device asked for
@@ -202,8 +219,8 @@ def hf_tokenizer(folder: Path, path: str | None = None) -> HFTokenizer:
 def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32,
                seq_len: int | None = None, tokenizer_path: str | None = None) -> LoadedModel:
     """A checkpoint (DCP, a folder of them, or a Hugging Face folder) as a Llama in eval mode,
-    with the tokenizer to use. seq_len: the longest sequence it will run (RoPE rows), by
-    default the run's [training] seq_len, or the folder's max_position_embeddings."""
+    with the tokenizer to use. seq_len: the longest sequence it will run (RoPE rows; default
+    and most: the model's max_seq_len)."""
     folder = resolve(path)
     if not folder.is_dir():
         raise ValueError(f"{folder}: expected a checkpoint folder, not a file")
@@ -212,7 +229,6 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
         args = hf.args_from_hf_config(hf.read_config(folder), str(folder / hf.CONFIG))
         state = hf.load_hf_weights(folder, args)
         tokenizer = hf_tokenizer(folder, tokenizer_path)
-        default_seq_len = args.max_seq_len
     else:
         config = run_config(folder)
         if config is None:
@@ -222,8 +238,7 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
         state = load_model_state(folder)
         tokenizer = run_tokenizer(config, tokenizer_path)
         logit_scale, softcap = config.loss.logit_scale, config.loss.softcap or None
-        default_seq_len = config.training.seq_len
-    seq_len = min(seq_len or default_seq_len, args.max_seq_len)
+    seq_len = min(seq_len or args.max_seq_len, args.max_seq_len)
     with torch.device("meta"):
         model = Llama(args, seq_len=seq_len)
     model = model.to(dtype).to_empty(device=device)
