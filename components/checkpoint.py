@@ -331,6 +331,8 @@ class Checkpointer:
                 full = self.read_hf_folder(path)
             except (OSError, ValueError) as e:
                 error = f"[checkpoint] initial_load_path = {path}: {e}"
+            except Exception as e:  # still told to the other ranks, which would wait forever
+                error = f"[checkpoint] initial_load_path = {path}: {type(e).__name__}: {e}"
         if distributed:
             message = [error]
             dist.broadcast_object_list(message, src=0)

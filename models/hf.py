@@ -89,7 +89,9 @@ def from_hf(state: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
                 value = permute_from_hf(value, args.n_kv_heads)
             out[f"layers.{i}.{ours}"] = value
     out["norm.weight"] = state["model.norm.weight"]
-    out["output.weight"] = state.get("lm_head.weight", out["tok_embeddings.weight"])
+    # tied: transformers ignores an lm_head.weight the folder may hold anyway
+    out["output.weight"] = (out["tok_embeddings.weight"] if args.tie_embeddings
+                            else state["lm_head.weight"])
     return out
 
 
@@ -213,6 +215,10 @@ def args_from_hf_config(config: dict, where: str = CONFIG) -> LlamaArgs:
         raise ValueError(f"{where}: not supported by this Llama: {'; '.join(unsupported)}")
     llama3 = {}
     if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in scaling]
+        if missing:
+            raise ValueError(f"{where}: llama3 rope scaling without {', '.join(missing)}")
         llama3 = dict(rope_scaling_factor=float(scaling["factor"]),
                       rope_low_freq_factor=float(scaling["low_freq_factor"]),
                       rope_high_freq_factor=float(scaling["high_freq_factor"]),

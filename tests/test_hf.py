@@ -277,3 +277,19 @@ def test_trainer_names_a_folder_of_another_model(hf_folder, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a DCP checkpoint folder"):
         train.main(TRAIN + ["--checkpoint.initial_load_path", str(tmp_path / "neither"),
                             "--job.dump_folder", str(tmp_path / "run2")])
+
+
+def test_every_rank_stops_with_rank_0s_error(hf_folder, tmp_path):
+    """Only rank 0 reads the folder: the others must hear of its failure, not wait forever in
+    the broadcast."""
+    folder, _ = hf_folder
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2", str(ROOT / "train.py"), *TRAIN,
+                             "--checkpoint.initial_load_path", str(folder), "--job.dump_folder",
+                             str(tmp_path / "run"), "--model.vocab_size", "260",
+                             "--training.local_batch_size", "2"],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank{rank}]: ValueError: [checkpoint] initial_load_path" in result.stderr

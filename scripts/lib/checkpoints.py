@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import tokenizers
 import torch
 from torch import Tensor
 
@@ -209,11 +210,12 @@ def hf_tokenizer(folder: Path, path: str | None = None) -> HFTokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no tokenizer.json: pass --tokenizer PATH")
     config = hf.read_config(folder)
-    tokenizer = HFTokenizer(path)
-    for role in ("bos", "eos"):
+    names = {}
+    for role in ("bos", "eos"):  # config.json's ids win over the usual token names
         if isinstance(config.get(f"{role}_token_id"), int):
-            setattr(tokenizer, f"{role}_id", config[f"{role}_token_id"])
-    return tokenizer
+            names[f"{role}_token"] = tokenizers.Tokenizer.from_file(str(path)).id_to_token(
+                config[f"{role}_token_id"])
+    return HFTokenizer(path, **names)
 
 
 def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32,
