@@ -60,7 +60,8 @@ def generate(model: Llama, prompt: list[int], max_new_tokens: int, *, temperatur
     vocab = model.args.vocab_size
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary 0..{vocab - 1}")
+        raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary "
+                         f"0..{vocab - 1}")
     total = len(prompt) + max_new_tokens
     if total > model.rope_cache.shape[0]:
         raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the "

@@ -236,7 +236,8 @@ def read_config(folder: str | os.PathLike) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{folder}: no {CONFIG} (not a Hugging Face model folder)") from None
+        raise FileNotFoundError(f"{folder}: no {CONFIG} (not a Hugging Face model "
+                                "folder)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 

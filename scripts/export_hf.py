@@ -16,7 +16,8 @@ are permuted for transformers' RoPE layout (models/hf.py); the exported model gi
 logits (tests/test_export_hf.py). A run with [loss] logit_scale or softcap is refused:
 LlamaForCausalLM has neither.
 
-Python: `export(state_dict, args, out_dir, dtype, ...)`; scripts/lib/checkpoints.py reads checkpoints.
+Python: `export(state_dict, args, out_dir, dtype, ...)`; scripts/lib/checkpoints.py reads the
+checkpoints.
 """
 
 import argparse

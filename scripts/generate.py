@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default="", help="text to continue (default: none, bos only)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the k likeliest (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample among the likeliest ids whose probabilities reach p (1: all)")
     parser.add_argument("--seed", type=int, default=0)

@@ -100,8 +100,9 @@ def test_val_loss_is_the_plain_cross_entropy_and_val_bpb_its_bits_per_byte(run):
 def test_evaluate_script_reproduces_the_runs_validation(run, tmp_path, capsys):
     evaluate = load_script("evaluate")
     out = tmp_path / "eval.json"
-    assert evaluate.main(["--checkpoint", str(run["dump"] / "checkpoint"), "--steps",
-                          str(VAL_STEPS), "--batch-size", str(BATCH), "--json", str(out)]) == 0
+    # by default the run's source, split, seq_len, batch size and validation steps
+    assert evaluate.main(["--checkpoint", str(run["dump"] / "checkpoint"), "--json",
+                          str(out)]) == 0
     line = capsys.readouterr().out
     assert "val_loss" in line and "val_bpb" in line
     record = json.loads(out.read_text())

@@ -328,8 +328,9 @@ def test_a_runs_hf_tokenizer_is_copied_with_its_ids(tmp_path):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.train_from_iterator(["some text to learn from, twice or more"] * 20,
-                                  trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                  trainers.BpeTrainer(
+                                      vocab_size=300, special_tokens=["<s>", "</s>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     (tmp_path / "tok").mkdir()
     tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
     (tmp_path / "tok" / "special_tokens_map.json").write_text('{"bos_token": "<s>"}\n')

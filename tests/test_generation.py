@@ -4,7 +4,6 @@ samples from a trainer's checkpoint and from an exported Hugging Face folder."""
 
 import dataclasses
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest

@@ -164,8 +164,9 @@ def test_sentencepiece_style_byte_lengths_count_the_leading_space(tmp_path, rng,
         tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(
             replacement="▁", prepend_scheme="first")])
     else:
-        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                               decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "),
+                                               decoders.ByteFallback(), decoders.Fuse(),
+                                               decoders.Strip(" ", 1, 0)])
     ascii_only = "abcdefghij klmnop qrstuvwxyz ABC 0123456789 .,;:!?"
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
                                   show_progress=False)
@@ -197,9 +198,8 @@ def test_byte_tokenizer_as_tokenizer_json_encodes_alike(tmp_path, rng):
     assert (wrapped.bos_id, wrapped.eos_id, wrapped.vocab_size) == (256, 257, 259)
     assert wrapped.byte_lengths() == byte.byte_lengths()
     for _ in range(50):
-        text = "".join(chr(rng.choice([rng.randrange(0, 0x80), rng.randrange(0x80, 0x800),
-                                       rng.randrange(0x800, 0xD800), rng.randrange(0x10000, 0x110000)]))
-                       for _ in range(rng.randint(0, 30)))
+        ranges = [(0, 0x80), (0x80, 0x800), (0x800, 0xD800), (0x10000, 0x110000)]
+        text = "".join(chr(rng.randrange(*rng.choice(ranges))) for _ in range(rng.randint(0, 30)))
         assert wrapped.encode(text) == byte.encode(text)
         assert wrapped.decode(wrapped.encode(text)) == text
     assert Tokenizer.from_file(str(path)).encode("ab").ids == [256, 97, 98]  # bos, as trained
