@@ -7,8 +7,15 @@ FSDP's casts, gradient clipping — only adds to it), so tokens / sum bounds tok
 before any of that is paid. Given a trainer's measured tokens/s at the same shapes
 (--measured), the gap to this bound is what the memory-bound rest of the step costs.
 
+With --float8 tensorwise the blocks' projections are counted as torchao's tensorwise float8
+linear layers compute them: three float8 GEMMs each (forward e4m3 x e4m3 with fast accumulation,
+dX and dW with the gradient in e5m2), operands already cast and laid out (the casts are part of
+the elementwise rest). --loss-float8 sets the fused loss's own float8 option.
+
     python scripts/bench_step_floor.py --flavor llama_1b --batch 8 --seq-len 8192 \\
         --out benchmarks/step_floor_h200
+    python scripts/bench_step_floor.py --batch 12 --float8 tensorwise --loss-float8 logits+dx \\
+        --out benchmarks/step_floor_float8_h200
 """
 
 import argparse
@@ -25,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flce  # noqa: E402
+from flce.float8 import FLOAT8  # noqa: E402
 from bench_flce import cuda_time  # noqa: E402
 from components.metrics import peak_flops  # noqa: E402
 from models.args import FLAVORS, flops_per_token  # noqa: E402
@@ -49,6 +57,28 @@ def projections_fwd_bwd(tokens, dim, outs):
     return run
 
 
+def float8_projections_fwd_bwd(tokens, dim, outs):
+    """projections_fwd_bwd's GEMMs as torchao's tensorwise Float8Linear runs them: per projection
+    y = x @ W.T (e4m3 x e4m3, fast accumulation), dX = dY @ W and dW = dY.T @ X (dY in e5m2).
+    _scaled_mm takes its second operand column-major: the layouts are made once, here."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    one = torch.ones((), device="cuda")
+    x = randn(tokens, dim).to(e4m3)
+    x_cm = x.t().contiguous().t()
+    gemms = []
+    for n in outs:
+        w = (randn(n, dim) * 16).to(e4m3)  # [n, dim] row-major: w.t() is column-major
+        w_cm = w.t().contiguous().t()
+        dy = randn(tokens, n).to(e5m2)
+        dy_t = dy.t().contiguous()
+        gemms += [(x, w.t(), True), (dy, w_cm, False), (dy_t, x_cm, False)]
+
+    def run():
+        for a, b, fast in gemms:
+            torch._scaled_mm(a, b, one, one, out_dtype=DT, use_fast_accum=fast)
+    return run
+
+
 def attention_fwd_bwd(batch, n_heads, n_kv_heads, seq_len, head_dim):
     q = randn(batch, n_heads, seq_len, head_dim, grad=True)
     k, v = (randn(batch, n_kv_heads, seq_len, head_dim, grad=True) for _ in range(2))
@@ -62,13 +92,13 @@ def attention_fwd_bwd(batch, n_heads, n_kv_heads, seq_len, head_dim):
     return run
 
 
-def loss_fwd_bwd(tokens, dim, vocab):
+def loss_fwd_bwd(tokens, dim, vocab, float8="none"):
     x = randn(tokens, dim, grad=True)
     w = randn(vocab, dim, scale=dim ** -0.5, grad=True)
     t = torch.randint(0, vocab, (tokens,), device="cuda")
 
     def run():
-        torch.autograd.grad(flce.fused_linear_cross_entropy(x, t, w), (x, w))
+        torch.autograd.grad(flce.fused_linear_cross_entropy(x, t, w, float8=float8), (x, w))
     return run
 
 
@@ -89,6 +119,10 @@ def main():
     p.add_argument("--batch", type=int, default=8, help="local batch (sequences)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--float8", choices=("none", "tensorwise"), default="none",
+                   help="the projections as torchao's tensorwise float8 linear layers")
+    p.add_argument("--loss-float8", choices=FLOAT8, default="none",
+                   help="the fused loss's float8 option")
     p.add_argument("--measured", type=float, default=None,
                    help="train.py's tokens/s at these shapes, to report the gap to the bound")
     p.add_argument("--out", default="benchmarks/step_floor_bench",
@@ -105,11 +139,15 @@ def main():
     for name, n_in, outs in (("wq, wk, wv", m.dim, [m.dim, kv, kv]),
                              ("wo", m.n_heads * m.head_dim, [m.dim]),
                              ("w1, w3", m.dim, [m.ffn_dim, m.ffn_dim]), ("w2", m.ffn_dim, [m.dim])):
-        ms = time(projections_fwd_bwd(tokens, n_in, outs))
-        parts[name] = (m.n_layers * ms, f"{m.n_layers} x {ms:.2f}")
+        make = float8_projections_fwd_bwd if args.float8 == "tensorwise" else projections_fwd_bwd
+        ms = time(make(tokens, n_in, outs))
+        parts[name + (" (float8)" if args.float8 != "none" else "")] = (
+            m.n_layers * ms, f"{m.n_layers} x {ms:.2f}")
     ms = time(attention_fwd_bwd(args.batch, m.n_heads, m.n_kv_heads, args.seq_len, m.head_dim))
     parts["attention (cuDNN)"] = (m.n_layers * ms, f"{m.n_layers} x {ms:.2f}")
-    parts["loss (flce)"] = (time(loss_fwd_bwd(tokens, m.dim, m.vocab_size)), "1 x")
+    loss_name = "loss (flce" + (f", float8 {args.loss_float8})" if args.loss_float8 != "none"
+                                else ")")
+    parts[loss_name] = (time(loss_fwd_bwd(tokens, m.dim, m.vocab_size, args.loss_float8)), "1 x")
     step, n_params = optimizer_step(m)
     parts["fused AdamW (fp32)"] = (time(step), f"{n_params / 1e9:.2f}B parameters")
 
@@ -120,11 +158,13 @@ def main():
             "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python " + " ".join(sys.argv), "flavor": args.flavor,
-            "batch": args.batch, "seq_len": args.seq_len, "tokens": tokens}
+            "batch": args.batch, "seq_len": args.seq_len, "tokens": tokens,
+            "float8": args.float8, "loss_float8": args.loss_float8}
     result = {"parts_ms": {k: v[0] for k, v in parts.items()}, "total_ms": total,
               "ceiling_tokens_per_s": ceiling,
               "ceiling_mfu": ceiling * flops_per_token(m, args.seq_len) / peak if peak else None}
-    lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · bf16 · "
+    precision = "bf16" + (", float8 projections" if args.float8 != "none" else "")
+    lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · {precision} · "
              f"{meta['date']}", f"Command: `{meta['command']}`", "",
              f"{args.flavor}, local batch {args.batch} x seq {args.seq_len} = {tokens} tokens a "
              "step. Each part timed alone (forward + backward, median ms), summed over the layers.",
@@ -132,8 +172,8 @@ def main():
     lines += [f"| {k} | {ms:.1f} | {ms / total:.1%} | {how} |" for k, (ms, how) in parts.items()]
     lines += [f"| **sum** | **{total:.1f}** | | |", "",
               f"Ceiling before any elementwise work: {ceiling:,.0f} tokens/s"
-              + (f", MFU {result['ceiling_mfu']:.1%} (peak {peak / 1e12:.0f} TFLOP/s)." if peak
-                 else ".")]
+              + (f", MFU {result['ceiling_mfu']:.1%} (the bf16 peak, {peak / 1e12:.0f} TFLOP/s, "
+                 "also with float8)." if peak else ".")]
     if args.measured:
         step_ms = tokens / args.measured * 1e3
         result.update(measured_tokens_per_s=args.measured, measured_step_ms=step_ms)
