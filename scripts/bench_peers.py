@@ -32,7 +32,7 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench_peers ...")
 
-from models.args import FLAVORS, flops_per_token  # noqa: E402  (plain Python, no torch)
+from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
 from scripts.lib.report import (probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
 from scripts.lib.runs import (REPO, classify, last_lines, log_tail, read_metrics,  # noqa: E402
