@@ -12,31 +12,29 @@ linear layers compute them: three float8 GEMMs each (forward e4m3 x e4m3 with fa
 dX and dW with the gradient in e5m2), operands already cast and laid out (the casts are part of
 the elementwise rest). --loss-float8 sets the fused loss's own float8 option.
 
-    python scripts/bench_step_floor.py --flavor llama_1b --batch 8 --seq-len 8192 \\
+    python3 -m scripts.bench_step_floor --flavor llama_1b --batch 8 --seq-len 8192 \\
         --out benchmarks/step_floor_h200
-    python scripts/bench_step_floor.py --batch 12 --float8 tensorwise --loss-float8 logits+dx \\
+    python3 -m scripts.bench_step_floor --batch 12 --float8 tensorwise --loss-float8 logits+dx \\
         --out benchmarks/step_floor_float8_h200
 """
 
 import argparse
-import datetime
-import json
-import platform
 import sys
-from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench_step_floor ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
 import flce  # noqa: E402
 from flce.float8 import FLOAT8  # noqa: E402
-from bench_flce import cuda_time  # noqa: E402
 from components.metrics import peak_flops  # noqa: E402
 from models.args import FLAVORS, flops_per_token  # noqa: E402
 from models.llama import Llama  # noqa: E402
+from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.timing import median_ms  # noqa: E402
 
 DT = torch.bfloat16
 
@@ -114,7 +112,8 @@ def optimizer_step(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_step_floor", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--flavor", default="llama_1b", choices=sorted(FLAVORS))
     p.add_argument("--batch", type=int, default=8, help="local batch (sequences)")
     p.add_argument("--seq-len", type=int, default=8192)
@@ -129,11 +128,12 @@ def main():
                    help="output path without suffix")
     args = p.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     torch.manual_seed(0)
     m = FLAVORS[args.flavor]
     tokens = args.batch * args.seq_len
     kv = m.n_kv_heads * m.head_dim
-    time = lambda fn: cuda_time(fn, warmup=3, reps=args.reps)  # noqa: E731
+    time = lambda fn: median_ms(fn, warmup=3, reps=args.reps)  # noqa: E731
 
     parts = {}  # name -> (ms per step, how it is counted)
     for name, n_in, outs in (("wq, wk, wv", m.dim, [m.dim, kv, kv]),
@@ -155,17 +155,16 @@ def main():
     peak = peak_flops("cuda")
     ceiling = tokens / (total / 1e3)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python " + " ".join(sys.argv), "flavor": args.flavor,
+            "cudnn": torch.backends.cudnn.version(), **origin, "flavor": args.flavor,
             "batch": args.batch, "seq_len": args.seq_len, "tokens": tokens,
             "float8": args.float8, "loss_float8": args.loss_float8}
     result = {"parts_ms": {k: v[0] for k, v in parts.items()}, "total_ms": total,
               "ceiling_tokens_per_s": ceiling,
               "ceiling_mfu": ceiling * flops_per_token(m, args.seq_len) / peak if peak else None}
     precision = "bf16" + (", float8 projections" if args.float8 != "none" else "")
-    lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · {precision} · "
-             f"{meta['date']}", f"Command: `{meta['command']}`", "",
+    lines = [*warning_lines(meta),
+             f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · {precision} · "
+             f"{meta['date']} · git {meta['git']}", f"Command: `{meta['command']}`", "",
              f"{args.flavor}, local batch {args.batch} x seq {args.seq_len} = {tokens} tokens a "
              "step. Each part timed alone (forward + backward, median ms), summed over the layers.",
              "", "| part | ms per step | share | counted as (ms) |", "|---|---|---|---|"]
@@ -181,10 +180,7 @@ def main():
                   f"step, {args.measured / ceiling:.1%} of the ceiling; the other "
                   f"{step_ms - total:.0f} ms are the memory-bound rest (norms, SwiGLU, RoPE, "
                   "casts, clipping)."]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "result": result}, indent=1))
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, {"meta": meta, "result": result}, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """Export a trained Llama as a Hugging Face `LlamaForCausalLM` folder (safetensors + config.json).
 
-    python scripts/export_hf.py --checkpoint outputs/debug/checkpoint/step-400 --flavor debug \\
+    python3 -m scripts.export_hf --checkpoint outputs/debug/checkpoint/step-400 --flavor debug \\
         --out outputs/debug/hf [--vocab-size N] [--dtype bfloat16|float32] \\
         [--bos-id 256 --eos-id 257]
 
@@ -27,10 +27,12 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-from torch import Tensor
+if not __package__:  # run as a file: the repository root (models) is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.export_hf ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -342,7 +344,8 @@ def export(state_dict: dict[str, Tensor], args: LlamaArgs, out_dir: str | os.Pat
 # ----------------------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.export_hf",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="a DCP checkpoint folder (<dump>/checkpoint/step-<N>), the folder of "
                              "step-<N> folders (latest), or a torch.save state dict file")

@@ -176,8 +176,7 @@ def test_profiling_writes_a_trace(tmp_path):
 
 
 def test_trace_summary_groups_kernels_by_name():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from summarize_trace import kernel_totals
+    from scripts.summarize_trace import kernel_totals
     events = [{"ph": "X", "cat": "kernel", "name": "gemm_abc", "dur": 5.0},
               {"ph": "X", "cat": "kernel", "name": "gemm_abd", "dur": 2.5},
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9.0},
