@@ -83,6 +83,22 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _interrupted(error: BaseException | None) -> bool:
+    """A Ctrl-C inside torch.save surfaces as the writer's RuntimeError("unexpected pos") with the
+    KeyboardInterrupt only in its context; DCP wraps per-rank failures in CheckpointException."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict) and any(_interrupted(f) for f in failures.values()
+                                              if isinstance(f, BaseException)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _save_failed(final: Path, error: BaseException) -> RuntimeError:
     """DCP's errors span many lines and may not say why (a full disk can read "unexpected pos")."""
     last = (str(error).strip().splitlines() or [type(error).__name__])[-1]
@@ -177,6 +193,8 @@ class Checkpointer:
             try:
                 dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
             except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+                if _interrupted(e):  # the user's second Ctrl-C, not a failed write
+                    raise KeyboardInterrupt from e
                 raise _save_failed(final, e) from e
             self._commit(tmp, final, step)
 

@@ -264,3 +264,28 @@ def test_an_async_save_is_committed_once_written(tmp_path):
     assert train.main(BASE + synthetic + ["--checkpoint.enable_checkpoint", "false",
                                           "--job.dump_folder", str(straight)]) == 0
     assert abs(losses(dump)[20] - losses(straight)[20]) <= 1e-5
+
+
+def test_ctrl_c_inside_a_save_aborts_instead_of_reporting_a_failed_write(tmp_path, monkeypatch):
+    """A second Ctrl-C while torch.save writes surfaces as the zip writer's RuntimeError
+    ("unexpected pos"), the KeyboardInterrupt only in its context: that is the user's abort,
+    not a failed disk. A real failed write still names the folder and the free space."""
+    import components.checkpoint as checkpoint
+
+    def interrupted(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    def failed(*args, **kwargs):
+        raise RuntimeError("unexpected pos 704 vs 598")
+
+    run = BASE + ["--training.steps", "3", "--checkpoint.interval", "2"]
+    monkeypatch.setattr(checkpoint.dcp, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(run + ["--job.dump_folder", str(tmp_path / "a")])
+    monkeypatch.setattr(checkpoint.dcp, "save", failed)
+    with pytest.raises(RuntimeError, match=r"\[checkpoint\] writing .*step-2 failed .*GiB free"):
+        train.main(run + ["--job.dump_folder", str(tmp_path / "b")])
+    assert not list_checkpoints(tmp_path / "a" / "checkpoint")
