@@ -147,6 +147,7 @@ class Checkpointer:
         """Write step-<step>; with async_mode = "async" return once the state is staged (it is
         committed in the background as soon as it is written)."""
         self.wait()
+        started = time.perf_counter()
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
         if self.rank == 0:
@@ -170,18 +171,20 @@ class Checkpointer:
                                      process_group=self._async_group)
             written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse
             self._pending = Future()
-            written.add_done_callback(functools.partial(self._commit_when_written, tmp, final,
-                                                        step, self._pending))
+            blocked = time.perf_counter() - started
+            written.add_done_callback(functools.partial(
+                self._commit_when_written, tmp, final, step, self._pending,
+                f"in the background; training waited {blocked:.1f} s", started))
             _fault_point("async_started", step)
         else:
             try:
                 dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
             except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
                 raise _save_failed(final, e) from e
-            self._commit(tmp, final, step)
+            self._commit(tmp, final, step, "", started)
 
     def _commit_when_written(self, tmp: Path, final: Path, step: int, committed: Future,
-                             written: Future) -> None:
+                             how: str, started: float, written: Future) -> None:
         """Runs in DCP's writer thread when the save is done: no collectives here."""
         try:
             written.result()  # a failed save raises here and is never committed
@@ -189,7 +192,7 @@ class Checkpointer:
             committed.set_exception(_save_failed(final, e))
             return
         try:
-            self._commit(tmp, final, step)
+            self._commit(tmp, final, step, how, started)
             committed.set_result(None)
         except BaseException as e:
             committed.set_exception(e)
@@ -200,14 +203,16 @@ class Checkpointer:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+    def _commit(self, tmp: Path, final: Path, step: int, how: str, started: float) -> None:
         """Every rank's files are on disk once DCP's save returns: rank 0 renames them into place
-        (the one atomic step) and prunes."""
+        (the one atomic step), says so, and prunes."""
         if self.rank != 0:
             return
         _fault_point("before_commit", step)
         os.replace(tmp, final)  # a non-empty final folder makes this fail: it is never replaced
         _sync_dir(self.folder)
+        print(f"checkpoint: step {step} saved to {final} in {time.perf_counter() - started:.1f} s"
+              + (f" ({how})" if how else ""), flush=True)
         _fault_point("after_commit", step)
         self._prune(step)
 
@@ -241,7 +246,7 @@ class Checkpointer:
                                     f"{self.folder} holds no complete checkpoint")
         elif self.cfg.initial_load_path:
             self._load_model_only(Path(self.cfg.initial_load_path))
-        if self.cfg.enable_checkpoint and self.rank == 0:
+        if self.cfg.enable and self.rank == 0:
             self._set_aside_after(resumed.step if resumed else 0)
         return resumed
 

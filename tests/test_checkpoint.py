@@ -5,6 +5,7 @@ tests/test_faults.py kills saves at precise points."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,19 @@ def test_exact_resume(tmp_path):
     a, b = losses(straight), losses(resumed)
     assert sorted(b) == list(range(11, 21))
     assert max(abs(a[s] - b[s]) for s in b) <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_each_save_is_logged_when_committed(tmp_path, capsys, mode):
+    dump = tmp_path / mode
+    assert train.main(BASE + ["--training.steps", "4", "--checkpoint.interval", "2",
+                              "--checkpoint.async_mode", mode, "--job.dump_folder", str(dump)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "saved to" in line]
+    waited = r" \(in the background; training waited \d+\.\d s\)" if mode == "async" else ""
+    assert len(lines) == 2, lines
+    for step, line in zip((2, 4), lines):
+        assert re.fullmatch(rf"checkpoint: step {step} saved to {dump}/checkpoint/step-{step} in "
+                            rf"\d+\.\d s{waited}", line), line
 
 
 def test_keep_latest_k_and_load_step_errors(tmp_path):
