@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from components.checkpoint import Checkpointer, list_checkpoints
+from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
 from components.config import JobConfig, config_changes, load_config, to_toml
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
@@ -380,6 +380,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
         cfg.lr_scheduler.min_lr_ratio, cfg.lr_scheduler.decay_ratio)
     if schedule_note:
         log(schedule_note)
+    if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:  # as ckpt.load() below
+        step_to_load(cfg.checkpoint, dump / cfg.checkpoint.folder)
     model, args = build_model(cfg, tokenizer.vocab_size, device, dims)
     params = [p for p in model.parameters() if p.requires_grad]
     log(f"model {cfg.model.flavor}: {sum(p.numel() for p in params):,} parameters, loss "

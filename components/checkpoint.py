@@ -124,6 +124,24 @@ def check_model_shapes(path: Path, model_sd: dict) -> None:
                              f"built from this config has {tuple(tensor.shape)} (check [model])")
 
 
+def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]] = None
+                 ) -> Optional[int]:
+    """The step a run resumes from ([checkpoint] load_step; -1: the latest), None when there is
+    none; an error naming load_step when it names a missing one. Cheap: the trainer asks before
+    it builds the model."""
+    found = list_checkpoints(folder) if found is None else found
+    if found:
+        step = max(found) if cfg.load_step == -1 else cfg.load_step
+        if step not in found:
+            raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint "
+                                    f"{folder}/step-{step} (have {sorted(found)})")
+        return step
+    if cfg.load_step not in (-1, 0):
+        raise FileNotFoundError(f"[checkpoint] load_step = {cfg.load_step}, but {folder} holds "
+                                "no complete checkpoint")
+    return None
+
+
 class Checkpointer:
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model, optimizer, scheduler, data,
                  batches_per_step: int, rank: int, config_toml: str):
@@ -235,15 +253,9 @@ class Checkpointer:
         initial_load_path's model weights if given. Returns the state to resume at, or None."""
         found = list_checkpoints(self.folder)
         resumed = None
-        if found:
-            step = max(found) if self.cfg.load_step == -1 else self.cfg.load_step
-            if step not in found:
-                raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint "
-                                        f"{self.folder}/step-{step} (have {sorted(found)})")
+        step = step_to_load(self.cfg, self.folder, found)
+        if step is not None:
             resumed = self._load_full(found[step])
-        elif self.cfg.load_step not in (-1, 0):
-            raise FileNotFoundError(f"[checkpoint] load_step = {self.cfg.load_step}, but "
-                                    f"{self.folder} holds no complete checkpoint")
         elif self.cfg.initial_load_path:
             self._load_model_only(Path(self.cfg.initial_load_path))
         if self.cfg.enable and self.rank == 0:

@@ -98,7 +98,7 @@ def test_non_finite_steps_between_log_steps(tmp_path, monkeypatch, policy, nan_s
     monkeypatch.setenv("FLCE_TEST_NAN_STEPS", nan_steps)
     code, dump, rows = run(tmp_path, "r", "--training.steps", "6", "--metrics.log_freq", "3",
                            "--training.nan_policy", policy, "--training.max_bad_steps", "2",
-                           "--checkpoint.enable_checkpoint", str(saved is not None).lower(),
+                           "--checkpoint.enable", str(saved is not None).lower(),
                            "--checkpoint.interval", "3")
     assert code == exit_code
     assert [r["step"] for r in rows] == logged
@@ -136,10 +136,12 @@ def test_a_run_shorter_than_its_warmup_fits_the_schedule_into_it(tmp_path, capsy
     (["--optimizer.beta2", "1.5"], r"\[optimizer\] beta2"),
     (["--lr_scheduler.decay_ratio", "0.5"], r"decay_ratio=0.5 is only used with"),
     (["--lr_scheduler.min_lr_ratio", "2"], r"\[lr_scheduler\] min_lr_ratio"),
+    (["--checkpoint.enable", "true", "--checkpoint.load_step", "4"],
+     r"\[checkpoint\] load_step = 4, but .* holds no complete checkpoint"),
 ])
 def test_setting_errors_come_before_the_model_is_built(tmp_path, monkeypatch, override, match):
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
         train.main(SMALL + ["--job.dump_folder", str(tmp_path), *override])
 
 
@@ -200,7 +202,7 @@ def test_a_single_process_run_exits_through_the_interpreter(tmp_path):
 def test_resume_follows_the_changed_optimizer_config(tmp_path, capsys):
     """The checkpoint brings back the moments and step counts; lr, betas, eps, weight decay and
     the schedule's peak come from the resumed run's config, and the log names what changed."""
-    ckpt = ["--training.steps", "6", "--checkpoint.enable_checkpoint", "true",
+    ckpt = ["--training.steps", "6", "--checkpoint.enable", "true",
             "--checkpoint.interval", "3"]
     code, _, first = run(tmp_path, "first", *ckpt)
     assert code == 0
@@ -328,7 +330,7 @@ def start_training(tmp_path):
         with open(tmp_path / f"{name}.out", "w") as out:
             proc = subprocess.Popen(
                 [*command, *OVERRIDES, "--training.steps", "100000", "--job.dump_folder", str(dump),
-                 "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "100000"],
+                 "--checkpoint.enable", "true", "--checkpoint.interval", "100000"],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         started.append(proc)
