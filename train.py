@@ -408,6 +408,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     accum = cfg.training.gradient_accumulation_steps
     ckpt = Checkpointer(cfg.checkpoint, dump, model, optimizer, scheduler, train_batches, accum,
                         rank, to_toml(cfg))
+    if cfg.checkpoint.async_mode == "async":  # its saves use a gloo group of their own
+        note_process_group("gloo", world)
     start_step, tokens_seen = 1, 0
     if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:
         configured = hyperparameters(optimizer)
