@@ -172,8 +172,8 @@ def test_a_fresh_run_starts_a_new_metrics_file_and_a_resumed_one_appends(tmp_pat
     code, dump, rows = run(tmp_path, "r", "--training.steps", "4", *ckpt)  # resumes at step 4
     assert code == 0 and [r["step"] for r in rows] == [1, 2, 3, 4]
     capsys.readouterr()
-    code, dump, rows = run(tmp_path, "r", "--training.steps", "2")  # a fresh run, same folder
-    assert code == 0 and [r["step"] for r in rows] == [1, 2]
+    code, dump, rows = run(tmp_path, "r", "--training.steps", "3")  # a fresh run, same folder
+    assert code == 0 and [r["step"] for r in rows] == [1, 2, 3]
     (earlier,) = dump.glob("metrics.*.jsonl")
     assert [json.loads(line)["step"] for line in earlier.read_text().splitlines()] == [1, 2, 3, 4]
     assert (f"{dump}/metrics.jsonl held an earlier run's metrics: renamed it {earlier.name}"
@@ -187,7 +187,7 @@ def test_a_single_process_run_exits_through_the_interpreter(tmp_path):
     code = ("import atexit, runpy, sys; atexit.register(print, 'atexit ran'); "
             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
     result = subprocess.run([sys.executable, "-c", code, str(ROOT / "train.py"), *SMALL,
-                             "--training.steps", "2", "--job.dump_folder", str(dump),
+                             "--training.steps", "3", "--job.dump_folder", str(dump),
                              "--metrics.enable_wandb", "true"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -422,7 +422,7 @@ def test_the_readmes_own_data_and_tokenizer_example_runs(tmp_path, monkeypatch, 
     (tmp_path / "train_tokenizer.py").write_text(script)
     subprocess.run([sys.executable, "train_tokenizer.py"], check=True, timeout=120)
     argv[argv.index("--config") + 1] = DEBUG_CONFIG
-    assert train.main([*argv, *OVERRIDES, "--training.steps", "2",
+    assert train.main([*argv, *OVERRIDES, "--training.steps", "3",
                        "--data.cache_dir", str(tmp_path / "cache")]) == 0
     out = capsys.readouterr().out
     assert "tokenizer my_tokenizer.json: " in out and "bos '<s>' (id 0, a common name)" in out
