@@ -142,6 +142,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_and_resumes(tmp_path, sig):
     dump = tmp_path / "run"
@@ -160,6 +161,7 @@ def test_preemption_signal_saves_and_resumes(tmp_path, sig):
     assert code == 0 and max(losses(dump)) == stopped_at + 2
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_leaves_loadable_checkpoints(tmp_path):
     dump = tmp_path / "run"
     proc = _spawn(dump, "--training.steps", "100000", "--checkpoint.interval", "1",
@@ -173,6 +175,7 @@ def test_kill_9_during_saves_leaves_loadable_checkpoints(tmp_path):
     assert code == 0 and max(losses(dump)) == done[-1] + 1
 
 
+@pytest.mark.slow
 def test_two_processes_save_one_process_resumes(tmp_path):
     """Saved by 2 gloo processes (FSDP, async save), loaded by one: the same losses after."""
     synthetic = ["--data.synthetic", "true", "--training.steps", "6", "--checkpoint.interval", "3"]
@@ -221,6 +224,7 @@ def test_a_planted_pickle_in_a_rank_file_is_not_run(tmp_path):
     assert max(losses(dump)) == 6
 
 
+@pytest.mark.slow
 def test_rollback_sets_later_checkpoints_aside_and_keeps_what_it_writes(tmp_path):
     """Resuming from step 3 of a run that went to 12, with keep_latest_k = 2: steps 6-12 belong
     to another timeline. They are moved aside (not pruned in place of the new step 5, not picked
@@ -242,6 +246,7 @@ def test_rollback_sets_later_checkpoints_aside_and_keeps_what_it_writes(tmp_path
     assert steps[-3:] == [5, 6, 7]
 
 
+@pytest.mark.slow
 def test_an_async_save_is_committed_once_written(tmp_path):
     """2 gloo processes with async saves every 8 steps, killed with SIGKILL a few steps after
     step 8's save was written (before step 16's): step-8 is committed under its final name,

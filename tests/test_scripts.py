@@ -550,6 +550,7 @@ def fused_vs_unfused(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow
 def test_fused_and_unfused_losses_agree(fused_vs_unfused):
     """On the CPU (fp32, deterministic) the script picks the absolute verdict by itself."""
     result, out = fused_vs_unfused
@@ -568,6 +569,7 @@ def train_short(dump, *overrides):
     return dump
 
 
+@pytest.mark.slow
 def test_another_learning_rate_is_caught_by_both_verdicts(fused_vs_unfused, tmp_path):
     """Real runs: fused vs unfused sits deep inside the noise band that a run at another seed
     measures; a run at another learning rate is outside it, and outside the tolerance."""
@@ -653,6 +655,7 @@ def test_layout_commands(tmp_path):
     assert bad.returncode == 2 and "layout 'tp2_rows'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_layouts_on_two_cpu_processes(tmp_path):
     """Two real torchrun runs (gloo) of the vocab-parallel layout: report, plot and verdict."""
     out = tmp_path / "report"
@@ -675,6 +678,7 @@ def test_layouts_on_two_cpu_processes(tmp_path):
     assert "| tp2_vocab | flce | ok |" in md and "- **tp2_vocab**: PASS" in md
 
 
+@pytest.mark.slow
 def test_loss_parallel_benchmark_on_two_cpu_processes(tmp_path):
     """Both modes run through torchrun (gloo) and compute the same loss."""
     out = tmp_path / "lp"

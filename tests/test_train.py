@@ -35,6 +35,7 @@ def run(tmp_path, name, *overrides):
     return code, dump, rows
 
 
+@pytest.mark.slow
 def test_debug_config_trains_and_writes_metrics(tmp_path):
     code, dump, rows = run(tmp_path, "run", "--training.steps", "30", "--validation.enable",
                            "true", "--validation.freq", "30", "--validation.steps", "2")
@@ -50,6 +51,7 @@ def test_debug_config_trains_and_writes_metrics(tmp_path):
     assert (dump / "config.toml").read_text().count("steps = 30") == 1
 
 
+@pytest.mark.slow
 def test_fused_and_unfused_losses_agree(tmp_path):
     """Same seed and data: equal at step 1, within 1e-4 after 50 steps (fp32)."""
     curves = {}
@@ -180,6 +182,7 @@ def test_a_fresh_run_starts_a_new_metrics_file_and_a_resumed_one_appends(tmp_pat
             in capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_a_single_process_run_exits_through_the_interpreter(tmp_path):
     """Only a process that used gloo with several ranks skips the interpreter's teardown: a
     plain run's atexit handlers run (wandb's among them: an offline run's history is written)."""
@@ -225,6 +228,7 @@ def test_resume_follows_the_changed_optimizer_config(tmp_path, capsys):
     assert "  [optimizer] beta2: 0.95 -> 0.99\n" in out
 
 
+@pytest.mark.slow
 def test_torchrun_gloo_two_processes_match_one(tmp_path):
     """FSDP over 2 CPU processes (gloo): the same losses as one process (fp32). Synthetic
     tokens are drawn per global window, so 2 x 2 windows are the 4 windows of one process."""
@@ -365,6 +369,7 @@ def logged_steps(dump) -> list[int]:
 PYTHON_TRAIN = [sys.executable, str(ROOT / "train.py"), "--config", DEBUG_CONFIG]
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_exits_cleanly(start_training):
     proc, dump, output = start_training("int", PYTHON_TRAIN)
     wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
@@ -375,6 +380,7 @@ def test_ctrl_c_saves_and_exits_cleanly(start_training):
     assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_aborts_at_once(start_training):
     proc, dump, output = start_training("int2", PYTHON_TRAIN)
     wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
@@ -388,6 +394,7 @@ def test_second_ctrl_c_aborts_at_once(start_training):
     assert not list((dump / "checkpoint").glob("step-*[0-9]"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,to_every_process", [(signal.SIGTERM, False), (signal.SIGUSR1, True)],
                          ids=["SIGTERM-to-the-script", "SIGUSR1-to-every-process"])
 def test_torchrun_launch_exits_0_after_a_clean_stop(start_training, sig, to_every_process):
