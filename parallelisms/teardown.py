@@ -16,8 +16,8 @@ _several_gloo_ranks = False
 
 
 def note_process_group(backend: str, world_size: int) -> None:
-    """Record the process group this process created: a gloo group of more than one rank makes
-    exit() skip the interpreter's teardown."""
+    """Record a process group this process created: a gloo group of more than one rank makes
+    exit_process() skip the interpreter's teardown."""
     global _several_gloo_ranks
     _several_gloo_ranks |= backend == "gloo" and world_size > 1
 
