@@ -27,7 +27,7 @@ from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
-from components.metrics import MetricsLogger, StepMeter, peak_flops
+from components.metrics import MetricsLogger, StepMeter, check_metrics_backends, peak_flops
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
 from components.profiling import maybe_profile
@@ -382,6 +382,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
         log(schedule_note)
     if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:  # as ckpt.load() below
         step_to_load(cfg.checkpoint, dump / cfg.checkpoint.folder)
+    check_metrics_backends(cfg.metrics.enable_wandb, cfg.metrics.enable_tensorboard)
     model, args = build_model(cfg, tokenizer.vocab_size, device, dims)
     params = [p for p in model.parameters() if p.requires_grad]
     log(f"model {cfg.model.flavor}: {sum(p.numel() for p in params):,} parameters, loss "

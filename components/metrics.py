@@ -158,6 +158,33 @@ def _format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
 
 
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("[metrics] enable_wandb is set but wandb is not installed: "
+                          "pip install wandb (or set [metrics] enable_wandb = false)") from e
+    return wandb
+
+
+def _import_summary_writer():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError("[metrics] enable_tensorboard is set but tensorboard is not "
+                          "installed: pip install tensorboard") from e
+    return SummaryWriter
+
+
+def check_metrics_backends(wandb_enable: bool, tensorboard_enable: bool) -> None:
+    """An ImportError naming the key when an enabled backend is not installed (the trainer asks
+    before it builds the model; MetricsLogger would say the same later)."""
+    if wandb_enable:
+        _import_wandb()
+    if tensorboard_enable:
+        _import_summary_writer()
+
+
 class MetricsLogger:
     """Records metrics on rank 0; on every other rank each method does nothing.
 
@@ -221,11 +248,7 @@ class MetricsLogger:
               "fresh run starts a new file", flush=True)
 
     def _start_wandb(self, project: str, run_name: str | None, mode: str, config: dict | None):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError("[metrics] enable_wandb is set but wandb is not installed: "
-                              "pip install wandb (or set [metrics] enable_wandb = false)") from e
+        wandb = _import_wandb()
         # mode is passed explicitly (it outranks a WANDB_MODE in the environment), so nothing
         # talks to the network unless the caller asked for "online". console="off": wandb would
         # otherwise wrap sys.stdout/stderr of the whole trainer to mirror them.
@@ -236,11 +259,7 @@ class MetricsLogger:
         return run
 
     def _start_tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ImportError("[metrics] enable_tensorboard is set but tensorboard is not "
-                              "installed: pip install tensorboard") from e
+        SummaryWriter = _import_summary_writer()  # noqa: N806 (a class)
         self.tensorboard_dir = self.dump_folder / "tb"
         return SummaryWriter(log_dir=str(self.tensorboard_dir))
 

@@ -147,6 +147,13 @@ def test_setting_errors_come_before_the_model_is_built(tmp_path, monkeypatch, ov
         train.main(SMALL + ["--job.dump_folder", str(tmp_path), *override])
 
 
+def test_a_missing_metrics_backend_is_named_before_the_model_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like
+    with pytest.raises(ImportError, match=r"\[metrics\] enable_wandb is set but wandb is not"):
+        train.main(SMALL + ["--job.dump_folder", str(tmp_path), "--metrics.enable_wandb", "true"])
+
+
 def test_the_run_ends_with_a_summary_and_logs_each_save(tmp_path, capsys):
     code, dump, _ = run(tmp_path, "sum", "--training.steps", "4", "--validation.enable", "true",
                         "--validation.freq", "2", "--validation.steps", "1",
