@@ -78,6 +78,7 @@ def fake_trainer(tmp_path):
 
 # ---- real train.py runs on the CPU ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_equal_batch_and_search_on_the_cpu(tmp_path):
     # CUDA hidden: the runs must be CPU runs also on a GPU machine (MFU and memory are None)
     report, md, stdout = bench(tmp_path, *CPU_RUN, "--mode", "both", env={"CUDA_VISIBLE_DEVICES": ""})

@@ -20,6 +20,8 @@ import torch
 import train
 from test_parallelisms import BASE, metrics, torchrun, weights
 
+pytestmark = pytest.mark.slow  # multi-process runs: not in the fast subset
+
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 8
 STEPS = 4  # checkpoints at 2 and 4 (BASE: interval 2)

@@ -136,6 +136,7 @@ def test_bfloat16_export_is_the_rounded_weights(tmp_path):
     assert transformers.LlamaConfig.from_pretrained(out).num_hidden_layers == DEBUG.n_layers
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_checkpoint_round_trip_through_the_cli(tmp_path):
     """A trainer-like DCP checkpoint (model + optimizer + step), exported by running the script."""

@@ -303,6 +303,7 @@ def test_run_train_command(ngpu, expect):
 
 FAKE_SRUN = """#!/bin/bash
 echo "$@" > "$FAKE_DIR/srun_args"
+echo "${FLCE_TEST_SETUP:-unset}" > "$FAKE_DIR/srun_env"
 if [[ -n ${FAKE_SRUN_RC:-} ]]; then exit "$FAKE_SRUN_RC"; fi
 sleep 30 & sleeper=$!
 # Like torchrun after the trainers checkpointed: exits non-zero once told to stop.
@@ -363,6 +364,28 @@ def test_sbatch_without_usr1_does_not_requeue(fake_slurm, srun_rc):
     output = job.communicate(timeout=20)[0]
     assert job.returncode == int(srun_rc), output
     assert not (tmp / "requeued").exists()
+
+
+def test_sbatch_sources_the_environment_hook_before_srun(fake_slurm):
+    """FLCE_ENV_SETUP (a venv, conda, modules): sourced by the batch shell, under `set +u` as
+    activation scripts need; what it exports reaches srun (and through it every node)."""
+    tmp, env = fake_slurm
+    setup = tmp / "my env.sh"
+    setup.write_text('echo "setup: ${NOT_SET_ANYWHERE}"\nexport FLCE_TEST_SETUP=activated\n')
+    job = start_sbatch({**env, "FAKE_SRUN_RC": "0", "FLCE_ENV_SETUP": str(setup)})
+    output = job.communicate(timeout=20)[0]
+    assert job.returncode == 0, output
+    assert f"sourcing {setup}" in output and "setup: \n" in output
+    assert (tmp / "srun_env").read_text() == "activated\n"
+
+
+def test_sbatch_stops_when_the_named_environment_hook_is_missing(fake_slurm):
+    tmp, env = fake_slurm
+    job = start_sbatch({**env, "FAKE_SRUN_RC": "0", "FLCE_ENV_SETUP": str(tmp / "nowhere.sh")})
+    output = job.communicate(timeout=20)[0]
+    assert job.returncode == 1
+    assert f"error: FLCE_ENV_SETUP={tmp}/nowhere.sh: no such file" in output
+    assert not (tmp / "srun_args").exists()
 
 
 # ---- compare_losses.py on synthetic metrics --------------------------------------------------
@@ -436,11 +459,27 @@ def test_null_is_a_divergence(tmp_path):
 
 def test_the_last_line_of_a_repeated_step_wins(tmp_path):
     a = write_metrics(tmp_path / "a", curve)
-    b = write_metrics(tmp_path / "b", lambda s: curve(s) + 1.0)  # a run that was resumed ...
-    with open(b / "metrics.jsonl", "a") as f:  # ... and repeated every step correctly
-        for step in range(1, 31):
+    b = write_metrics(tmp_path / "b", lambda s: curve(s) + (1.0 if s > 10 else 0.0))
+    with open(b / "metrics.jsonl", "a") as f:  # resumed from step 10, repeating 11-30 correctly
+        for step in range(11, 31):
             f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
-    assert compare(a, b).returncode == 0
+    result = compare(a, b)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "steps go back from 30 to 11: a resumed run" in result.stderr
+
+
+def test_two_runs_in_one_file_are_refused(tmp_path):
+    """A second run from step 1 appended to the first's file (what the trainer did before it
+    kept fresh runs apart) is not a resumed run: comparing the mix would mislead."""
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", curve)
+    with open(b / "metrics.jsonl", "a") as f:
+        for step in range(1, 21):
+            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step) + 0.5}) + "\n")
+    result = compare(a, b)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "metrics.jsonl:34: step 1 follows step 30: the file holds more than one run" in \
+        result.stderr
 
 
 @pytest.mark.parametrize("problem", ["missing", "no common steps", "metric absent"])
@@ -551,6 +590,7 @@ def fused_vs_unfused(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow
 def test_fused_and_unfused_losses_agree(fused_vs_unfused):
     """On the CPU (fp32, deterministic) the script picks the absolute verdict by itself."""
     result, out = fused_vs_unfused
@@ -569,6 +609,7 @@ def train_short(dump, *overrides):
     return dump
 
 
+@pytest.mark.slow
 def test_another_learning_rate_is_caught_by_both_verdicts(fused_vs_unfused, tmp_path):
     """Real runs: fused vs unfused sits deep inside the noise band that a run at another seed
     measures; a run at another learning rate is outside it, and outside the tolerance."""
@@ -654,6 +695,7 @@ def test_layout_commands(tmp_path):
     assert bad.returncode == 2 and "layout 'tp2_rows'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_layouts_on_two_cpu_processes(tmp_path):
     """Two real torchrun runs (gloo) of the vocab-parallel layout: report, plot and verdict."""
     out = tmp_path / "report"
@@ -678,6 +720,7 @@ def test_layouts_on_two_cpu_processes(tmp_path):
     assert md.splitlines()[0].endswith(" · git 0a1b2c3") and report["meta"]["dirty"] is False
 
 
+@pytest.mark.slow
 def test_loss_parallel_benchmark_on_two_cpu_processes(tmp_path):
     """Both modes run through torchrun (gloo) and compute the same loss."""
     out = tmp_path / "lp"
