@@ -118,7 +118,7 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable_checkpoint: bool = False
+    enable: bool = False  # also read as enable_checkpoint, torchtitan v0.1's name
     folder: str = "checkpoint"
     interval: int = 500
     keep_latest_k: int = 0  # 0: keep all
@@ -283,7 +283,12 @@ def _coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
     return value
 
 
+# Keys also accepted under an older name: (section, old name) -> the name.
+ALIASES = {("checkpoint", "enable_checkpoint"): "enable"}  # torchtitan v0.1's name
+
+
 def _set(section, where: str, key: str, value: Any, from_text: bool) -> None:
+    key = ALIASES.get((where, key), key)
     if key not in _keys(section):
         if key in _subsections(section):
             example, path = getattr(section, key), f"{where}.{key}"
@@ -451,5 +456,5 @@ def _flat(tables: dict, where: str = "") -> dict:
         if isinstance(value, dict):
             flat.update(_flat(value, f"{where}.{key}" if where else key))
         else:
-            flat[(where, key)] = value
+            flat[(where, ALIASES.get((where, key), key))] = value
     return flat

@@ -1,6 +1,6 @@
 """Evaluate a checkpoint on a data source: loss per token and bits per byte.
 
-    python scripts/evaluate.py --checkpoint outputs/debug/checkpoint \\
+    python3 -m scripts.evaluate --checkpoint outputs/debug/checkpoint \\
         [--source stdlib|PATH] [--split validation] [--val-every N] [--steps N] \\
         [--batch-size N] [--seq-len N] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] \\
         [--json FILE]
@@ -21,12 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if not __package__:  # run as a file: the repository root (models) is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.evaluate ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-import checkpoints  # noqa: E402
-from checkpoints import pick_device, pick_dtype  # noqa: E402
+import torch  # noqa: E402
+
+from scripts.lib import checkpoints  # noqa: E402
+from scripts.lib.checkpoints import pick_device, pick_dtype  # noqa: E402
 import train  # noqa: E402
 from components.config import JobConfig  # noqa: E402
 from components.data import build_data  # noqa: E402

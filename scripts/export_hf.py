@@ -1,6 +1,6 @@
 """Export a trained Llama as a Hugging Face `LlamaForCausalLM` folder, ready for transformers.
 
-    python scripts/export_hf.py --checkpoint outputs/debug/checkpoint --out outputs/debug/hf \\
+    python3 -m scripts.export_hf --checkpoint outputs/debug/checkpoint --out outputs/debug/hf \\
         [--dtype bfloat16|float32|float16] [--max-shard-size 5GB] [--overwrite]
 
 --checkpoint is a DCP checkpoint folder (`<dump>/checkpoint/step-<N>/`; the folder holding the
@@ -30,15 +30,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from torch import Tensor
+if not __package__:  # run as a file: the repository root (models) is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.export_hf ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-import checkpoints  # noqa: E402
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
 from components.tokenizer import ByteTokenizer, HFTokenizer, byte_tokenizer_json  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
+from scripts.lib import checkpoints  # noqa: E402
 
 DTYPES = hf.DTYPES
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -204,7 +205,8 @@ def parse_size(text: str) -> int:
 # ----------------------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.export_hf",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="a DCP checkpoint folder (<dump>/checkpoint/step-<N>), the folder of "
                              "step-<N> folders (latest), or a torch.save state dict file")

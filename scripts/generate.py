@@ -1,6 +1,6 @@
 """Sample text from a checkpoint with this repo's Llama (KV cache; CPU or GPU).
 
-    python scripts/generate.py --checkpoint outputs/debug/checkpoint --prompt "def " \\
+    python3 -m scripts.generate --checkpoint outputs/debug/checkpoint --prompt "def " \\
         [--max-new-tokens 200] [--temperature 0.8 --top-k 50 --top-p 0.95] [--seed 0] \\
         [--num-samples 1] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--no-cache]
 
@@ -14,14 +14,14 @@ generation stops at eos or after --max-new-tokens. --temperature 0 is greedy.
 import argparse
 import sys
 import time
-from pathlib import Path
 
-import torch
+if not __package__:  # run as a file: the repository root (models) is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.generate ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-import checkpoints  # noqa: E402
-from checkpoints import DTYPES, pick_device, pick_dtype  # noqa: E402
+import torch  # noqa: E402
+
+from scripts.lib import checkpoints  # noqa: E402
+from scripts.lib.checkpoints import DTYPES, pick_device, pick_dtype  # noqa: E402
 from models.generation import check_sampling, generate  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:

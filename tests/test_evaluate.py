@@ -7,7 +7,7 @@ UTF-8 bytes of the validation targets, its val_loss the plain cross-entropy reco
 evaluate.py reproduces both from the checkpoint and from its exported Hugging Face folder.
 """
 
-import importlib.util
+import importlib
 import json
 import math
 import random
@@ -29,10 +29,7 @@ WORDS = ["def", "return", "class", "import", "naïve", "café", "日本語", "�
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"scripts.{name}")
 
 
 @pytest.fixture(scope="module")

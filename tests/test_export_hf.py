@@ -10,7 +10,6 @@ from its config.toml, and the folder holds the tokenizer and the bos/eos ids.
 """
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -26,13 +25,10 @@ import train  # noqa: E402
 from components.tokenizer import ByteTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
+from scripts import export_hf  # noqa: E402
+from scripts.lib import checkpoints as reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "export_hf.py"
-_spec = importlib.util.spec_from_file_location("export_hf", SCRIPT)
-export_hf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_hf)
-reader = export_hf.checkpoints  # scripts/lib/checkpoints.py, imported by the script
 
 DEBUG = FLAVORS["debug"]  # 4 heads, 2 kv heads: grouped-query attention
 VARIANTS = {
@@ -137,6 +133,7 @@ def test_bfloat16_export_is_the_rounded_weights(tmp_path):
     assert transformers.LlamaConfig.from_pretrained(out).num_hidden_layers == DEBUG.n_layers
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_checkpoint_round_trip_through_the_cli(tmp_path):
     """A trainer-like DCP checkpoint (model + optimizer + step), exported by running the script."""
@@ -159,10 +156,11 @@ def test_dcp_checkpoint_round_trip_through_the_cli(tmp_path):
     out = tmp_path / "hf"
     # The folder of step-<N> folders: the latest (step-20) is exported.
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoints), "--flavor", "debug",
+        [sys.executable, "-m", "scripts.export_hf", "--checkpoint", str(checkpoints),
+         "--flavor", "debug",
          "--vocab-size", str(vocab), "--out", str(out), "--dtype", "float32",
          "--bos-id", "256", "--eos-id", "257"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "step-20" in result.stderr
     config = json.loads((out / "config.json").read_text())

@@ -3,7 +3,7 @@ token, prefill in pieces), sampling follows temperature / top-k / top-p, and scr
 samples from a trainer's checkpoint and from an exported Hugging Face folder."""
 
 import dataclasses
-import importlib.util
+import importlib
 from pathlib import Path
 
 import pytest
@@ -22,10 +22,7 @@ VARIANTS = {"gqa": DEBUG, "mqa_tied": dataclasses.replace(DEBUG, n_kv_heads=1, t
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"scripts.{name}")
 
 
 def model_for(args, seed: int = 0, seq_len: int = 128) -> Llama:

@@ -135,10 +135,7 @@ def test_a_wrong_rope_layout_would_be_caught(tmp_path, monkeypatch):
 def test_export_then_import_is_the_identity(tmp_path):
     """Our model -> export_hf's folder (float32, sharded) -> our model: the same tensors, hence
     the same logits bit for bit."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
-    export_hf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(export_hf)
+    from scripts import export_hf
 
     args = dataclasses.replace(FLAVORS["debug"], rope_scaling_factor=8.0,
                                rope_original_max_pos=64)

@@ -95,17 +95,72 @@ def test_hf_tokenizer_with_one_endoftext_token_uses_it_for_both_ends(tmp_path, r
     assert tokenizer.bos_id == tokenizer.eos_id == trained.token_to_id("<|endoftext|>")
 
 
-def test_hf_tokenizer_errors_name_the_file_and_the_tokens(tmp_path, rng):
+def test_hf_tokenizer_errors_name_the_file_the_keys_and_the_specials(tmp_path, rng):
     missing = tmp_path / "nowhere" / "tokenizer.json"
     with pytest.raises(FileNotFoundError, match="nowhere/tokenizer.json"):
         build_tokenizer("hf", str(missing))
 
     path = tmp_path / "tokenizer.json"
-    train_byte_level_bpe(rng, ["<s>"]).save(str(path))  # a bos but no eos
-    with pytest.raises(ValueError, match=r"tokenizer\.json: no eos token found.*'</s>'"):
+    train_byte_level_bpe(rng, ["<pad>", "<s>", "<doc_end>"]).save(str(path))  # a bos, no eos
+    with pytest.raises(ValueError, match=r"tokenizer\.json: no eos token found .*'</s>'.*: name "
+                       r"the one that marks a document's end with --tokenizer\.eos_token \(its "
+                       r"special tokens: '<pad>', '<s>', '<doc_end>'\)$"):
         build_tokenizer("hf", str(path))
-    with pytest.raises(ValueError, match=r"no bos token found \(looked for '<BOS>'\)"):
+    with pytest.raises(ValueError, match=r"\[tokenizer\] bos_token = '<BOS>': .*tokenizer\.json "
+                       r"has no such token \(its special tokens: '<pad>', '<s>', '<doc_end>'\)"):
         build_tokenizer("hf", str(path), bos_token="<BOS>", eos_token="<s>")
+    assert build_tokenizer("hf", str(path), eos_token="<doc_end>").eos_id == 2
+
+
+def test_hf_tokenizer_takes_bos_eos_from_tokenizer_config_json(tmp_path, rng):
+    """A Hugging Face model folder's tokenizer_config.json names them (a string, or a dict with
+    "content"); it outranks the common names."""
+    trained = train_byte_level_bpe(rng, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": {"content": "<|im_end|>", "special": True}}))
+    lines = []
+    tokenizer = build_tokenizer("hf", str(path), log=lines.append)
+    assert tokenizer.bos_id == trained.token_to_id("<|endoftext|>")  # config: none; a common name
+    assert tokenizer.eos_id == trained.token_to_id("<|im_end|>")
+    assert lines == [f"tokenizer {path}: {trained.get_vocab_size()} ids, bos '<|endoftext|>' "
+                     "(id 0, a common name), eos '<|im_end|>' (id 2, tokenizer_config.json)"]
+
+
+@pytest.mark.parametrize("processor", ["template", "sequence", "bert"])
+def test_hf_tokenizer_takes_bos_eos_from_the_post_processor(tmp_path, rng, processor):
+    """Names no common list has ([CLS]/[SEP], <doc>/</doc>): the post-processor frames a
+    sequence with them."""
+    bos, eos = ("[CLS]", "[SEP]") if processor == "bert" else ("<doc>", "</doc>")
+    trained = train_byte_level_bpe(rng, ["<pad>", bos, eos])
+    ids = {t: trained.token_to_id(t) for t in (bos, eos)}
+    if processor == "bert":
+        trained.post_processor = processors.BertProcessing((eos, ids[eos]), (bos, ids[bos]))
+    else:
+        template = processors.TemplateProcessing(
+            single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B:1 {eos}:1",
+            special_tokens=list(ids.items()))
+        trained.post_processor = (processors.Sequence([processors.ByteLevel(), template])
+                                  if processor == "sequence" else template)
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+    lines = []
+    tokenizer = build_tokenizer("hf", str(path), log=lines.append)
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (ids[bos], ids[eos])
+    assert f"bos '{bos}' (id {ids[bos]}, the post-processor)" in lines[0]
+
+
+def test_hf_tokenizer_with_only_a_bos_in_its_template_finds_eos_by_name(tmp_path, rng):
+    trained = train_byte_level_bpe(rng, ["<|begin_of_text|>", "<|end_of_text|>"])
+    trained.post_processor = processors.TemplateProcessing(  # Llama-3's: bos only
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)])
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+    tokenizer = build_tokenizer("hf", str(path))
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+    assert tokenizer.found == {"bos": "'<|begin_of_text|>' (id 0, the post-processor)",
+                               "eos": "'<|end_of_text|>' (id 1, a common name)"}
 
 
 def test_build_tokenizer_rejects_unknown_names_and_a_missing_path():

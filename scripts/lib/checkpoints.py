@@ -1,5 +1,4 @@
-"""A trained model as scripts/export_hf.py, generate.py and evaluate.py read it (they put the
-repository on sys.path before importing this).
+"""A trained model as scripts/export_hf.py, generate.py and evaluate.py read it.
 
 A checkpoint is one of:
 - a DCP step folder, `<dump_folder>/checkpoint/step-<N>/`: the trainer's. Its config.toml (the
