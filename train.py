@@ -10,8 +10,10 @@ metrics, validation).
 """
 
 import dataclasses
+import datetime
 import os
 import signal
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,25 +21,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from components.checkpoint import Checkpointer
+from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
 from components.config import JobConfig, config_changes, load_config, to_toml
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
-from components.metrics import MetricsLogger, StepMeter, peak_flops
-from components.optim import (build_lr_schedule, build_optimizer, hyperparameters,
-                              restore_hyperparameters)
+from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_metrics_backends,
+                                peak_flops)
+from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
+                              fit_lr_schedule, hyperparameters, restore_hyperparameters)
 from components.profiling import maybe_profile
 from components.tokenizer import build_tokenizer
 from models import FLAVORS, Llama, flops_per_token
+from models.hf import load_hf_weights
 from models.sdpa import set_sdpa_backend
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
 from parallelisms.fsdp import apply_fsdp, precompute_float8_scales
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
-from parallelisms.teardown import exit_without_teardown
+from parallelisms.teardown import exit_process, note_process_group
 from parallelisms.tp import apply_tp, check_tp_degree
 
 
@@ -59,6 +63,7 @@ def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        note_process_group(dist.get_backend(), dist.get_world_size())
         return dist.get_rank(), dist.get_world_size(), device
     if cuda:
         torch.cuda.set_device(0)
@@ -77,8 +82,10 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
         raise ValueError(f"[training] seq_len = {cfg.training.seq_len} exceeds the "
                          f"{cfg.model.flavor} flavor's max_seq_len {args.max_seq_len}")
     if args.vocab_size < vocab_floor:
-        raise ValueError(f"[model] vocab_size {args.vocab_size} is smaller than the tokenizer's "
-                         f"{vocab_floor} ids")
+        whose = "" if cfg.model.vocab_size else f" (the {cfg.model.flavor} flavor's)"
+        raise ValueError(f"[model] vocab_size {args.vocab_size}{whose} is smaller than the "
+                         f"tokenizer's {vocab_floor} ids: set --model.vocab_size {vocab_floor} "
+                         "or more")
     set_sdpa_backend(cfg.model.sdpa_backend, device)  # before compile traces the attention
     with torch.device("meta"):
         model = ModelWithLoss(Llama(args, seq_len=cfg.training.seq_len), TrainingLoss(cfg.loss))
@@ -144,20 +151,30 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def evaluate(model, batches, steps: int, device) -> float:
-    """Mean token loss over `steps` held-out batches (all ranks)."""
+def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | None = None) -> dict:
+    """val_loss: the mean cross-entropy per token over `steps` held-out batches (all ranks;
+    without label smoothing or z-loss), and val_bpb when token_bytes (UTF-8 bytes per token
+    id, on the CPU) is given: the same summed losses / (ln 2 x the bytes the target tokens
+    decode to). Bytes are counted on the CPU from the labels, so nothing waits for the device."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
+    n_bytes = 0
     one = torch.ones((), device=device)
-    with torch.no_grad():
+    with torch.no_grad(), model.loss.cross_entropy_only():
         for _ in range(steps):
             inputs, labels = next(batches)
+            if token_bytes is not None:
+                n_bytes += int(token_bytes[labels[labels != IGNORE_INDEX]].sum())
             labels = labels.to(device)
             total[0] += model(inputs.to(device), labels, one).double()
             total[1] += (labels != IGNORE_INDEX).sum()
     model.train()
-    total = all_reduce_sum(total)
-    return (total[0] / total[1].clamp(min=1)).item()
+    total = torch.cat([total, torch.tensor([n_bytes], dtype=torch.float64, device=device)])
+    nats, tokens, n_bytes = all_reduce_sum(total).tolist()
+    metrics = {"val_loss": nats / max(tokens, 1)}
+    if token_bytes is not None and n_bytes > 0:
+        metrics["val_bpb"] = bits_per_byte(nats, n_bytes)
+    return metrics
 
 
 def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: int, device,
@@ -301,10 +318,40 @@ def log_resume(path: Path, cfg: JobConfig) -> None:
             log(f"  {change}")
 
 
+def log_summary(cfg: JobConfig, started: float, first_step: int, last_step: int,
+                tokens: int, tokens_seen: int, metrics: MetricsLogger, ckpt: Checkpointer) -> None:
+    """What the run did and where its outputs are, after the last step (rank 0)."""
+    wall = datetime.timedelta(seconds=round(time.monotonic() - started))
+    if last_step < first_step:
+        log(f"done: no step left to train (resumed after step {last_step} of "
+            f"{cfg.training.steps}) in {wall}")
+    else:
+        steps = f"steps {first_step}-{last_step}" if last_step > first_step else f"step {last_step}"
+        resumed = f" ({tokens_seen:,} since step 1)" if tokens_seen != tokens else ""
+        log(f"{'done' if last_step == cfg.training.steps else 'stopped'}: {steps} of "
+            f"{cfg.training.steps} in {wall}, {tokens:,} tokens{resumed}")
+    at = lambda step_value: f"{step_value[1]:.4f} (step {step_value[0]})"  # noqa: E731
+    results = [f"{what} {at(table[key])}" for what, table, key in (
+        ("final loss", metrics.last, "loss"), ("validation loss", metrics.last, "val_loss"),
+        ("best", metrics.lowest, "val_loss")) if key in table]
+    if results:
+        log("  " + ", ".join(results))
+    log(f"  metrics: {metrics.jsonl_path}")
+    saved = sorted(list_checkpoints(ckpt.folder)) if cfg.checkpoint.enable else []
+    if saved:
+        log(f"  checkpoints: {ckpt.folder} (latest step-{saved[-1]})")
+    if metrics.wandb_dir is not None:
+        log(f"  wandb ({cfg.metrics.wandb_mode}): {metrics.wandb_dir}"
+            + (f"; upload it with: wandb sync {metrics.wandb_dir}"
+               if cfg.metrics.wandb_mode == "offline" else ""))
+    if metrics.tensorboard_dir is not None:
+        log(f"  tensorboard: tensorboard --logdir {metrics.tensorboard_dir}")
+
+
 def main(argv=None) -> int:
     cfg = load_config(argv)
     # From here on a stop signal is remembered: it takes effect after the first training step.
-    with StopRequest(saves=cfg.checkpoint.enable_checkpoint) as stop:
+    with StopRequest(saves=cfg.checkpoint.enable) as stop:
         rank, world, device = init_distributed(cfg.training.device)
         finished = False
         try:
@@ -320,6 +367,7 @@ def main(argv=None) -> int:
 
 
 def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: StopRequest) -> int:
+    started = time.monotonic()
     dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                 cfg.parallelism.data_parallel_shard_degree,
                                 cfg.parallelism.tensor_parallel_degree, world)
@@ -332,20 +380,31 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
             print(to_toml(cfg), flush=True)
 
     tokenizer = build_tokenizer(cfg.tokenizer.name, cfg.tokenizer.path or None,
-                                cfg.tokenizer.bos_token or None, cfg.tokenizer.eos_token or None)
+                                cfg.tokenizer.bos_token or None, cfg.tokenizer.eos_token or None,
+                                log=log)
+    # Settings whose errors would otherwise show only after the model is built.
+    implementation = ("fused" if cfg.optimizer.implementation == "auto"  # fused (CPU and CUDA)
+                      else cfg.optimizer.implementation)  # can skip a non-finite step, no sync
+    check_optimizer_settings(cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2),
+                             cfg.optimizer.eps, cfg.optimizer.weight_decay, implementation)
+    warmup_steps, decay_ratio, schedule_note = fit_lr_schedule(
+        cfg.lr_scheduler.warmup_steps, cfg.training.steps, cfg.lr_scheduler.decay_type,
+        cfg.lr_scheduler.min_lr_ratio, cfg.lr_scheduler.decay_ratio)
+    if schedule_note:
+        log(schedule_note)
+    if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:  # as ckpt.load() below
+        step_to_load(cfg.checkpoint, dump / cfg.checkpoint.folder)
+    check_metrics_backends(cfg.metrics.enable_wandb, cfg.metrics.enable_tensorboard)
     model, args = build_model(cfg, tokenizer.vocab_size, device, dims)
     params = [p for p in model.parameters() if p.requires_grad]
     log(f"model {cfg.model.flavor}: {sum(p.numel() for p in params):,} parameters, loss "
         f"{cfg.loss.impl}, world {world} (dp_replicate {dims.dp_replicate}, dp_shard "
         f"{dims.dp_shard}, tp {dims.tp}), device {device.type}")
     optimizer = build_optimizer(model, cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2),
-                                cfg.optimizer.eps, cfg.optimizer.weight_decay,
-                                # fused (CPU and CUDA) can skip a non-finite step without a sync
-                                "fused" if cfg.optimizer.implementation == "auto"
-                                else cfg.optimizer.implementation)
-    scheduler = build_lr_schedule(optimizer, cfg.lr_scheduler.warmup_steps, cfg.training.steps,
+                                cfg.optimizer.eps, cfg.optimizer.weight_decay, implementation)
+    scheduler = build_lr_schedule(optimizer, warmup_steps, cfg.training.steps,
                                   cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_ratio,
-                                  cfg.lr_scheduler.decay_ratio)
+                                  decay_ratio)
     data_kwargs = dict(source=cfg.data.source, tokenizer=tokenizer, seq_len=cfg.training.seq_len,
                        local_batch_size=cfg.training.local_batch_size,
                        dp_rank=dims.dp_rank(rank), dp_world=dims.dp, synthetic=cfg.data.synthetic,
@@ -360,12 +419,20 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     train_iter = iter(train_batches)
     # Every evaluation scores the same held-out batches, so validation losses are comparable.
     val_start = val_batches.state_dict() if val_batches is not None else None
+    # UTF-8 bytes per token id for bits per byte (ids past the tokenizer's: padding, 0 bytes)
+    token_bytes = None
+    if val_batches is not None and not cfg.data.synthetic:
+        lengths = tokenizer.byte_lengths()
+        token_bytes = torch.tensor(lengths + [0] * (args.vocab_size - len(lengths)))
 
     accum = cfg.training.gradient_accumulation_steps
     ckpt = Checkpointer(cfg.checkpoint, dump, model, optimizer, scheduler, train_batches, accum,
-                        rank, to_toml(cfg))
+                        rank, to_toml(cfg), read_hf_folder=lambda folder: {
+                            f"model.{k}": v for k, v in load_hf_weights(folder, args).items()})
+    if cfg.checkpoint.async_mode == "async":  # its saves use a gloo group of their own
+        note_process_group("gloo", world)
     start_step, tokens_seen = 1, 0
-    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
+    if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:
         configured = hyperparameters(optimizer)
         resumed = ckpt.load()
         if resumed is not None:
@@ -381,12 +448,13 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
 
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics.enable_wandb,
                             cfg.metrics.wandb_project, cfg.metrics.wandb_run_name or None,
-                            cfg.metrics.wandb_mode, cfg.metrics.enable_tensorboard, cfg.to_dict())
+                            cfg.metrics.wandb_mode, cfg.metrics.enable_tensorboard, cfg.to_dict(),
+                            resumed=start_step > 1)
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     bad_steps = BadSteps(device, start_step)
     # Test-only fault injection: a NaN loss at these steps (comma-separated), as a bad batch gives.
     poisoned = {int(s) for s in os.environ.get("FLCE_TEST_NAN_STEPS", "").split(",") if s.strip()}
-    exit_code = 0
+    exit_code, run_tokens, step = 0, 0, start_step - 1
     with maybe_profile(cfg.profiling, dump, rank) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
             with meter.waiting_for_data():
@@ -401,12 +469,13 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
             step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.tp
             meter.step_done(step_tokens)
             tokens_seen += step_tokens * world
+            run_tokens += step_tokens * world
             if profiler is not None:
                 profiler.step()
 
             last = step == cfg.training.steps
             log_step = step % cfg.metrics.log_freq == 0 or step == start_step or last
-            save_step = cfg.checkpoint.enable_checkpoint and (step % cfg.checkpoint.interval == 0
+            save_step = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0
                                                               or last)
             stopping = (log_step or world == 1) and stop.agreed(device)
             if log_step or save_step or stopping:  # the host syncs on these steps anyway
@@ -418,26 +487,28 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 if too_many_bad_steps(counts, step, cfg):
                     exit_code = 1
                     break
-            if save_step or (stopping and cfg.checkpoint.enable_checkpoint):
+            if save_step or (stopping and cfg.checkpoint.enable):
                 ckpt.save(step, tokens_seen)
                 meter.reset()
             if stopping:
                 log(f"received {stop.signal_name or 'a stop request on another rank'}: stopped "
                     f"after step {step}" + (f", checkpoint in {ckpt.folder}/step-{step}; the same "
-                                            "command resumes" if cfg.checkpoint.enable_checkpoint else ""))
+                                            "command resumes" if cfg.checkpoint.enable else ""))
                 break
             if val_batches is not None and (step % cfg.validation.freq == 0 or last):
                 val_batches.load_state_dict(val_start)
-                metrics.log(step, {"val_loss": evaluate(model, val_batches, cfg.validation.steps,
-                                                        device)})
+                metrics.log(step, evaluate(model, val_batches, cfg.validation.steps, device,
+                                           token_bytes))
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()
     for batches in (train_batches, val_batches):  # their threads and tokenizer workers
         if batches is not None:
             batches.close()
+    if rank == 0:
+        log_summary(cfg, started, start_step, step, run_tokens, tokens_seen, metrics, ckpt)
     return exit_code
 
 
 if __name__ == "__main__":
-    exit_without_teardown(main())  # everything is written and closed by now
+    exit_process(main())  # everything is written and closed by now

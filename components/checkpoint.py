@@ -2,7 +2,9 @@
 
 <dump_folder>/<folder>/step-<N>/ holds the model and optimizer (DCP, any parallel layout can
 load them), `train_state.json` (step, tokens seen, lr schedule), `rank-<r>.pt` per rank (data
-iterator position and RNG states) and the resolved `config.toml`.
+iterator position and RNG states) and the resolved `config.toml`. A run with no checkpoint of
+its own can start from `initial_load_path`'s model weights: a DCP step folder, or a Hugging Face
+LlamaForCausalLM folder (safetensors, read through the reader the trainer passes in).
 
 Nothing is lost to a kill at any point:
 - a save is written to `step-<N>.tmp/` and renamed to `step-<N>/` by rank 0 as soon as DCP
@@ -34,7 +36,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,6 +85,22 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _interrupted(error: BaseException | None) -> bool:
+    """A Ctrl-C inside torch.save surfaces as the writer's RuntimeError("unexpected pos") with the
+    KeyboardInterrupt only in its context; DCP wraps per-rank failures in CheckpointException."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict) and any(_interrupted(f) for f in failures.values()
+                                              if isinstance(f, BaseException)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _save_failed(final: Path, error: BaseException) -> RuntimeError:
     """DCP's errors span many lines and may not say why (a full disk can read "unexpected pos")."""
     last = (str(error).strip().splitlines() or [type(error).__name__])[-1]
@@ -124,10 +142,32 @@ def check_model_shapes(path: Path, model_sd: dict) -> None:
                              f"built from this config has {tuple(tensor.shape)} (check [model])")
 
 
+def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]] = None
+                 ) -> Optional[int]:
+    """The step a run resumes from ([checkpoint] load_step; -1: the latest), None when there is
+    none; an error naming load_step when it names a missing one. Cheap: the trainer asks before
+    it builds the model."""
+    found = list_checkpoints(folder) if found is None else found
+    if found:
+        step = max(found) if cfg.load_step == -1 else cfg.load_step
+        if step not in found:
+            raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint "
+                                    f"{folder}/step-{step} (have {sorted(found)})")
+        return step
+    if cfg.load_step not in (-1, 0):
+        raise FileNotFoundError(f"[checkpoint] load_step = {cfg.load_step}, but {folder} holds "
+                                "no complete checkpoint")
+    return None
+
+
 class Checkpointer:
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model, optimizer, scheduler, data,
-                 batches_per_step: int, rank: int, config_toml: str):
+                 batches_per_step: int, rank: int, config_toml: str,
+                 read_hf_folder: Optional[Callable[[Path], dict]] = None):
+        """read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
+        named as in get_model_state_dict(model); the trainer passes models/hf.py's reader."""
         self.cfg = cfg
+        self.read_hf_folder = read_hf_folder
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
         self.batches_per_step = batches_per_step
@@ -147,6 +187,7 @@ class Checkpointer:
         """Write step-<step>; with async_mode = "async" return once the state is staged (it is
         committed in the background as soon as it is written)."""
         self.wait()
+        started = time.perf_counter()
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
         if self.rank == 0:
@@ -170,18 +211,22 @@ class Checkpointer:
                                      process_group=self._async_group)
             written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse
             self._pending = Future()
-            written.add_done_callback(functools.partial(self._commit_when_written, tmp, final,
-                                                        step, self._pending))
+            blocked = time.perf_counter() - started
+            written.add_done_callback(functools.partial(
+                self._commit_when_written, tmp, final, step, self._pending,
+                f"in the background; training waited {blocked:.1f} s", started))
             _fault_point("async_started", step)
         else:
             try:
                 dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
             except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+                if _interrupted(e):  # the user's second Ctrl-C, not a failed write
+                    raise KeyboardInterrupt from e
                 raise _save_failed(final, e) from e
-            self._commit(tmp, final, step)
+            self._commit(tmp, final, step, "", started)
 
     def _commit_when_written(self, tmp: Path, final: Path, step: int, committed: Future,
-                             written: Future) -> None:
+                             how: str, started: float, written: Future) -> None:
         """Runs in DCP's writer thread when the save is done: no collectives here."""
         try:
             written.result()  # a failed save raises here and is never committed
@@ -189,7 +234,7 @@ class Checkpointer:
             committed.set_exception(_save_failed(final, e))
             return
         try:
-            self._commit(tmp, final, step)
+            self._commit(tmp, final, step, how, started)
             committed.set_result(None)
         except BaseException as e:
             committed.set_exception(e)
@@ -200,14 +245,16 @@ class Checkpointer:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+    def _commit(self, tmp: Path, final: Path, step: int, how: str, started: float) -> None:
         """Every rank's files are on disk once DCP's save returns: rank 0 renames them into place
-        (the one atomic step) and prunes."""
+        (the one atomic step), says so, and prunes."""
         if self.rank != 0:
             return
         _fault_point("before_commit", step)
         os.replace(tmp, final)  # a non-empty final folder makes this fail: it is never replaced
         _sync_dir(self.folder)
+        print(f"checkpoint: step {step} saved to {final} in {time.perf_counter() - started:.1f} s"
+              + (f" ({how})" if how else ""), flush=True)
         _fault_point("after_commit", step)
         self._prune(step)
 
@@ -230,18 +277,12 @@ class Checkpointer:
         initial_load_path's model weights if given. Returns the state to resume at, or None."""
         found = list_checkpoints(self.folder)
         resumed = None
-        if found:
-            step = max(found) if self.cfg.load_step == -1 else self.cfg.load_step
-            if step not in found:
-                raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint "
-                                        f"{self.folder}/step-{step} (have {sorted(found)})")
+        step = step_to_load(self.cfg, self.folder, found)
+        if step is not None:
             resumed = self._load_full(found[step])
-        elif self.cfg.load_step not in (-1, 0):
-            raise FileNotFoundError(f"[checkpoint] load_step = {self.cfg.load_step}, but "
-                                    f"{self.folder} holds no complete checkpoint")
         elif self.cfg.initial_load_path:
             self._load_model_only(Path(self.cfg.initial_load_path))
-        if self.cfg.enable_checkpoint and self.rank == 0:
+        if self.cfg.enable and self.rank == 0:
             self._set_aside_after(resumed.step if resumed else 0)
         return resumed
 
@@ -300,10 +341,38 @@ class Checkpointer:
                               "from the start")
 
     def _load_model_only(self, path: Path) -> None:
+        if (path / "config.json").is_file() and not (path / ".metadata").is_file() \
+                and self.read_hf_folder is not None:
+            return self._load_hf_folder(path)
         if not (path / ".metadata").is_file():
-            raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: not a DCP checkpoint "
-                                    "folder (no .metadata)")
+            raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: neither a DCP "
+                                    "checkpoint folder (no .metadata) nor a Hugging Face model "
+                                    "folder (no config.json)")
         model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
         dcp.load({"model": model_sd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
+
+    def _load_hf_folder(self, path: Path) -> None:
+        """Rank 0 alone reads the folder into full CPU tensors (a shared filesystem is read
+        once, and one copy is held per node at most); set_model_state_dict broadcasts them one
+        at a time and each rank keeps its own shard of every parameter, whatever the layout
+        (FSDP, TP, both). The other ranks learn of a failed read from rank 0, with its error,
+        instead of waiting in the broadcast."""
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        full, error = {}, None
+        if self.rank == 0 or not distributed:
+            try:
+                full = self.read_hf_folder(path)
+            except (OSError, ValueError) as e:
+                error = f"[checkpoint] initial_load_path = {path}: {e}"
+            except Exception as e:  # still told to the other ranks, which would wait forever
+                error = f"[checkpoint] initial_load_path = {path}: {type(e).__name__}: {e}"
+        if distributed:
+            message = [error]
+            dist.broadcast_object_list(message, src=0)
+            error = message[0]
+        if error is not None:
+            raise ValueError(error)
+        set_model_state_dict(self.model, full, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=distributed, strict=True))

@@ -92,7 +92,7 @@ class MixtureSource:
 @dataclass
 class Data:
     # "stdlib" (embedded, offline), a local .jsonl/.json/.parquet/.txt file or folder of them, a hub
-    # name, or a token shard folder made by scripts/prepare_data.py (read in a seeded shuffled order)
+    # name, or a token shard folder made by scripts.prepare_data (read in a seeded shuffled order)
     source: str = "stdlib"
     # Token shard folders mixed by weight (each one's share of the windows; they need not sum to
     # 1), in place of source. TOML: one [[data.mixture]] table per folder, with source and weight;
@@ -148,7 +148,7 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable_checkpoint: bool = False
+    enable: bool = False  # also read as enable_checkpoint, torchtitan v0.1's name
     folder: str = "checkpoint"
     interval: int = 500
     keep_latest_k: int = 0  # 0: keep all
@@ -328,7 +328,12 @@ def _coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
     return value
 
 
+# Keys also accepted under an older name: (section, old name) -> the name.
+ALIASES = {("checkpoint", "enable_checkpoint"): "enable"}  # torchtitan v0.1's name
+
+
 def _set(section, where: str, key: str, value: Any, from_text: bool) -> None:
+    key = ALIASES.get((where, key), key)
     if key not in _keys(section):
         if key in _subsections(section):
             example, path = getattr(section, key), f"{where}.{key}"
@@ -521,5 +526,5 @@ def _flat(tables: dict, where: str = "") -> dict:
         if isinstance(value, dict):
             flat.update(_flat(value, f"{where}.{key}" if where else key))
         else:
-            flat[(where, key)] = value
+            flat[(where, ALIASES.get((where, key), key))] = value
     return flat

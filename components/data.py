@@ -4,7 +4,7 @@ and cut into windows of seq_len + 1 tokens; every data-parallel rank reads its o
 Document i of a split goes to rank i % dp_world, and document i of the source is held out for validation
 when i % val_every == 0 (unless the source has a real validation split). Both rules are the same with and
 without streaming, so a run reads the same windows either way. Documents are read in order, not
-shuffled: for real pretraining, tokenize once into token shards (scripts/prepare_data.py), which
+shuffled: for real pretraining, tokenize once into token shards (scripts.prepare_data), which
 build_data reads through components/shard_batches.py in a shuffled, layout-independent order.
 """
 
@@ -464,7 +464,7 @@ def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, l
                val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
                on_bad_document: str = "error", mixture: list[tuple[str, float]] | None = None,
                num_workers: int = 0) -> Batches | Prefetched:
-    """Synthetic tokens; token shards (source a folder made by scripts/prepare_data.py, or a
+    """Synthetic tokens; token shards (source a folder made by scripts.prepare_data, or a
     mixture of such folders: (folder, weight) pairs); or text documents, tokenized by num_workers
     worker processes (0: by the loading thread; validation always is, it reads little). Shards
     and text are made ahead by a background thread (components/prefetch.py)."""
@@ -478,7 +478,7 @@ def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, l
         for folder, _ in mixture or []:
             if not is_shard_folder(folder):
                 raise ValueError(f"[[data.mixture]] source {folder!r}: not a token shard folder (a mixture "
-                                 f"mixes folders made by scripts/prepare_data.py)")
+                                 f"mixes folders made by scripts.prepare_data)")
         return Prefetched(build_shard_batches(
             sources=mixture or [(source, 1.0)], split=split, tokenizer=tokenizer, seq_len=seq_len,
             local_batch_size=local_batch_size, seed=seed, dp_rank=dp_rank, dp_world=dp_world,

@@ -5,7 +5,9 @@ global count of non-ignored tokens), from the same hidden states and output weig
 curves of runs that differ only in `impl` are comparable.
 """
 
-from typing import Optional
+import dataclasses
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 from torch import Tensor, nn
 
@@ -44,6 +46,18 @@ class TrainingLoss(nn.Module):
                 chunk_size=self.chunk_size or 4096, **self.options.loss_kwargs())
         return flce.linear_cross_entropy(hidden, labels, weight, bias, normalizer=normalizer,
                                          **self.options.loss_kwargs())
+
+    @contextmanager
+    def cross_entropy_only(self) -> Iterator[None]:
+        """Inside the block the loss is the plain cross-entropy (validation, bits per byte):
+        label smoothing and z-loss regularise training only; logit_scale and softcap stay, they
+        define the logits. Every implementation and parallel style reads `options` per call."""
+        saved = self.options
+        self.options = dataclasses.replace(saved, label_smoothing=0.0, z_loss=0.0)
+        try:
+            yield
+        finally:
+            self.options = saved
 
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, float8={self.float8!r}, {self.options}"

@@ -1,7 +1,9 @@
 """Training metrics: what a step achieved (StepMeter), and where it is recorded (MetricsLogger).
 
 MetricsLogger writes, on rank 0 only:
-  <dump_folder>/metrics.jsonl  one JSON object per log() call, always
+  <dump_folder>/metrics.jsonl  one JSON object per log() call, always; a fresh run starts a new
+                               file (an earlier run's is renamed metrics.<time>.jsonl), a resumed
+                               run appends
   stdout                       one line per log() call, always
   <dump_folder>/wandb/         a wandb run (offline unless asked for "online"), when enabled
   <dump_folder>/tb/            TensorBoard event files, when enabled
@@ -38,12 +40,22 @@ WANDB_MODES = ("offline", "online", "disabled")
 PRINTED_METRICS = (
     ("loss", "loss", "{:.4f}"),
     ("val_loss", "val_loss", "{:.4f}"),
+    ("val_bpb", "val_bpb", "{:.4f}"),
     ("grad_norm", "grad_norm", "{:.3g}"),
     ("lr", "lr", "{:.1e}"),
-    ("tokens_per_second", "tok/s", "{:,.0f}"),
+    ("tokens_per_second", "tok/s/device", "{:,.0f}"),  # each device's; the sum is in the jsonl
     ("mfu_percent", "mfu", "{:.1f}%"),
     ("memory_max_reserved_gib", "mem", "{:.1f} GiB"),
 )
+
+
+def bits_per_byte(nats: float, n_bytes: float) -> float:
+    """Cross-entropy per UTF-8 byte of the text, in bits: the summed token losses (nats) over
+    ln 2 x the bytes the target tokens decode to. Unlike a loss per token it does not depend on
+    the tokenizer, so runs with different tokenizers compare."""
+    if n_bytes <= 0:
+        raise ValueError(f"bits_per_byte: {n_bytes} bytes (the targets decode to no text)")
+    return nats / (math.log(2) * n_bytes)
 
 
 def peak_flops_for_name(device_name: str) -> float | None:
@@ -156,18 +168,49 @@ def _format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
 
 
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("[metrics] enable_wandb is set but wandb is not installed: "
+                          "pip install wandb (or set [metrics] enable_wandb = false)") from e
+    return wandb
+
+
+def _import_summary_writer():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError("[metrics] enable_tensorboard is set but tensorboard is not "
+                          "installed: pip install tensorboard") from e
+    return SummaryWriter
+
+
+def check_metrics_backends(wandb_enable: bool, tensorboard_enable: bool) -> None:
+    """An ImportError naming the key when an enabled backend is not installed (the trainer asks
+    before it builds the model; MetricsLogger would say the same later)."""
+    if wandb_enable:
+        _import_wandb()
+    if tensorboard_enable:
+        _import_summary_writer()
+
+
 class MetricsLogger:
     """Records metrics on rank 0; on every other rank each method does nothing.
 
-    metrics.jsonl is appended to (a resumed run repeats the steps after its checkpoint; the last
-    line for a step wins). Non-finite values are written as null there, to keep each line valid
-    JSON; stdout, wandb and TensorBoard get them as they are.
+    A resumed run (resumed=True) appends to metrics.jsonl: it repeats the steps after its
+    checkpoint, and the last line for a step wins. A fresh run starts a new file: an earlier
+    run's metrics.jsonl in the same folder is renamed metrics.<its last write time>.jsonl, so
+    the two runs' lines never mix (and nothing is lost). Non-finite values are written as null
+    there, to keep each line valid JSON; stdout, wandb and TensorBoard get them as they are.
+    `last` and `lowest` hold each metric's latest and lowest (step, value), for the summary.
     """
 
     def __init__(self, dump_folder: str | Path, rank: int, total_steps: int,
                  wandb_enable: bool = False, wandb_project: str = "flce",
                  wandb_run_name: str | None = None, wandb_mode: str = "offline",
-                 tensorboard_enable: bool = False, config: dict | None = None) -> None:
+                 tensorboard_enable: bool = False, config: dict | None = None,
+                 resumed: bool = False) -> None:
         if wandb_mode not in WANDB_MODES:
             raise ValueError(f"[metrics] wandb_mode={wandb_mode!r}: expected one of "
                              f"{', '.join(WANDB_MODES)}")
@@ -179,11 +222,18 @@ class MetricsLogger:
         self._wandb_run = None
         self._tensorboard = None
         self._first_logged: tuple[int, float] | None = None  # (step, time) for the ETA
+        self.last: dict[str, tuple[int, float]] = {}
+        self.lowest: dict[str, tuple[int, float]] = {}
+        self.jsonl_path = self.dump_folder / "metrics.jsonl"
+        self.wandb_dir: Path | None = None  # the run's folder, what `wandb sync` takes
+        self.tensorboard_dir: Path | None = None
         if not self.enabled:
             return
 
         self.dump_folder.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.dump_folder / "metrics.jsonl", "a", encoding="utf-8")
+        if not resumed:
+            self._set_aside_earlier_run()
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         try:
             if wandb_enable:
                 self._wandb_run = self._start_wandb(wandb_project, wandb_run_name or None,
@@ -194,26 +244,34 @@ class MetricsLogger:
             self.close()  # whatever did start
             raise
 
+    def _set_aside_earlier_run(self) -> None:
+        if not self.jsonl_path.is_file() or self.jsonl_path.stat().st_size == 0:
+            return
+        written = datetime.datetime.fromtimestamp(self.jsonl_path.stat().st_mtime)
+        stem = f"metrics.{written:%Y%m%d-%H%M%S}"
+        aside, n = self.dump_folder / f"{stem}.jsonl", 1
+        while aside.exists():
+            n += 1
+            aside = self.dump_folder / f"{stem}-{n}.jsonl"
+        self.jsonl_path.rename(aside)
+        print(f"{self.jsonl_path} held an earlier run's metrics: renamed it {aside.name}; this "
+              "fresh run starts a new file", flush=True)
+
     def _start_wandb(self, project: str, run_name: str | None, mode: str, config: dict | None):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError("[metrics] enable_wandb is set but wandb is not installed: "
-                              "pip install wandb (or set [metrics] enable_wandb = false)") from e
+        wandb = _import_wandb()
         # mode is passed explicitly (it outranks a WANDB_MODE in the environment), so nothing
         # talks to the network unless the caller asked for "online". console="off": wandb would
         # otherwise wrap sys.stdout/stderr of the whole trainer to mirror them.
         settings = wandb.Settings(silent=True, console="off")
-        return wandb.init(mode=mode, dir=str(self.dump_folder), project=project, name=run_name,
-                          config=config, settings=settings)
+        run = wandb.init(mode=mode, dir=str(self.dump_folder), project=project, name=run_name,
+                         config=config, settings=settings)
+        self.wandb_dir = Path(run.dir).parent  # run.dir is the run folder's files/
+        return run
 
     def _start_tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ImportError("[metrics] enable_tensorboard is set but tensorboard is not "
-                              "installed: pip install tensorboard") from e
-        return SummaryWriter(log_dir=str(self.dump_folder / "tb"))
+        SummaryWriter = _import_summary_writer()  # noqa: N806 (a class)
+        self.tensorboard_dir = self.dump_folder / "tb"
+        return SummaryWriter(log_dir=str(self.tensorboard_dir))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step's metrics: values are numbers or 0-dim tensors; None means absent."""
@@ -227,6 +285,10 @@ class MetricsLogger:
             if reserved in values:
                 raise ValueError(f"metric {reserved!r}: the logger adds it itself; rename it")
 
+        for key, value in values.items():
+            self.last[key] = (step, value)
+            if math.isfinite(value) and (key not in self.lowest or value < self.lowest[key][1]):
+                self.lowest[key] = (step, value)
         record = {"step": step, "time": now}
         record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
         self._jsonl.write(json.dumps(record) + "\n")
@@ -264,6 +326,11 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+            # finish() returns before wandb's service has written the run out (an offline run's
+            # .wandb file holds a few bytes then); teardown() waits for it, as the interpreter's
+            # exit would, which a process leaving through os._exit skips.
+            import wandb
+            wandb.teardown()
 
     def __enter__(self) -> "MetricsLogger":
         return self

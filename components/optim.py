@@ -22,6 +22,22 @@ def _check_range(name: str, value: float, low: float, high: float = math.inf,
         raise ValueError(f"{name}={value!r}: must be a finite number in {interval}")
 
 
+def check_optimizer_settings(lr: float, betas: tuple[float, float], eps: float,
+                             weight_decay: float, implementation: str) -> None:
+    """Raise a ValueError naming the [optimizer] key of the first bad setting (no model needed:
+    the trainer checks them before it builds one)."""
+    _check_range("[optimizer] lr", lr, 0.0, low_open=True)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas={betas!r}: expected ([optimizer] beta1, [optimizer] beta2)")
+    _check_range("[optimizer] beta1", betas[0], 0.0, 1.0, high_open=True)
+    _check_range("[optimizer] beta2", betas[1], 0.0, 1.0, high_open=True)
+    _check_range("[optimizer] eps", eps, 0.0, low_open=True)
+    _check_range("[optimizer] weight_decay", weight_decay, 0.0)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"[optimizer] implementation={implementation!r}: expected one of "
+                         f"{', '.join(IMPLEMENTATIONS)}")
+
+
 def build_optimizer(model: torch.nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.95),
                     eps: float = 1e-8, weight_decay: float = 0.1,
                     implementation: str = "auto") -> torch.optim.AdamW:
@@ -38,17 +54,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, betas: tuple[float, float
     Parameters may be DTensors (FSDP2, tensor parallel): only `.ndim` and `.device` are read,
     which give the global rank and the local device for a DTensor.
     """
-    _check_range("[optimizer] lr", lr, 0.0, low_open=True)
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas={betas!r}: expected ([optimizer] beta1, [optimizer] beta2)")
-    _check_range("[optimizer] beta1", betas[0], 0.0, 1.0, high_open=True)
-    _check_range("[optimizer] beta2", betas[1], 0.0, 1.0, high_open=True)
-    _check_range("[optimizer] eps", eps, 0.0, low_open=True)
-    _check_range("[optimizer] weight_decay", weight_decay, 0.0)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"[optimizer] implementation={implementation!r}: expected one of "
-                         f"{', '.join(IMPLEMENTATIONS)}")
-
+    check_optimizer_settings(lr, betas, eps, weight_decay, implementation)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"build_optimizer: {type(model).__name__} has no parameters with "
@@ -105,18 +111,9 @@ def _lambda_for_scheduler(last_epoch: int, **schedule) -> float:
     return lr_multiplier(last_epoch + 1, **schedule)
 
 
-def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                      decay_type: str = "cosine", min_lr_ratio: float = 0.1,
-                      decay_ratio: float | None = None) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR following lr_multiplier; call scheduler.step() once after each optimizer.step().
-
-    Right after construction the optimizer's lr is already the one for step 1 (lr/warmup_steps).
-    state_dict() holds the step count and the base lrs, not the multiplier (a functools.partial,
-    which LambdaLR does not save): after loading a checkpoint, restore_hyperparameters() puts the
-    resumed config's base lrs back, so a resumed run follows the schedule of its own config.
-    decay_ratio applies to "wsd" only (None there means 0.1); giving it for another decay type is
-    an error rather than being silently ignored.
-    """
+def _check_schedule(warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float,
+                    decay_ratio: float | None) -> None:
+    """The schedule's settings, each on its own (whether they fit together is checked apart)."""
     if decay_type not in DECAY_TYPES:
         raise ValueError(f"[lr_scheduler] decay_type={decay_type!r}: expected one of "
                          f"{', '.join(DECAY_TYPES)}")
@@ -128,22 +125,69 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total
         raise ValueError(f"[training] steps={total_steps}: must be >= 1")
     if warmup_steps < 0:
         raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps}: must be >= 0")
-    if warmup_steps >= total_steps:
-        raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps} must be smaller than "
-                         f"[training] steps={total_steps}, to leave at least one step of decay")
     _check_range("[lr_scheduler] min_lr_ratio", min_lr_ratio, 0.0, 1.0)
     if decay_type == "wsd":
         if decay_ratio is not None:
             _check_range("[lr_scheduler] decay_ratio", decay_ratio, 0.0, 1.0, low_open=True)
+    elif decay_ratio is not None:
+        raise ValueError(f"[lr_scheduler] decay_ratio={decay_ratio} is only used with "
+                         f"decay_type='wsd', not {decay_type!r}: leave it unset")
+
+
+def fit_lr_schedule(warmup_steps: int, total_steps: int, decay_type: str = "cosine",
+                    min_lr_ratio: float = 0.1, decay_ratio: float | None = None
+                    ) -> tuple[int, float | None, str | None]:
+    """Fit the warmup (and wsd's decay) into a run too short for them, e.g. a smoke run of
+    `--training.steps 20` under a config with 20 warmup steps: (warmup_steps, decay_ratio, a
+    one-line warning or None when they already fit), for build_lr_schedule.
+
+    As torchtitan 0.2 does, the warmup is clamped and then wsd's decay shortened to the steps
+    left; unlike it, the warmup ends one step before the run does (torchtitan's can take the
+    whole run), so the last step still lands on min_lr_ratio, as in every schedule here.
+    Settings that are wrong in themselves raise, naming the key."""
+    _check_schedule(warmup_steps, total_steps, decay_type, min_lr_ratio, decay_ratio)
+    notes = []
+    if warmup_steps >= total_steps:
+        notes.append(f"[lr_scheduler] warmup_steps = {warmup_steps} does not fit in [training] "
+                     f"steps = {total_steps}: warming up over {total_steps - 1} step(s)")
+        warmup_steps = total_steps - 1
+    if decay_type == "wsd":
+        decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
+        if warmup_steps + decay_steps > total_steps:
+            decay_steps = total_steps - warmup_steps
+            ratio = DEFAULT_WSD_DECAY_RATIO if decay_ratio is None else decay_ratio
+            notes.append(f"the wsd decay ([lr_scheduler] decay_ratio = {ratio}) takes the last "
+                         f"{decay_steps} step(s)")
+            decay_ratio = decay_steps / total_steps
+    if not notes:
+        return warmup_steps, decay_ratio, None
+    return warmup_steps, decay_ratio, "warning: " + "; ".join(notes) + " (a short run)"
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                      decay_type: str = "cosine", min_lr_ratio: float = 0.1,
+                      decay_ratio: float | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following lr_multiplier; call scheduler.step() once after each optimizer.step().
+
+    Right after construction the optimizer's lr is already the one for step 1 (lr/warmup_steps).
+    state_dict() holds the step count and the base lrs, not the multiplier (a functools.partial,
+    which LambdaLR does not save): after loading a checkpoint, restore_hyperparameters() puts the
+    resumed config's base lrs back, so a resumed run follows the schedule of its own config.
+    decay_ratio applies to "wsd" only (None there means 0.1); giving it for another decay type is
+    an error rather than being silently ignored. A warmup (and decay) that does not fit in
+    total_steps is an error here: fit_lr_schedule() fits them first.
+    """
+    _check_schedule(warmup_steps, total_steps, decay_type, min_lr_ratio, decay_ratio)
+    if warmup_steps >= total_steps:
+        raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps} must be smaller than "
+                         f"[training] steps={total_steps}, to leave at least one step of decay")
+    if decay_type == "wsd":
         decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
         if warmup_steps + decay_steps > total_steps:
             raise ValueError(
                 f"[lr_scheduler] warmup_steps={warmup_steps} plus the wsd decay "
                 f"({decay_steps} steps from [lr_scheduler] decay_ratio={decay_ratio}) exceed "
                 f"[training] steps={total_steps}: lower one of them")
-    elif decay_ratio is not None:
-        raise ValueError(f"[lr_scheduler] decay_ratio={decay_ratio} is only used with "
-                         f"decay_type='wsd', not {decay_type!r}: leave it unset")
     schedule = functools.partial(_lambda_for_scheduler, warmup_steps=warmup_steps,
                                  total_steps=total_steps, decay_type=decay_type,
                                  min_lr_ratio=min_lr_ratio, decay_ratio=decay_ratio)

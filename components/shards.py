@@ -1,4 +1,4 @@
-"""Token shards: a folder of memory-mappable token arrays that scripts/prepare_data.py writes and
+"""Token shards: a folder of memory-mappable token arrays that scripts.prepare_data writes and
 the trainer reads (`[data] source = "<folder>"`).
 
     <folder>/index.json                    the header, written last: a folder without it is unfinished
@@ -59,9 +59,9 @@ def read_index(folder: str | Path) -> dict:
     if not (folder / INDEX).is_file():
         if (folder / PLAN).is_file():
             raise ShardFormatError(f"{folder}: unfinished token shards (no {INDEX}): run "
-                                   f"scripts/prepare_data.py again with the same arguments to finish them")
+                                   f"scripts.prepare_data again with the same arguments to finish them")
         raise ShardFormatError(f"{folder}: not a token shard folder (no {INDEX}); make one with "
-                               f"scripts/prepare_data.py")
+                               f"scripts.prepare_data")
     index = json.loads((folder / INDEX).read_text())
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ShardFormatError(f"{folder}/{INDEX}: format {index.get('format')!r} version "

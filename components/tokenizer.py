@@ -1,7 +1,12 @@
-"""Tokenizers: a built-in byte tokenizer (needs no files) and a wrapper for a Hugging Face tokenizer.json."""
+"""Tokenizers: a built-in byte tokenizer (needs no files) and a wrapper for a Hugging Face tokenizer.json.
 
+Each also says how many UTF-8 bytes every id stands for (`byte_lengths()`), for bits per byte.
+"""
+
+import functools
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -27,6 +32,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def fingerprint(self) -> str: ...
+    def byte_lengths(self) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -50,10 +56,19 @@ class ByteTokenizer:
     def fingerprint(self) -> str:
         return _sha256({"byte_tokenizer": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id})
 
+    def byte_lengths(self) -> list[int]:
+        """Bytes per id: 1 for each byte, 0 for bos, eos and pad."""
+        return [1] * 256 + [0] * (self.vocab_size - 256)
+
 
 class HFTokenizer:
     """A tokenizer.json (the `tokenizers` library's format), used without its post-processor's specials:
-    the data pipeline adds bos/eos itself, so every tokenizer frames documents the same way."""
+    the data pipeline adds bos/eos itself, so every tokenizer frames documents the same way.
+
+    bos/eos, unless named: the tokenizer_config.json beside the file (a Hugging Face model folder's
+    bos_token/eos_token), else the tokens the post-processor frames a sequence with (e.g. "<s> $A
+    </s>", or Llama-3's "<|begin_of_text|> $A"), else the first of the common names that the
+    tokenizer has. `found` says where each came from."""
 
     def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None):
         self.path = Path(path).expanduser()
@@ -61,18 +76,84 @@ class HFTokenizer:
             raise FileNotFoundError(f"tokenizer file not found: {self.path}")
         self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.bos_id: int = self._resolve("bos", bos_token, DEFAULT_BOS_TOKENS)
-        self.eos_id: int = self._resolve("eos", eos_token, DEFAULT_EOS_TOKENS)
+        config, framing = self._config_specials(), self._framing_specials()
+        self.found: dict[str, str] = {}
+        self.bos_id: int = self._resolve("bos", bos_token, config["bos"], framing["bos"],
+                                         DEFAULT_BOS_TOKENS)
+        self.eos_id: int = self._resolve("eos", eos_token, config["eos"], framing["eos"],
+                                         DEFAULT_EOS_TOKENS)
 
-    def _resolve(self, role: str, token: str | None, defaults: tuple[str, ...]) -> int:
-        candidates = (token,) if token else defaults
-        for candidate in candidates:
-            token_id = self._tokenizer.token_to_id(candidate)
+    def _config_specials(self) -> dict[str, str | None]:
+        """bos_token/eos_token of a tokenizer_config.json beside the file: a string, or a dict
+        with "content" (transformers writes either); None where absent or unreadable."""
+        found = {"bos": None, "eos": None}
+        config = self.path.with_name("tokenizer_config.json")
+        try:
+            values = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        except (OSError, ValueError):
+            return found
+        for role in found:
+            value = values.get(f"{role}_token") if isinstance(values, dict) else None
+            value = value.get("content") if isinstance(value, dict) else value
+            found[role] = value if isinstance(value, str) and value else None
+        return found
+
+    def _framing_specials(self) -> dict[str, str | None]:
+        """The special tokens the post-processor puts before and after a single sequence."""
+        found = {"bos": None, "eos": None}
+        processor = json.loads(self._tokenizer.to_str()).get("post_processor") or {}
+        processors = processor.get("processors", [processor])  # "Sequence" holds a list
+        for proc in processors:
+            kind = proc.get("type")
+            if kind in ("BertProcessing", "RobertaProcessing"):  # [CLS] $A [SEP], <s> $A </s>
+                found["bos"], found["eos"] = proc["cls"][0], proc["sep"][0]
+            elif kind == "TemplateProcessing":
+                pieces, specials = proc.get("single", []), proc.get("special_tokens", {})
+                # a template names a special by a key that maps to its token(s)
+                tokens = [specials.get(key, {}).get("tokens", [key])
+                          if (key := p.get("SpecialToken", {}).get("id")) else None
+                          for p in pieces]  # None: the sequence ($A)
+                at = tokens.index(None) if None in tokens else len(tokens)
+                before = [t[0] for t in tokens[:at] if len(t) == 1]
+                after = [t[0] for t in tokens[at + 1:] if len(t) == 1]
+                found["bos"] = before[-1] if before else found["bos"]
+                found["eos"] = after[0] if after else found["eos"]
+        return found
+
+    def _resolve(self, role: str, named: str | None, config: str | None, framing: str | None,
+                 defaults: tuple[str, ...]) -> int:
+        key = f"[tokenizer] {role}_token"
+        if named:
+            token_id = self._tokenizer.token_to_id(named)
+            if token_id is None:
+                raise ValueError(f"{key} = {named!r}: {self.path} has no such token"
+                                 + self._specials_hint())
+            self.found[role] = f"{named!r} (id {token_id}, {key})"
+            return token_id
+        candidates = [(config, "tokenizer_config.json"), (framing, "the post-processor")]
+        candidates += [(name, "a common name") for name in defaults]
+        for candidate, source in candidates:
+            token_id = self._tokenizer.token_to_id(candidate) if candidate else None
             if token_id is not None:
+                self.found[role] = f"{candidate!r} (id {token_id}, {source})"
                 return token_id
         raise ValueError(
-            f"{self.path}: no {role} token found (looked for {', '.join(map(repr, candidates))}); "
-            f"name the tokenizer's {role} token with [tokenizer] {role}_token")
+            f"{self.path}: no {role} token found (not in a tokenizer_config.json beside it nor in "
+            f"its post-processor; none of {', '.join(map(repr, defaults))}): name the one that "
+            f"marks a document's {'start' if role == 'bos' else 'end'} with --tokenizer.{role}_token"
+            + self._specials_hint())
+
+    def _specials_hint(self) -> str:
+        specials = [t.content for t in self._tokenizer.get_added_tokens_decoder().values()
+                    if t.special]
+        if not specials:
+            return " (the tokenizer has no special tokens)"
+        more = f", ... ({len(specials)} in all)" if len(specials) > 12 else ""
+        return f" (its special tokens: {', '.join(map(repr, specials[:12]))}{more})"
+
+    def describe(self) -> str:
+        return (f"tokenizer {self.path}: {self.vocab_size:,} ids, bos {self.found['bos']}, "
+                f"eos {self.found['eos']}")
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -91,18 +172,105 @@ class HFTokenizer:
         return _sha256({"tokens": sorted((i, t) for t, i in vocab.items()), "bos_id": self.bos_id,
                         "eos_id": self.eos_id})
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    def byte_lengths(self) -> list[int]:
+        """UTF-8 bytes per id in decoded text (0 for special tokens, which decode() drops).
+
+        Byte-level BPE (GPT-2, Llama 3; a ByteLevel decoder): each character of a token stands
+        for one byte (GPT-2's byte-to-character map), so the lengths of any id sequence add up
+        to exactly the bytes it decodes to, also where a token holds part of a character.
+        SentencePiece-style tokenizers (Metaspace or a "▁" -> " " Replace, <0xNN> byte
+        fallback): "▁" counts as the space it decodes to and <0xNN> as one byte; decoding drops
+        the space such a tokenizer puts before a text's first word, so their sum over a text
+        that does not start with a space is its byte length + 1. Other decoders: the token's
+        own UTF-8 length."""
+        spec = json.loads(self._tokenizer.to_str()).get("decoder")
+        decoders = _decoder_specs(spec)
+        kinds = {d.get("type") for d in decoders}
+        replacements = [(d["replacement"], " ") for d in decoders if d.get("type") == "Metaspace"]
+        replacements += [(d["pattern"]["String"], d["content"]) for d in decoders
+                         if d.get("type") == "Replace" and "String" in d.get("pattern", {})]
+        specials = {i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                    if token.special}
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        lengths = []
+        for i in range(self.vocab_size):
+            token = self._tokenizer.id_to_token(i)
+            if token is None or i in specials:
+                lengths.append(0)
+            elif "ByteLevel" in kinds and all(c in byte_of for c in token):
+                lengths.append(len(token))
+            elif "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+                lengths.append(1)
+            else:  # also what the ByteLevel decoder does with a token outside its alphabet
+                for old, new in replacements:
+                    token = token.replace(old, new)
+                lengths.append(len(token.encode("utf-8")))
+        return lengths
+
 
 def _sha256(what: dict) -> str:
     return hashlib.sha256(json.dumps(what, ensure_ascii=False).encode()).hexdigest()
 
 
+def _decoder_specs(spec: dict | None) -> list[dict]:
+    """A tokenizer.json decoder and, for a Sequence, the decoders in it."""
+    if not spec:
+        return []
+    if spec.get("type") == "Sequence":
+        return [d for inner in spec.get("decoders", []) for d in _decoder_specs(inner)]
+    return [spec]
+
+
+@functools.cache
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 byte values to printable characters, the alphabet in which
+    byte-level BPE vocabularies are written (tokenizers' ByteLevel uses the same map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return dict(sorted(chars.items()))
+
+
+BYTE_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")  # ids 256, 257, 258
+
+
+def byte_tokenizer_json() -> str:
+    """The byte tokenizer as a tokenizer.json (for an exported Hugging Face folder): the same ids
+    for any text, bos/eos/pad at 256/257/258 under Llama 3's names (so HFTokenizer finds them),
+    and a post-processor that puts bos first when asked for special tokens, as training framed
+    every document. Byte-level BPE without merges: each byte is its own token. (A text that
+    holds one of those names literally gets its special id, as Hugging Face tokenizers do;
+    ByteTokenizer encodes it as bytes.)"""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+
+    vocab = {c: b for b, c in _bytes_to_unicode().items()}
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in BYTE_SPECIAL_TOKENS])
+    bos = BYTE_SPECIAL_TOKENS[0]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ByteTokenizer.bos_id)])
+    return tokenizer.to_str()
+
+
 def build_tokenizer(name: str, path: str | None = None, bos_token: str | None = None,
-                    eos_token: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """Empty strings count as "not given", so config defaults of "" can be passed straight through."""
+                    eos_token: str | None = None, log=None) -> ByteTokenizer | HFTokenizer:
+    """Empty strings count as "not given", so config defaults of "" can be passed straight through.
+    log, when given, gets one line saying which bos/eos a tokenizer.json's are and why."""
     if name == "byte":
         return ByteTokenizer()
     if name == "hf":
         if not path:
             raise ValueError('tokenizer "hf" needs the path of a tokenizer.json: set [tokenizer] path')
-        return HFTokenizer(path, bos_token=bos_token or None, eos_token=eos_token or None)
+        tokenizer = HFTokenizer(path, bos_token=bos_token or None, eos_token=eos_token or None)
+        if log is not None:
+            log(tokenizer.describe())
+        return tokenizer
     raise ValueError(f"unknown tokenizer name {name!r}: expected one of {', '.join(TOKENIZER_NAMES)}")

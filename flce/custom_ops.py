@@ -1,8 +1,9 @@
 """The loss as torch.library custom ops: opaque to torch.compile, with fake (meta) kernels.
 
 fused_forward: loss and gradients in one sweep (reductions mean/sum); token_losses and
-token_losses_backward: reduction "none" (backward recomputes the logits); scale_cast / scale_:
-the backward's multiply by the upstream gradient, rounded once to the parameter dtype.
+token_losses_backward: reduction "none" (backward recomputes the logits); scale_cast / scale_
+(through scale_to): the backward's multiply by the upstream gradient, rounded once to the
+parameter dtype.
 """
 
 from typing import Optional, Tuple
@@ -10,6 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from flce.dispatch import stat_dtype, triton_usable
 from flce.ops import chunked_pass
 from flce.options import LossOptions
 
@@ -18,11 +20,6 @@ _EMPTY = (0,)
 
 def _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap) -> LossOptions:
     return LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-
-
-def stat_dtype(x: Tensor) -> torch.dtype:
-    """Loss and lse are fp32, or float64 for float64 inputs."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
@@ -106,7 +103,7 @@ def _(grad, x, target, weight, bias, lse, ignore_index, label_smoothing, logit_s
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
 
 
-def _scale_to(acc: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
+def scale_to(acc: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
     """acc * grad computed in acc's precision and rounded once to dtype (in place if same)."""
     if acc.dtype == dtype:
         scale_(acc, grad)
@@ -115,7 +112,6 @@ def _scale_to(acc: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _fast_scale(t: Tensor) -> bool:
-    from flce.function import triton_usable
     return t.is_cuda and triton_usable(t.device)
 
 

@@ -1,18 +1,14 @@
-"""The public function: input checks, implementation choice and the autograd wiring."""
+"""The public function: input checks and the autograd wiring."""
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from flce.custom_ops import (_scale_to, fused_forward, stat_dtype, token_losses,
-                             token_losses_backward)
+from flce.custom_ops import fused_forward, scale_to, token_losses, token_losses_backward
+from flce.dispatch import loss_weight, stat_dtype, use_triton
 from flce.float8 import FLOAT8
 from flce.options import LossOptions
-
-IMPLS = ("auto", "triton", "torch")
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _ReducedLoss(torch.autograd.Function):
@@ -33,9 +29,9 @@ class _ReducedLoss(torch.autograd.Function):
         need = ctx.needs_input_grad
         x_dtype, w_dtype = ctx.dtypes
         grad = grad * loss_weight
-        return (_scale_to(dx, grad, x_dtype) if need[0] else None, None,
-                _scale_to(dw, grad, w_dtype) if need[2] else None,
-                _scale_to(db, grad, w_dtype) if need[3] else None, None, None)
+        return (scale_to(dx, grad, x_dtype) if need[0] else None, None,
+                scale_to(dw, grad, w_dtype) if need[2] else None,
+                scale_to(db, grad, w_dtype) if need[3] else None, None, None)
 
 
 class _TokenLosses(torch.autograd.Function):
@@ -86,46 +82,6 @@ def _check_inputs(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tens
             raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
 
 
-def triton_usable(device: torch.device) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _use_triton(impl: str, x: Tensor) -> bool:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-    if impl == "torch":
-        return False
-    if impl == "triton":
-        if x.dtype not in TRITON_DTYPES:
-            raise TypeError(f"impl='triton' supports {TRITON_DTYPES}, got {x.dtype}; use impl='torch'")
-        if not triton_usable(x.device):
-            raise RuntimeError(f"impl='triton' needs triton and CUDA tensors (x is on {x.device}); "
-                               "on the CPU set TRITON_INTERPRET=1 or use impl='torch'")
-        return True
-    return x.device.type == "cuda" and x.dtype in TRITON_DTYPES and triton_usable(x.device)
-
-
-def _loss_weight(target: Tensor, opts: LossOptions, normalizer, device, dtype) -> Tensor:
-    """1 / (what the summed loss is divided by), as a device tensor (no host sync)."""
-    if normalizer is not None:
-        if isinstance(normalizer, Tensor):
-            if normalizer.numel() != 1:
-                raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-            return 1.0 / normalizer.to(device=device, dtype=dtype).reshape(())
-        if not normalizer > 0:
-            raise ValueError(f"normalizer={normalizer}: must be > 0")
-        return torch.full((), 1.0 / float(normalizer), device=device, dtype=dtype)
-    if opts.reduction == "mean":
-        count = (target != opts.ignore_index).sum().clamp(min=1)
-        return 1.0 / count.to(dtype)
-    return torch.ones((), device=device, dtype=dtype)
-
-
 def fused_linear_cross_entropy(
     x: Tensor,
     target: Tensor,
@@ -163,7 +119,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"float8={float8!r}: expected one of {FLOAT8}")
     if normalizer is not None and reduction == "none":
         raise ValueError("normalizer applies to reduction='mean' or 'sum', not 'none'")
-    use_triton = _use_triton(impl, x)
+    on_triton = use_triton(impl, x)
     x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
     o = (ignore_index, float(label_smoothing), float(logit_scale), float(z_loss),
          None if softcap is None else float(softcap))
@@ -172,12 +128,12 @@ def fused_linear_cross_entropy(
     if reduction == "none":
         if not grad:
             return token_losses(x2, t2, weight, bias, *o, chunk_size, float8,
-                                use_triton)[0].reshape(target.shape)
+                                on_triton)[0].reshape(target.shape)
         loss = _TokenLosses.apply(x2, t2, weight, bias, o, chunk_size, memory_lean, float8,
-                                  use_triton)
+                                  on_triton)
         return loss.reshape(target.shape)
-    loss_weight = _loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
-    config = o + (chunk_size, memory_lean, float8, use_triton)
+    weight_of_sum = loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
+    config = o + (chunk_size, memory_lean, float8, on_triton)
     if not grad:
-        return fused_forward(x2, t2, weight, bias, loss_weight, *config, False, False, False)[0]
-    return _ReducedLoss.apply(x2, t2, weight, bias, loss_weight, config)
+        return fused_forward(x2, t2, weight, bias, weight_of_sum, *config, False, False, False)[0]
+    return _ReducedLoss.apply(x2, t2, weight, bias, weight_of_sum, config)

@@ -4,8 +4,9 @@ from typing import Optional
 
 from torch import Tensor, nn
 
+from flce.dispatch import IMPLS
 from flce.float8 import FLOAT8
-from flce.function import IMPLS, fused_linear_cross_entropy
+from flce.function import fused_linear_cross_entropy
 from flce.options import LossOptions
 
 

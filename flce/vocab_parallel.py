@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flce.custom_ops import _scale_to
-from flce.function import _loss_weight, _use_triton
+from flce.custom_ops import scale_to
+from flce.dispatch import loss_weight, stat_dtype, use_triton
 from flce.ops import chunk_loop, pick_chunk_size, weight_grad_buffer
 from flce.options import LossOptions
 from flce.reference import scaled_logits
@@ -158,7 +158,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         dx, dw, db, loss_weight = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         scale = grad * loss_weight
-        cast = lambda t, dtype: None if t is None else _scale_to(t, scale, dtype)
+        cast = lambda t, dtype: None if t is None else scale_to(t, scale, dtype)
         return (cast(dx, x_dtype), None, cast(dw, w_dtype), cast(db, w_dtype), None, None, None,
                 None, None, None, None)
 
@@ -177,11 +177,10 @@ def vocab_parallel_linear_cross_entropy(
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     _check_slice(weight, vocab_start, vocab_size)
     x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
-    loss_weight = _loss_weight(t2, opts, normalizer, x.device,
-                               torch.promote_types(x.dtype, torch.float32))
-    return _VocabParallelLoss.apply(x2, t2, weight, bias, loss_weight.reshape(()), opts,
+    weight_of_sum = loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
+    return _VocabParallelLoss.apply(x2, t2, weight, bias, weight_of_sum.reshape(()), opts,
                                     vocab_start, vocab_size, group, chunk_size,
-                                    _use_triton(impl, x2))
+                                    use_triton(impl, x2))
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -214,7 +213,7 @@ def vocab_parallel_linear_cross_entropy_unfused(
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     _check_slice(weight, vocab_start, vocab_size)
     x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
-    stat = torch.promote_types(x.dtype, torch.float32)
+    stat = stat_dtype(x)
     z = scaled_logits(torch.nn.functional.linear(x2, weight, bias).to(stat), opts)
     m = _row_max(z.detach())  # a shift: lse does not depend on it
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -222,4 +221,4 @@ def vocab_parallel_linear_cross_entropy_unfused(
                                             _target_logit(z, t2, opts, vocab_start), z.sum(1)]),
                                group)
     loss, _ = _loss_from_sums(m, sums, t2, opts, vocab_size)
-    return loss.sum() * _loss_weight(t2, opts, normalizer, x.device, stat).reshape(())
+    return loss.sum() * loss_weight(t2, opts, normalizer, x.device, stat).reshape(())

@@ -1,10 +1,11 @@
 """Llama-3 model: architecture, hyperparameters and named flavors, parameter/FLOP counts."""
 
 from models.args import FLAVORS, LlamaArgs, flops_per_token, param_count_for
-from models.llama import Llama, apply_rope, build_rope_cache, num_params, rope_frequencies
+from models.llama import KVCache, Llama, apply_rope, build_rope_cache, num_params, rope_frequencies
 
 __all__ = [
     "FLAVORS",
+    "KVCache",
     "Llama",
     "LlamaArgs",
     "apply_rope",

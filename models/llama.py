@@ -72,7 +72,8 @@ class Attention(nn.Module):
             _trunc_normal_(linear.weight, 0.02)
         _trunc_normal_(self.wo.weight, out_std)
 
-    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope_cache: Tensor, kv_cache: "KVCache | None" = None,
+                layer_id: int = 0) -> Tensor:
         batch, seq_len, _ = x.shape
         # Head counts are read from the projections' outputs (-1), not from args, so the same code
         # runs on a tensor-parallel rank holding a slice of the heads.
@@ -80,9 +81,20 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(batch, seq_len, -1, self.head_dim), rope_cache)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
+        mask, causal = None, True
+        if kv_cache is not None:
+            start = kv_cache.length
+            k, v = kv_cache.append(layer_id, k, v)  # every position so far
+            if start:
+                # query i sits at position start + i and sees keys 0..start + i (is_causal
+                # would align the triangle to key 0); a single query sees every key
+                causal = False
+                if seq_len > 1:
+                    mask = torch.ones(seq_len, k.shape[2], dtype=torch.bool,
+                                      device=q.device).tril(diagonal=start)
         # enable_gqa: query head h reads kv head h // (n_heads / n_kv_heads), without
         # materializing repeated keys and values.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
@@ -124,8 +136,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm.reset_parameters()
         self.feed_forward.init_weights(out_std)
 
-    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: Tensor, rope_cache: Tensor, kv_cache: "KVCache | None" = None) -> Tensor:
+        x_norm = self.attention_norm(x)
+        # without a cache exactly the training call: TP's input plan covers these two inputs
+        h = x + (self.attention(x_norm, rope_cache) if kv_cache is None
+                 else self.attention(x_norm, rope_cache, kv_cache, self.layer_id))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -191,19 +206,51 @@ class Llama(nn.Module):
         device = self.rope_cache.device if buffer_device is None else buffer_device
         self.rope_cache = build_rope_cache(self.args, self.seq_len, device)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        seq_len = tokens.shape[1]
-        if seq_len > self.rope_cache.shape[0]:
-            raise ValueError(f"sequence of {seq_len} tokens: this model was built for at most "
+    def forward(self, tokens: Tensor, kv_cache: "KVCache | None" = None) -> Tensor:
+        """kv_cache (inference): tokens continue the sequence the cache holds; their keys and
+        values are added to it. Without one (training), tokens start at position 0."""
+        start = 0 if kv_cache is None else kv_cache.length
+        end = start + tokens.shape[1]
+        if end > self.rope_cache.shape[0]:
+            raise ValueError(f"sequence of {end} tokens: this model was built for at most "
                              f"seq_len={self.rope_cache.shape[0]}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope_cache = self.rope_cache[:seq_len]
+        rope_cache = self.rope_cache[start:end]
         for layer in self.layers.values():
-            h = layer(h, rope_cache)
+            # without a cache exactly the training call (wrappers and compile see two inputs)
+            h = layer(h, rope_cache) if kv_cache is None else layer(h, rope_cache, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length = end
         return self.norm(h) if self.norm is not None else h
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.output(hidden)
+
+
+class KVCache:
+    """Keys and values of every layer for the positions generated so far (inference only).
+
+    One buffer per layer of [batch, n_kv_heads, max_len, head_dim], filled from position 0;
+    `length` counts the positions held. Pass it to every Llama.forward of one sequence.
+    """
+
+    def __init__(self, args: LlamaArgs, batch_size: int, max_len: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        shape = (batch_size, args.n_kv_heads, max_len, args.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype)
+                       for _ in range(args.n_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def append(self, layer_id: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new positions' k, v [B, kv_heads, T, head_dim]; return all positions'."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions, {end} needed")
+        self.keys[layer_id][:, :, self.length:end] = k
+        self.values[layer_id][:, :, self.length:end] = v
+        return self.keys[layer_id][:, :, :end], self.values[layer_id][:, :, :end]
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = True) -> int:

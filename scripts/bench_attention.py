@@ -6,22 +6,21 @@ order (flash first, cuDNN last) is not the fastest there. This times each backen
 shapes (grouped-query attention through `enable_gqa`), so `[model] sdpa_backend` can be chosen
 from a measurement. Writes JSON and a markdown table.
 
-    python scripts/bench_attention.py --out benchmarks/attention_h200
+    python3 -m scripts.bench_attention --out benchmarks/attention_h200
 """
 
 import argparse
-import datetime
-import json
-import platform
 import sys
-from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench_attention ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flce import cuda_time, grid_table  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.timing import median_ms  # noqa: E402
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -31,11 +30,13 @@ SHAPES = "4x32x8x8192x64,4x16x4x8192x64,1x32x8x8192x128"
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_attention", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma-separated BxHQxHKVxTxD")
     p.add_argument("--out", default="benchmarks/attention_bench", help="output path without suffix")
     args = p.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     results = []
     for shape in args.shapes.split(","):
         B, HQ, HKV, T, D = map(int, shape.split("x"))
@@ -58,7 +59,7 @@ def main():
                 return out
             try:
                 out = run()
-                ms = cuda_time(run, warmup=3, reps=10)
+                ms = median_ms(run, warmup=3, reps=10)
             except RuntimeError as e:  # "No available kernel": this backend cannot run the shape
                 print(f"{shape} {name}: not available ({str(e).splitlines()[0][:120]})")
                 results.append({"shape": shape, "backend": name, "ms": None})
@@ -71,14 +72,9 @@ def main():
             print(f"{shape} {name:9s} {ms:7.2f} ms {flops / ms / 1e9:5.0f} TFLOP/s "
                   f"(output vs {first}: {err:.1e})")
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python " + " ".join(sys.argv)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            "cudnn": torch.backends.cudnn.version(), **origin}
     text = markdown(meta, results)
-    out.with_suffix(".md").write_text(text)
+    write_report(args.out, {"meta": meta, "results": results}, text)
     print(text, end="")
 
 
@@ -87,8 +83,9 @@ def _backend_cell(_, r):
 
 
 def markdown(meta, results) -> str:
-    lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · bf16 · "
-             f"{meta['date']}", f"Command: `{meta['command']}`", "",
+    lines = [*warning_lines(meta),
+             f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · bf16 · "
+             f"{meta['date']} · git {meta['git']}", f"Command: `{meta['command']}`", "",
              "Causal attention forward+backward, median ms (TFLOP/s counting the causal half).", "",
              *grid_table(results, "backend", "B×HQ×HKV×T×D", _backend_cell),
              "", "n/a: PyTorch reported no available kernel of that backend for the call "

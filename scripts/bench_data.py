@@ -3,7 +3,7 @@
 32k BPE tokenizer, 0..N tokenizer worker processes), against what one H200 consumes training the
 llama_150m flavor, and the time a loop consuming at that rate waits for data.
 
-    python scripts/bench_data.py --out benchmarks/data_loader_cpu [--workers 0,1,2] \\
+    python3 -m scripts.bench_data --out benchmarks/data_loader_cpu [--workers 0,1,2] \\
         [--corpus FILE_OR_FOLDER] [--tokenizer tokenizer.json] [--seq-len 2048 --batch 8] \\
         [--compare-libraries]
 
@@ -18,23 +18,21 @@ and OUT.md (machine, versions, date, command, commit).
 
 import argparse
 import dataclasses
-import datetime
 import importlib.metadata
 import json
 import os
 import platform
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+if not __package__:  # run as a file: the repository root (components) is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench_data ...")
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np  # noqa: E402
+
 from components.data import build_data, embedded_corpus  # noqa: E402
 from components.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
 from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402
@@ -42,6 +40,7 @@ from components.shard_prepare import (file_units, listing, local_files, prepare,
 from components.shards import TokenShards  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from models import FLAVORS, flops_per_token  # noqa: E402
+from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 
 H200_BF16_PEAK = 989e12
 MFU = 0.5
@@ -49,7 +48,7 @@ SHARD_TARGET = 20  # shards must deliver this many times what one GPU consumes
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="bench_data.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.bench_data", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--out", required=True, help="OUT.json and OUT.md are written")
@@ -66,19 +65,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def git_revision() -> str | None:
-    if os.environ.get("FLCE_GIT_REVISION"):
-        return os.environ["FLCE_GIT_REVISION"]
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (subprocess.SubprocessError, OSError):
-        return None
-    return (head + ("+dirty" if dirty else "")) or None
-
-
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -92,9 +78,7 @@ def machine() -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     return {"cpu": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "load_average": os.getloadavg(),
-            "python": platform.python_version(), **versions,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "git": git_revision()}
+            **versions, **provenance()}
 
 
 def make_corpus(work: Path, copies: int) -> list[Path]:
@@ -216,11 +200,9 @@ def main(argv=None) -> int:
         result["libraries"] = compare_libraries(work, files, tokenizer_path, tokenizer, args)
 
     meta["load_average_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "result": result}, indent=1))
-    out.with_suffix(".md").write_text(report(meta, result, args))
-    print(out.with_suffix(".md").read_text())
+    markdown = report(meta, result, args)
+    write_report(args.out, {"meta": meta, "result": result}, markdown)
+    print(markdown)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0
@@ -228,7 +210,7 @@ def main(argv=None) -> int:
 
 def report(meta: dict, result: dict, args) -> str:
     rate = result["h200_llama_150m"]
-    lines = [f"CPU: {meta['cpu']} ({meta['cpus_usable']} usable, load average {meta['load_average'][0]:.1f} "
+    lines = [*warning_lines(meta), f"CPU: {meta['cpu']} ({meta['cpus_usable']} usable, load average {meta['load_average'][0]:.1f} "
              f"at the start, {meta['load_average_end'][0]:.1f} at the end) · Python {meta['python']} · torch {meta.get('torch')} · numpy {meta.get('numpy')} · "
              f"tokenizers {meta.get('tokenizers')} · datasets {meta.get('datasets')}"
              + "".join(f" · {n} {meta[n]}" for n in ("litdata", "datatrove") if n in meta)

@@ -5,24 +5,23 @@ memory above the inputs, for: this FLCE (default and memory-lean settings), the 
 and under torch.compile, Liger-Kernel and Cut-Cross-Entropy when importable, and the three bare
 GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into benchmarks/.
 
-    python scripts/bench_flce.py                      # the three standard shapes
-    python scripts/bench_flce.py --sweep              # plus chunk-size / accumulation variants
-    python scripts/bench_flce.py --float8             # the float8 loss against the bf16 one, the
+    python3 -m scripts.bench_flce                     # the three standard shapes
+    python3 -m scripts.bench_flce --sweep             # plus chunk-size / accumulation variants
+    python3 -m scripts.bench_flce --float8            # the float8 loss against the bf16 one, the
                                                       # bare bf16 and float8 GEMMs, quantization
 """
 
 import argparse
-import datetime
-import json
-import platform
-import statistics
 import sys
-from pathlib import Path
 
-import torch
+if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench_flce ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
 import flce  # noqa: E402
+from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.timing import median_ms  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 MiB = 1 << 20
@@ -59,20 +58,6 @@ def methods(N, H, V, sweep, float8=False):
                 m[name] = (lambda c, lean: lambda x, t, w: flce.fused_linear_cross_entropy(
                     x, t, w, chunk_size=c, memory_lean=lean))(c, lean)
     return m
-
-
-def cuda_time(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def peak_extra_mib(fn, *params):
@@ -181,7 +166,8 @@ def errors_vs_float64(fns, N, H, V, dtype):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_flce", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma-separated NxHxV")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
@@ -200,6 +186,7 @@ def main():
     args = p.parse_args()
     args.out = args.out or ("benchmarks/flce_float8" if args.float8 else "benchmarks/flce_bench")
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     dtype = getattr(torch, args.dtype)
     results, accuracy = [], {}
     for i, shape in enumerate(args.shapes.split(",")):
@@ -212,7 +199,7 @@ def main():
             profile(fns, x, t, w)
             continue
         run, bufs = gemm_floor(x.detach(), w.detach())
-        floor_ms = cuda_time(run, args.warmup, args.reps)
+        floor_ms = median_ms(run, args.warmup, args.reps)
         flops = 6 * N * H * V
         results.append({"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                         "tflops": flops / floor_ms / 1e9, "extra_mib": None})
@@ -220,7 +207,7 @@ def main():
         if args.float8:
             runs, keep = float8_gemm_runs(x.detach(), w.detach(), bufs[0])
             for name, (bare, n_gemms) in runs.items():
-                ms = cuda_time(bare, args.warmup, args.reps)
+                ms = median_ms(bare, args.warmup, args.reps)
                 tflops = n_gemms * 2 * N * H * V / ms / 1e9 if n_gemms else None
                 results.append({"shape": shape, "method": name, "ms": ms, "tflops": tflops,
                                 "extra_mib": None, "vs_gemms": ms / floor_ms})
@@ -230,7 +217,7 @@ def main():
         del bufs, run
         for name, f in fns.items():
             try:
-                ms = cuda_time(fwd_bwd(f, x, t, w), args.warmup, args.reps)
+                ms = median_ms(fwd_bwd(f, x, t, w), args.warmup, args.reps)
                 mib = peak_extra_mib(fwd_bwd(f, x, t, w), x, w)
             except torch.OutOfMemoryError:
                 ms = mib = None
@@ -249,31 +236,12 @@ def main():
         return
     meta = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(sys.argv), "dtype": args.dtype,
+        "triton": __import__("triton").__version__, **origin, "dtype": args.dtype,
         "targets": "10% of targets = -100; extra memory = peak allocated above the inputs",
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "results": results, "accuracy": accuracy}, indent=1))
-    out.with_suffix(".md").write_text(markdown(meta, results, accuracy))
-    print(markdown(meta, results, accuracy))
-
-
-def grid_table(results, key, shape_label, cell_text):
-    """Markdown table: a row per value of r[key], a column per shape (both in first-seen order);
-    cell_text(name, result or None) fills each cell."""
-    shapes = list(dict.fromkeys(r["shape"] for r in results))
-    names = list(dict.fromkeys(r[key] for r in results))
-    cell = {(r["shape"], r[key]): r for r in results}
-    lines = [f"| {key} | " + " | ".join(f"{s} ({shape_label})" for s in shapes) + " |",
-             "|---|" + "---|" * len(shapes)]
-    for n in names:
-        cells = (cell_text(n, cell.get((s, n))) for s in shapes)
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    return lines
+    text = markdown(meta, results, accuracy)
+    write_report(args.out, {"meta": meta, "results": results, "accuracy": accuracy}, text)
+    print(text)
 
 
 def _method_cell(name, r):
@@ -289,8 +257,10 @@ def _method_cell(name, r):
 
 
 def markdown(meta, results, accuracy):
-    lines = [f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
-             f"{meta['dtype']} · {meta['date']}", f"Command: `{meta['command']}`", "",
+    lines = [*warning_lines(meta),
+             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
+             f"{meta['dtype']} · {meta['date']} · git {meta['git']}",
+             f"Command: `{meta['command']}`", "",
              "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time).", "",
              *grid_table(results, "method", "N×H×V", _method_cell)]
     if any(r["method"].startswith("bare_fp8") for r in results):

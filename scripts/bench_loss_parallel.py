@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sequence- vs vocab-parallel fused loss under tensor parallelism: which is faster where.
 
-    torchrun --nproc_per_node 2 scripts/bench_loss_parallel.py --out benchmarks/loss_parallel_2xh200
+    torchrun --nproc_per_node 2 -m scripts.bench_loss_parallel --out benchmarks/loss_parallel_2xh200
 
 Every process is one TP rank. For each global shape N×H×V (tokens × hidden × vocabulary, bf16 on
 CUDA) it times forward+backward of the loss alone (median over --reps, the slowest rank) and
@@ -22,44 +22,28 @@ it runs too, for tests; its timings mean nothing. Writes JSON and a markdown tab
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import statistics
 import sys
-import time
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import parallelize_module
+if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
+    sys.exit("run from the repository root as a module: "
+             "torchrun --nproc_per_node <TP> -m scripts.bench_loss_parallel ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import (DTensor, Partial, Replicate, Shard,  # noqa: E402
+                                      distribute_tensor)
+from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
+
 import flce  # noqa: E402
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss  # noqa: E402
 from parallelisms.teardown import exit_without_teardown  # noqa: E402
+from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.timing import median_ms  # noqa: E402
 
 SHAPES = "8192x2048x128256,32768x2048x128256,16384x4096x128256,32768x4096x128256"
 MiB = 1 << 20
-
-
-def timer(cuda: bool):
-    """A function that runs fn once and returns its time in ms (CUDA events on the GPU)."""
-    def run(fn):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return run
 
 
 def make_step(mode: str, mesh, x, w, target):
@@ -90,16 +74,11 @@ def bench_shape(N, H, V, args, mesh, device, dtype):
     target = torch.randint(0, V, (1, N), device=device, generator=g)
     target[torch.rand(1, N, device=device, generator=g) < 0.1] = -100
     cuda = device.type == "cuda"
-    run = timer(cuda)
     rows = []
     for mode in args.modes:
         step, out = make_step(mode, mesh, x, w, target)
-        for _ in range(args.warmup):
-            step()
-        times = []
-        for _ in range(args.reps):
-            dist.barrier()
-            times.append(run(step))
+        # the ranks start each timed step together (a barrier, outside the timing)
+        ms = median_ms(step, args.warmup, args.reps, cuda=cuda, before_each=dist.barrier)
         extra = None
         if cuda:
             torch.cuda.synchronize()
@@ -108,7 +87,7 @@ def bench_shape(N, H, V, args, mesh, device, dtype):
             step()
             torch.cuda.synchronize()
             extra = (torch.cuda.max_memory_allocated() - base) / MiB
-        stats = torch.tensor([statistics.median(times), extra or 0.0], device=device,
+        stats = torch.tensor([ms, extra or 0.0], device=device,
                              dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         rows.append({"shape": f"{N}x{H}x{V}", "mode": mode, "ms": stats[0].item(),
@@ -125,8 +104,10 @@ def markdown(meta, rows) -> str:
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     cell = {(r["shape"], r["mode"]): r for r in rows}
-    lines = [f"GPU: {meta['gpu']} ×{meta['tp']} (TP={meta['tp']}) · torch {meta['torch']} · "
-             f"{meta['dtype']} · {meta['date']}", f"Command: `{meta['command']}`", "",
+    lines = [*warning_lines(meta),
+             f"GPU: {meta['gpu']} ×{meta['tp']} (TP={meta['tp']}) · torch {meta['torch']} · "
+             f"{meta['dtype']} · {meta['date']} · git {meta['git']}",
+             f"Command: `{meta['command']}`", "",
              "Loss forward+backward incl. the gradient collectives, median ms of the slowest rank / "
              "peak extra MiB per rank (TFLOP/s per rank; loss value as a cross-check).", "",
              "| N×H×V | " + " | ".join(modes) + " | faster |", "|---|" + "---|" * (len(modes) + 1)]
@@ -144,7 +125,9 @@ def markdown(meta, rows) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node <TP> -m scripts.bench_loss_parallel", description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma-separated global NxHxV")
     p.add_argument("--modes", default="sequence,vocab", help="of sequence, vocab, vocab_unfused")
     p.add_argument("--warmup", type=int, default=3)
@@ -153,10 +136,12 @@ def main():
     args = p.parse_args()
     args.modes = args.modes.split(",")
     if "RANK" not in os.environ:
-        p.error("run under torchrun: torchrun --nproc_per_node <TP> scripts/bench_loss_parallel.py")
+        p.error("run under torchrun: torchrun --nproc_per_node <TP> -m scripts.bench_loss_parallel")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    launcher = ("torchrun", "--nproc_per_node", os.environ.get("WORLD_SIZE", "1"))
+    origin = provenance(launcher) if os.environ["RANK"] == "0" else {}  # before the first step
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -171,16 +156,10 @@ def main():
                       f"{r['tflops_per_rank']:5.0f} TFLOP/s/rank loss {r['loss']:.5f}", flush=True)
     if dist.get_rank() == 0:
         meta = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "tp": dist.get_world_size(),
-                "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
-                "python": platform.python_version(),
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": f"torchrun --nproc_per_node {dist.get_world_size()} "
-                           + " ".join(sys.argv)}
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-        out.with_suffix(".md").write_text(markdown(meta, rows))
-        print(markdown(meta, rows))
+                "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""), **origin}
+        text = markdown(meta, rows)
+        write_report(args.out, {"meta": meta, "results": rows}, text)
+        print(text)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -10,7 +10,7 @@ MFU is computed the same way for both: tokens/s x FLOPs per token (models.args.f
 6 x matmul parameters + attention over the full square, torchtitan's formula) / 989 TFLOP/s
 (dense bf16 peak of an H100 SXM / H200), also for float8 runs.
 
-    python3 scripts/bench_peers.py --titan-dir .peer/torchtitan --out benchmarks/peers_1xh200 \\
+    python3 -m scripts.bench_peers --titan-dir .peer/torchtitan --out benchmarks/peers_1xh200 \\
         --run "ours_b4=ours:--training.local_batch_size 4" \\
         --run "titan_fp8_b4=titan:--training.local_batch_size 4 --model.converters \\
                quantize.linear.float8 --quantize.linear.float8.recipe_name tensorwise \\
@@ -21,10 +21,6 @@ are against --reference (default: the fastest titan run).
 """
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import re
 import shlex
 import subprocess
@@ -33,23 +29,24 @@ import time
 import tomllib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import (classify, git_revision, log_tail, probe_environment,  # noqa: E402
-                         read_metrics, run_process, throughput)
+if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench_peers ...")
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from models.args import FLAVORS, flops_per_token  # noqa: E402  (plain Python, no torch)
+from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
+from scripts.lib.report import (probe_environment, provenance, warning_lines,  # noqa: E402
+                                write_report)
+from scripts.lib.runs import (REPO, classify, last_lines, log_tail, read_metrics,  # noqa: E402
+                              run_process, throughput, torchrun)
 
 PEAK_FLOPS = 989e12
 TITAN_FLAVORS = {"llama_1b": "1B", "llama_8b": "8B"}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TITAN_LINE = re.compile(r"step:\s*(\d+)\s+loss:.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
-TAIL_LINES = 25
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_peers", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--run", action="append", default=[], metavar="NAME=KIND[:ARGS]",
                    help="KIND is ours or titan; ARGS are that trainer's command-line overrides")
     p.add_argument("--config", default="configs/llama_1b.toml", help="train.py config; its "
@@ -82,14 +79,9 @@ def parse_args(argv=None):
     return args
 
 
-def torchrun(args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(args.nproc)]
-
-
 def ours_command(args, extra: list[str], dump: Path) -> tuple[list[str], Path]:
     train_py = str(REPO / "train.py")
-    launch = torchrun(args) + [train_py] if args.nproc > 1 else [sys.executable, train_py]
+    launch = torchrun(args.nproc) + [train_py] if args.nproc > 1 else [sys.executable, train_py]
     return [*launch, "--config", args.config, "--data.synthetic", "true",
             "--training.seq_len", str(args.seq_len), "--training.steps", str(args.steps),
             "--metrics.log_freq", str(args.log_freq), "--lr_scheduler.warmup_steps", "5",
@@ -102,7 +94,7 @@ def titan_assets(args) -> Path:
 
 
 def titan_command(args, extra: list[str], dump: Path) -> tuple[list[str], Path]:
-    return [*torchrun(args), str(Path(args.titan_dir).resolve() / "titan_train.py"),
+    return [*torchrun(args.nproc), str(Path(args.titan_dir).resolve() / "titan_train.py"),
             "--model.name", "llama3", "--model.flavor", TITAN_FLAVORS[args.flavor],
             "--model.hf_assets_path", "./tests/assets/tokenizer", "--training.dataset", "c4_test",
             "--training.seq_len", str(args.seq_len), "--training.steps", str(args.steps),
@@ -133,13 +125,9 @@ def execute(args, name: str, kind: str, extra: list[str]) -> dict:
     if kind == "titan" and not (cwd / "tests/assets/c4_test/data.json").is_file():
         subprocess.run(["bash", str(Path(args.titan_dir) / "make_assets.sh"), str(cwd)],
                        check=True, stdout=subprocess.DEVNULL)
-    log = (dump / "train.log").resolve()
-    old = Path.cwd()
-    try:
-        os.chdir(cwd)  # torchtitan finds its data set and tokenizer relative to the cwd
-        code, timed_out, seconds = run_process(cmd, log, args.run_timeout)
-    finally:
-        os.chdir(old)
+    log = dump / "train.log"
+    # torchtitan finds its data set and tokenizer relative to the working directory
+    code, timed_out, seconds = run_process(cmd, log, args.run_timeout, cwd=cwd)
     output = log_tail(log)
     rows = read_metrics(dump / "metrics.jsonl") if kind == "ours" else titan_rows(output)
     stats = throughput(rows, args.warmup_steps)
@@ -154,7 +142,7 @@ def execute(args, name: str, kind: str, extra: list[str]) -> dict:
               "measured_steps": stats["measured_steps"], "command": shlex.join(cmd),
               "cwd": str(cwd)}
     if status != "ok":
-        record["output_tail"] = "\n".join(output.rstrip().splitlines()[-TAIL_LINES:])
+        record["output_tail"] = last_lines(output)
     return record
 
 
@@ -167,7 +155,8 @@ def reference(args, runs: list[dict]) -> dict | None:
 
 
 def markdown(meta: dict, runs: list[dict], ref: dict | None) -> str:
-    lines = [f"# {meta['config']} ({meta['flavor']}), seq {meta['seq_len']}, "
+    lines = [*warning_lines(meta),
+             f"# {meta['config']} ({meta['flavor']}), seq {meta['seq_len']}, "
              f"{meta['nproc']} GPU(s): this repo vs torchtitan 0.2.2", "",
              f"{meta.get('gpu')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
              f"{meta['date']}, git {meta['git']}", "", f"`{meta['command']}`", "",
@@ -199,15 +188,11 @@ def main(argv=None) -> int:
             build = ours_command if kind == "ours" else titan_command
             print(name, shlex.join(build(args, extra, Path(args.runs_dir) / name)[0]))
         return 0
-    meta = {**probe_environment(), "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "git": git_revision(),
-            "config": args.config, "flavor": args.flavor, "nproc": args.nproc,
-            "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
-            "log_freq": args.log_freq}
+    meta = {**probe_environment(), **provenance(), "config": args.config, "flavor": args.flavor,
+            "nproc": args.nproc, "seq_len": args.seq_len, "steps": args.steps,
+            "warmup_steps": args.warmup_steps, "log_freq": args.log_freq}
     runs = []
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for name, kind, extra in args.runs:
         start = time.monotonic()
         runs.append(execute(args, name, kind, extra))
@@ -216,9 +201,8 @@ def main(argv=None) -> int:
               f"{r['memory_max_reserved_gib'] or 0:.1f} GiB ({time.monotonic() - start:.0f} s)",
               flush=True)
         ref = reference(args, runs)
-        out.with_suffix(".json").write_text(json.dumps(
-            {"meta": meta, "reference": ref and ref["name"], "runs": runs}, indent=1) + "\n")
-        out.with_suffix(".md").write_text(markdown(meta, runs, ref))
+        write_report(out, {"meta": meta, "reference": ref and ref["name"], "runs": runs},
+                     markdown(meta, runs, ref))
     print(out.with_suffix(".md").read_text())
     return 0
 

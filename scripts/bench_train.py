@@ -15,10 +15,10 @@ Two comparisons (--mode both runs the first, then the second):
           and at the same batch more recompute can only be slower. Reports, per loss, the largest
           batch that fits (at ac none and with any mode) and the fastest configuration.
 
-    python scripts/bench_train.py --dry-run                  # the plan and the first command
-    python scripts/bench_train.py --mode equal               # 3 runs
-    python scripts/bench_train.py --budget-minutes 30 --out benchmarks/train_h200
-    python scripts/bench_train.py --nproc 2 --out benchmarks/train_2xh200   # torchrun + FSDP
+    python3 -m scripts.bench_train --dry-run                 # the plan and the first command
+    python3 -m scripts.bench_train --mode equal              # 3 runs
+    python3 -m scripts.bench_train --budget-minutes 30 --out benchmarks/train_h200
+    python3 -m scripts.bench_train --nproc 2 --out benchmarks/train_2xh200  # torchrun + FSDP
 
 <out>.json and <out>.md are rewritten after every run, so a killed benchmark keeps what it
 measured; each run's dump folder (metrics.jsonl, config.toml, train.log) is under --runs-dir.
@@ -26,51 +26,29 @@ The benchmark itself never imports torch: a CUDA context here would take GPU mem
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import re
 import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench_train ...")
+
+from scripts.lib.report import (fmt, probe_environment, provenance, warning_lines,  # noqa: E402
+                                write_report)
+from scripts.lib.runs import (classify, last_lines, log_tail, read_metrics,  # noqa: E402
+                              run_process, throughput, trainer)
+
 FUSED = "flce"
 # Benchmark name -> [loss] impl. unfused_compiled also compiles the loss module (--compile).
 LOSS_IMPLS = {"flce": "flce", "unfused": "unfused", "torch_chunked": "torch_chunked",
               "unfused_compiled": "unfused"}
 AC_MODES = ("none", "selective", "full")
-# What a CUDA allocation failure prints, from torch, cuBLAS or a raw CUDA call (also under
-# torchrun, which reprints the failed worker's traceback).
-OOM_PATTERN = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|"
-                         r"CUBLAS_STATUS_ALLOC_FAILED")
-TAIL_LINES = 25
-STOP_GRACE_SECONDS = 20  # train.py stops cleanly after the current step on SIGTERM
-
-# Run in a child process with the trainer's Python: versions and the GPU, without a CUDA context
-# in the benchmark process. Free memory at the start shows whether something else used the GPU.
-ENV_PROBE = r"""
-import json, torch
-info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": None, "gpu_count": 0}
-try:
-    import triton
-    info["triton"] = triton.__version__
-except ImportError:
-    info["triton"] = None
-if torch.cuda.is_available():
-    free, total = torch.cuda.mem_get_info(0)
-    info.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
-                gpu_memory_gib=round(total / 2**30, 1),
-                gpu_free_gib_at_start=round(free / 2**30, 1))
-print(json.dumps(info))
-"""
 
 
 class BudgetExhausted(Exception):
@@ -80,7 +58,8 @@ class BudgetExhausted(Exception):
 # ---- arguments --------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_train", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="configs/llama_1b.toml", help="train.py config (TOML)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--steps", type=int, default=25, help="training steps per run")
@@ -169,16 +148,6 @@ def measured_steps(steps: int, log_freq: int, warmup: int) -> list[int]:
 
 # ---- one run ----------------------------------------------------------------------------------
 
-def launcher(args) -> list[str]:
-    if args.train_cmd:
-        return shlex.split(args.train_cmd)
-    train_py = os.path.relpath(REPO / "train.py")
-    if args.nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(args.nproc), train_py]
-    return [sys.executable, train_py]
-
-
 def base_compile(args) -> tuple[bool, list[str]]:
     """[compile] enable/components of every run before the loss variant's own change."""
     section = args.config_data.get("compile", {})
@@ -210,7 +179,7 @@ def compile_label(args, loss: str, dump: Path) -> str:
 def train_command(args, loss: str, batch: int, ac: str, dump: Path) -> list[str]:
     # train.py applies overrides in order: --extra may change the common settings, the
     # per-run ones come last so that they always hold.
-    return [*launcher(args), "--config", args.config,
+    return [*trainer(args.nproc, args.train_cmd), "--config", args.config,
             "--data.synthetic", "true", "--training.seq_len", str(args.seq_len),
             "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
             "--lr_scheduler.warmup_steps", str(max(0, min(5, args.steps - 1))),
@@ -219,109 +188,6 @@ def train_command(args, loss: str, batch: int, ac: str, dump: Path) -> list[str]
             "--loss.impl", LOSS_IMPLS[loss], *compile_overrides(args, loss),
             "--training.local_batch_size", str(batch), "--activation_checkpoint.mode", ac,
             "--job.dump_folder", str(dump)]
-
-
-def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM first (train.py then stops after its current step), SIGKILL for what is left."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    proc.poll()
-
-
-def kill_leftovers(proc: subprocess.Popen) -> None:
-    """A worker that outlives its launcher would hold GPU memory and shrink the next run's."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def run_process(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | None, bool, float]:
-    """Run cmd in its own process group with output to log_path: (exit code, timed out, s)."""
-    start = time.monotonic()
-    with open(log_path, "w") as log:
-        # Its own session: the whole group (torchrun and its workers) can be stopped at once.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        timed_out = False
-        try:
-            proc.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            stop_process_group(proc)
-        except BaseException:  # Ctrl-C, SIGTERM: leave no trainer behind
-            stop_process_group(proc, grace=5)
-            raise
-        finally:
-            kill_leftovers(proc)
-    return proc.returncode, timed_out, time.monotonic() - start
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Training rows of metrics.jsonl by step (validation rows have no tokens_per_second)."""
-    rows = {}
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        if row.get("tokens_per_second") is not None:
-            rows[row["step"]] = row  # the last line for a step wins
-    return [rows[s] for s in sorted(rows)]
-
-
-def throughput(rows: list[dict], warmup: int) -> dict:
-    """Medians over the windows past the warm-up; memory peaks over the whole run."""
-    steps = [r["step"] for r in rows]
-    measured = [r for prev, r in zip([0, *steps], rows) if prev >= warmup]
-
-    def median(key):
-        values = [r[key] for r in measured if r.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    def peak(key):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        return max(values) if values else None
-
-    return {"tokens_per_second": median("tokens_per_second"),
-            "tokens_per_second_total": median("tokens_per_second_total"),
-            "mfu_percent": median("mfu_percent"), "tflops_per_device": median("tflops_per_device"),
-            "step_seconds": median("step_seconds"),
-            "memory_max_allocated_gib": peak("memory_max_allocated_gib"),
-            "memory_max_reserved_gib": peak("memory_max_reserved_gib"),
-            "measured_steps": [r["step"] for r in measured]}
-
-
-def log_tail(path: Path, max_bytes: int = 1 << 20) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - max_bytes))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def classify(returncode: int | None, timed_out: bool, output: str, measured: bool,
-             finished: bool = False) -> str:
-    if timed_out:
-        # Stopped after its last step was logged (in teardown): the measurement is whole.
-        # Otherwise a timeout, even if train.py then exited cleanly on our SIGTERM.
-        return "ok" if finished and measured else "timeout"
-    if returncode == 0:
-        return "ok" if measured else "error"
-    return "oom" if OOM_PATTERN.search(output) else "error"
 
 
 # ---- the benchmark ----------------------------------------------------------------------------
@@ -385,7 +251,7 @@ class Bench:
             if returncode == 0 and not timed_out:
                 lines.append(f"(no logged step after the warm-up of {self.args.warmup_steps} "
                              "steps: raise --steps or lower --warmup-steps)")
-            record["output_tail"] = "\n".join(lines[-TAIL_LINES:])
+            record["output_tail"] = last_lines("\n".join(lines))
         return record
 
     def report(self) -> dict:
@@ -395,13 +261,7 @@ class Bench:
 
     def write(self) -> None:
         report = self.report()
-        out = Path(self.args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for suffix, text in ((".json", json.dumps(report, indent=1) + "\n"),
-                             (".md", markdown(report, self.args))):
-            tmp = out.with_suffix(suffix + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, out.with_suffix(suffix))  # a reader never sees half a file
+        write_report(self.args.out, report, markdown(report, self.args))
 
 
 def progress_line(r: dict, index: int, max_runs: int) -> str:
@@ -578,10 +438,6 @@ def summarize(runs: list[dict], args) -> dict:
 
 # ---- markdown ---------------------------------------------------------------------------------
 
-def fmt(value, spec: str = "{:,.0f}") -> str:
-    return "-" if value is None else spec.format(value)
-
-
 def fit_text(fit: dict | None, args) -> str:
     if fit is None:
         return "-"
@@ -626,7 +482,8 @@ def comparison_line(name: str, c: dict, per_loss: dict, args) -> str:
 def markdown(report: dict, args) -> str:
     m, runs, summary = report["meta"], report["runs"], report["summary"]
     gpu = f"{m.get('gpu') or 'no GPU'} ×{m['nproc']}"
-    lines = [f"GPU: {gpu} · torch {m.get('torch')} · triton {m.get('triton')} · {m['date']}"
+    lines = [*warning_lines(m),
+             f"GPU: {gpu} · torch {m.get('torch')} · triton {m.get('triton')} · {m['date']}"
              f" · git {m.get('git')}", f"Command: `{m['command']}`", "",
              f"train.py {m['config']}, seq {m['seq_len']}, synthetic tokens, {m['steps']} steps a "
              f"run; tokens/s per device = median of the windows logged at steps "
@@ -663,36 +520,10 @@ def markdown(report: dict, args) -> str:
 
 # ---- main -------------------------------------------------------------------------------------
 
-def probe_environment() -> dict:
-    try:
-        result = subprocess.run([sys.executable, "-c", ENV_PROBE], capture_output=True,
-                                text=True, timeout=120)
-        return json.loads(result.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, json.JSONDecodeError, IndexError, OSError) as e:
-        return {"probe_error": f"{type(e).__name__}: {e}"}
-
-
-def git_revision() -> str | None:
-    """HEAD (+dirty) of this checkout, or $FLCE_GIT_REVISION when set: a copy of the tree sent to
-    another machine can carry a stale .git, so its sender names the commit it sent."""
-    if os.environ.get("FLCE_GIT_REVISION"):
-        return os.environ["FLCE_GIT_REVISION"]
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (subprocess.SubprocessError, OSError):
-        return None
-    return (head + ("+dirty" if dirty else "")) or None
-
-
 def build_meta(args) -> dict:
-    return {**probe_environment(), "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "git": git_revision(),
-            "nproc": args.nproc, "config": args.config, "seq_len": args.seq_len,
-            "steps": args.steps, "warmup_steps": args.warmup_steps, "log_freq": args.log_freq,
+    return {**probe_environment(), **provenance(), "nproc": args.nproc, "config": args.config,
+            "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
+            "log_freq": args.log_freq,
             "measured_steps": measured_steps(args.steps, args.log_freq, args.warmup_steps),
             "losses": args.losses, "ac_modes": args.ac, "batch": args.batch,
             "max_batch": args.max_batch, "extra": args.extra,

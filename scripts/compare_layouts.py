@@ -6,8 +6,8 @@ compare_losses.py on the fused and unfused curves (table, PNG, verdict). Writes 
 markdown table: tokens/s per GPU, MFU and peak memory per run (medians of the logged windows
 after --warmup-steps), final loss, and each layout's verdict.
 
-    python3 scripts/compare_layouts.py --nproc 8 --steps 300 --out benchmarks/layouts_8xh200
-    python3 scripts/compare_layouts.py --nproc 8 --layouts fsdp,tp2_sequence --dry-run
+    python3 -m scripts.compare_layouts --nproc 8 --steps 300 --out benchmarks/layouts_8xh200
+    python3 -m scripts.compare_layouts --nproc 8 --layouts fsdp,tp2_sequence --dry-run
 
 Layouts: "fsdp" (FSDP over every process), "tp<K>_sequence" and "tp<K>_vocab" (tensor
 parallel of degree K with that loss-parallel mode, FSDP over the rest), "hsdp<R>" (R replicas,
@@ -20,10 +20,6 @@ job keeps what it measured. This script never imports torch.
 """
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import re
 import shlex
 import shutil
@@ -31,13 +27,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import (git_revision, launcher, log_tail, probe_environment,  # noqa: E402
-                         read_metrics, run_process, throughput)
+if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.compare_layouts ...")
 
-REPO = Path(__file__).resolve().parents[1]
+from scripts.lib.report import (fmt, probe_environment, provenance, warning_lines,  # noqa: E402
+                                write_report)
+from scripts.lib.runs import (REPO, last_lines, log_tail, read_metrics,  # noqa: E402
+                              run_process, throughput, trainer)
+
 LAYOUT = re.compile(r"^(fsdp|tp(\d+)_(sequence|vocab)|hsdp(\d+))$")
-TAIL_LINES = 25
 
 
 def layout_overrides(name: str) -> list[str]:
@@ -52,7 +50,8 @@ def layout_overrides(name: str) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python3 -m scripts.compare_layouts", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="configs/llama_1b.toml")
     p.add_argument("--nproc", type=int, default=8, help="processes (GPUs) per run")
     p.add_argument("--layouts", default="fsdp,tp2_sequence,tp2_vocab")
@@ -105,8 +104,9 @@ def plan(args) -> list[dict]:
             dump = Path(args.runs_dir) / name
             seed = [] if not seed_offset else ["--training.seed", str(seed_offset)]
             # train.py applies overrides in order: the per-run ones come last and always hold.
-            cmd = [*launcher(args), "--config", args.config, "--training.steps", str(args.steps),
-                   "--metrics.log_freq", str(args.log_freq), "--job.print_config", "false",
+            cmd = [*trainer(args.nproc, args.train_cmd), "--config", args.config,
+                   "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
+                   "--job.print_config", "false",
                    *args.extra, *layout_overrides(layout), "--loss.impl", loss, *seed,
                    "--job.dump_folder", str(dump)]
             runs.append({"layout": layout, "loss": loss, "seed_offset": seed_offset,
@@ -127,7 +127,7 @@ def execute(run: dict, args) -> dict:
                   wall_seconds=round(seconds, 1), final_step=rows[-1]["step"] if rows else None,
                   final_loss=rows[-1].get("loss") if rows else None, **stats)
     if not ok:
-        record["output_tail"] = "\n".join(log_tail(dump / "train.log").splitlines()[-TAIL_LINES:])
+        record["output_tail"] = last_lines(log_tail(dump / "train.log"))
     return record
 
 
@@ -139,7 +139,7 @@ def compare(layout: str, records: list[dict], args, out: Path) -> dict:
     main = [r["dump_folder"] for r in mine if not r["seed_offset"]]
     seed = [r["dump_folder"] for r in mine if r["seed_offset"]]
     png = out.parent / f"{out.name}_{layout}.png"
-    cmd = [sys.executable, str(REPO / "scripts/compare_losses.py"), *main,
+    cmd = [sys.executable, str(REPO / "scripts" / "compare_losses.py"), *main,
            "--tolerance", str(args.tolerance), "--out", str(png)]
     if seed:
         cmd += ["--seed-run", seed[0]]
@@ -151,13 +151,10 @@ def compare(layout: str, records: list[dict], args, out: Path) -> dict:
             "plot": png.name, "table": result.stdout.strip(), "command": shlex.join(cmd)}
 
 
-def fmt(value, spec="{:,.0f}") -> str:
-    return "-" if value is None else spec.format(value)
-
-
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"GPU: {meta.get('gpu')} ×{meta['nproc']} · torch {meta.get('torch')} · triton "
+    lines = [*warning_lines(meta),
+             f"GPU: {meta.get('gpu')} ×{meta['nproc']} · torch {meta.get('torch')} · triton "
              f"{meta.get('triton')} · {meta['date']} · git {meta.get('git')}",
              f"Command: `{meta['command']}`", "",
              f"train.py {meta['config']}, {meta['steps']} steps; tokens/s per GPU and MFU are "
@@ -187,15 +184,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in ((".json", json.dumps(report, indent=1) + "\n"),
-                         (".md", markdown(report))):
-        tmp = out.with_suffix(suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out.with_suffix(suffix))
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     runs = plan(args)
@@ -204,11 +192,8 @@ def main(argv=None) -> int:
             print(r["command"])
         return 0
     out = Path(args.out)
-    meta = {**probe_environment(), "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "git": git_revision(),
-            "nproc": args.nproc, "config": args.config, "steps": args.steps,
-            "warmup_steps": args.warmup_steps, "log_freq": args.log_freq,
+    meta = {**probe_environment(), **provenance(), "nproc": args.nproc, "config": args.config,
+            "steps": args.steps, "warmup_steps": args.warmup_steps, "log_freq": args.log_freq,
             "tolerance": args.tolerance, "extra": args.extra}
     report = {"meta": meta, "runs": [], "comparisons": []}
     for i, run in enumerate(runs, 1):
@@ -221,7 +206,7 @@ def main(argv=None) -> int:
         if layout_done:
             report["comparisons"].append(compare(run["layout"], report["runs"], args, out))
             print(f"    {run['layout']}: {report['comparisons'][-1]['verdict']}", flush=True)
-        write(report, out)
+        write_report(out, report, markdown(report))
     print(markdown(report))
     ok = all(r["status"] == "ok" for r in report["runs"])
     return 0 if ok and all(c["exit_code"] == 0 for c in report["comparisons"]) else 1

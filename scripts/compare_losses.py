@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Compare the loss curves of runs against the first one: a table, a PNG, a pass/fail exit code.
 
-    python3 scripts/compare_losses.py RUN_A RUN_B [RUN_C ...] [--seed-run RUN]
+    python3 -m scripts.compare_losses RUN_A RUN_B [RUN_C ...] [--seed-run RUN]
         [--verdict auto|absolute|band] [--tolerance 0.05] [--band-ratio 0.5] [--window 9]
         [--threshold X] [--metric loss] [--out PATH.png]
 
 A run is a dump folder holding metrics.jsonl, or the file itself. Lines without the metric
 (validation lines have val_loss, not loss) are skipped; when a step appears more than once (a
-resumed run repeats the steps after its checkpoint) the last line wins, as in the trainer. Runs
-are aligned on the steps they all logged.
+resumed run repeats the steps after its checkpoint) the last line wins, as in the trainer, with
+a note. A file whose steps start over from its first step holds two runs, not a resumed one:
+that is refused (exit 2). Runs are aligned on the steps they all logged.
 
 For each run after the first: mean and max |run - A| and the first step where |diff| exceeds
 --threshold (default: --tolerance). --seed-run names the same config as A at another seed: it
@@ -51,7 +52,7 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
     if not path.is_file():
         raise BadInput(f"{run}: no such file {path}")
     lines = path.read_text(encoding="utf-8").splitlines()
-    values = {}
+    values, first, previous = {}, None, None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -63,8 +64,18 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
                 continue
             raise BadInput(f"{path}:{number}: not JSON ({e})") from None
         if metric in record and "step" in record:
-            value = record[metric]
-            values[int(record["step"])] = math.nan if value is None else float(value)
+            step, value = int(record["step"]), record[metric]
+            if previous is not None and step <= previous:
+                if step <= first:  # what a second run from the start looks like
+                    raise BadInput(f"{path}:{number}: step {step} follows step {previous}: the "
+                                   "file holds more than one run, started over in the same dump "
+                                   "folder (a trainer that keeps runs apart renames the earlier "
+                                   "run's file metrics.<time>.jsonl); split it and compare the runs")
+                print(f"note: {path}:{number}: steps go back from {previous} to {step}: a resumed "
+                      "run; its lines replace the earlier ones for those steps", file=sys.stderr)
+            first = step if first is None else first
+            previous = step
+            values[step] = math.nan if value is None else float(value)
     if not values:
         raise BadInput(f"{path}: no line has the metric {metric!r}")
     return values

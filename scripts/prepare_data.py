@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Tokenize a corpus once into token shards that the trainer memory-maps (`[data] source = OUT`).
 
-    python scripts/prepare_data.py --source data/raw/ "more/*.jsonl" --tokenizer tokenizer.json \\
+    python3 -m scripts.prepare_data --source data/raw/ "more/*.jsonl" --tokenizer tokenizer.json \\
         --out shards/web [--workers 16] [--val-every 100] [--text-field text]
-    python scripts/prepare_data.py --hf-dataset HuggingFaceFW/fineweb-edu --hf-subset sample-10BT \\
+    python3 -m scripts.prepare_data --hf-dataset HuggingFaceFW/fineweb-edu --hf-subset sample-10BT \\
         --hf-streaming --tokenizer tokenizer.json --out shards/fineweb-edu
 
 --source takes .jsonl/.json/.parquet/.txt files (a .txt file: one document per paragraph),
@@ -23,7 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file: the repository root (components) is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.prepare_data ...")
+
 from components.data_check import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
 from components.shard_prepare import (PrepareError, file_units, hf_units, listing, load_hf,  # noqa: E402
                                       local_files, prepare, settings_for, tokenizer_record)
@@ -32,7 +34,7 @@ from components.tokenizer import build_tokenizer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="prepare_data.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.prepare_data", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     where = parser.add_mutually_exclusive_group(required=True)

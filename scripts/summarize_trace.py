@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU kernels that took the most time in a Chrome trace from `[profiling] enable_profiling`.
 
-    python scripts/summarize_trace.py outputs/llama_1b/profile_traces/step-10/rank-0.json --top 25
+    python3 -m scripts.summarize_trace outputs/llama_1b/profile_traces/step-10/rank-0.json --top 25
 
 Groups kernel events by name (truncated), prints total ms, share of all kernel time, calls and
 mean µs. Kernels on different streams overlap, so the shares are of summed kernel time.

@@ -1,23 +1,25 @@
 """Time the row kernel alone on one [C, V] chunk for several block sizes and warp counts.
 
 Reports GB/s counting one read and one write of the chunk (the pass-2 re-read mostly hits L2).
-    python scripts/tune_rows_kernel.py --rows 4096 --vocab 128256
+    python3 -m scripts.tune_rows_kernel --rows 4096 --vocab 128256
 """
 
 import argparse
 import sys
-from pathlib import Path
 
-import torch
-import triton.testing
+if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.tune_rows_kernel ...")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
 from flce.kernels import launch_rows  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
+from scripts.lib.timing import median_ms  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python3 -m scripts.tune_rows_kernel",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)
     args = p.parse_args()
@@ -34,10 +36,11 @@ def main():
                 src = logits[:rows].clone()
                 fn = lambda: launch_rows(src, target[:rows], loss, lse, w, opts, False, True,
                                          block, warps)
-                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                ms = median_ms(fn, warmup=5, reps=20)
                 print(f"smooth={opts.label_smoothing} softcap={opts.softcap} rows={rows:5d} "
                       f"BLOCK_V={block:5d} warps={warps:2d}: {ms:.3f} ms, "
                       f"{nbytes * rows / C / ms / 1e6:.0f} GB/s")
+
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,6 @@ batches 1, 2, 4), and, through --train-cmd, a stand-in trainer that prints what 
 an out-of-memory or another failure, or writes metrics.jsonl with a memory limit per AC mode: the
 benchmark's parsing, its batch search (doubling, bisection, AC modes) and its time budget."""
 
-import importlib.util
 import json
 import os
 import shlex
@@ -14,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from scripts import bench_train
+from scripts.lib.runs import classify
+
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "bench_train.py"
+SCRIPT = [sys.executable, "-m", "scripts.bench_train"]
 
 # Reads the `--key value` pairs the benchmark passes. FAKE_MODE=oom / error fails like train.py;
 # otherwise the run fits when the local batch is at most LIMITS[loss][ac], logs the steps train.py
@@ -58,7 +60,7 @@ CPU_RUN = ["--config", "configs/debug.toml", "--seq-len", "64", "--steps", "4",
 
 def bench(tmp_path, *args, env=None, timeout=120):
     out = tmp_path / "report"
-    result = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(out),
+    result = subprocess.run([*SCRIPT, *args, "--out", str(out),
                              "--runs-dir", str(tmp_path / "runs")],
                             cwd=REPO, env={**os.environ, **(env or {})}, text=True,
                             capture_output=True, timeout=timeout)
@@ -74,15 +76,9 @@ def fake_trainer(tmp_path):
     return ["--train-cmd", shlex.join([sys.executable, str(path)])]
 
 
-def load_module():
-    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # ---- real train.py runs on the CPU ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_equal_batch_and_search_on_the_cpu(tmp_path):
     # CUDA hidden: the runs must be CPU runs also on a GPU machine (MFU and memory are None)
     report, md, stdout = bench(tmp_path, *CPU_RUN, "--mode", "both", env={"CUDA_VISIBLE_DEVICES": ""})
@@ -173,6 +169,21 @@ def test_search_doubles_bisects_and_tries_more_checkpointing(tmp_path, fake_trai
     assert "12 (ac full; OOM at 15)" in md and "| flce | 12 | full |" in md
 
 
+@pytest.mark.parametrize("revision, dirty", [("abc1234", False), ("abc1234+dirty", True)])
+def test_report_records_the_commit_and_flags_a_dirty_tree(tmp_path, fake_trainer, revision,
+                                                          dirty):
+    report, md, _ = bench(tmp_path, *CPU_RUN, "--mode", "equal", *fake_trainer,
+                          env={"FLCE_GIT_REVISION": revision})
+    assert report["meta"]["git"] == revision and report["meta"]["dirty"] is dirty
+    assert report["meta"]["command"].startswith("python3 -m scripts.bench_train ")
+    first = md.splitlines()[0]
+    if dirty:
+        assert first.startswith("**DIRTY TREE: not reproducible from a commit** (git abc1234+dirty")
+    else:
+        assert first.startswith("GPU: ") and first.endswith(f" · git {revision}")
+        assert "DIRTY" not in md
+
+
 def test_budget_stops_a_run_and_the_search(tmp_path, fake_trainer):
     start = time.monotonic()
     report, md, stdout = bench(tmp_path, *CPU_RUN, "--budget-minutes", "0.04", *fake_trainer,
@@ -185,7 +196,7 @@ def test_budget_stops_a_run_and_the_search(tmp_path, fake_trainer):
 
 
 def test_dry_run_prints_the_torchrun_command(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--nproc", "2",
+    result = subprocess.run([*SCRIPT, "--dry-run", "--nproc", "2",
                              "--losses", "unfused_compiled", "--extra=--loss.chunk_size 4096"],
                             cwd=REPO, text=True, capture_output=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -205,23 +216,23 @@ def test_dry_run_prints_the_torchrun_command(tmp_path):
     (["--nproc", "2", "--train-cmd", "python3 train.py"], "--train-cmd"),
 ])
 def test_bad_arguments_are_clear_errors(args, message):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args], cwd=REPO,
+    result = subprocess.run([*SCRIPT, "--dry-run", *args], cwd=REPO,
                             text=True, capture_output=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 def test_measured_windows_and_status():
-    m = load_module()
+    m = bench_train
     assert m.measured_steps(25, 5, 10) == [15, 20, 25]
     assert m.measured_steps(25, 5, 12) == [20, 25]  # the window 11-15 straddles the warm-up
     assert m.measured_steps(4, 5, 1) == [4]
     assert m.measured_steps(10, 5, 10) == []
     assert m.batches_from(1, 32) == [1, 2, 4, 8, 16, 32] and m.batches_from(3, 12) == [3, 6, 12]
-    assert m.classify(1, False, "torch.OutOfMemoryError: CUDA out of memory", True) == "oom"
-    assert m.classify(1, False, "RuntimeError: CUBLAS_STATUS_ALLOC_FAILED", False) == "oom"
-    assert m.classify(1, False, "triton OutOfResources: shared memory", False) == "error"
-    assert m.classify(0, False, "", False) == "error"  # nothing measured
-    assert m.classify(0, True, "", True) == "timeout"
-    assert m.classify(0, True, "", True, finished=True) == "ok"  # stopped in teardown
-    assert m.classify(None, True, "", False, finished=False) == "timeout"
-    assert m.classify(0, False, "", True) == "ok"
+    assert classify(1, False, "torch.OutOfMemoryError: CUDA out of memory", True) == "oom"
+    assert classify(1, False, "RuntimeError: CUBLAS_STATUS_ALLOC_FAILED", False) == "oom"
+    assert classify(1, False, "triton OutOfResources: shared memory", False) == "error"
+    assert classify(0, False, "", False) == "error"  # nothing measured
+    assert classify(0, True, "", True) == "timeout"
+    assert classify(0, True, "", True, finished=True) == "ok"  # stopped in teardown
+    assert classify(None, True, "", False, finished=False) == "timeout"
+    assert classify(0, False, "", True) == "ok"

@@ -136,3 +136,16 @@ def test_bad_mixtures_are_named(tmp_path, tables, argv, match):
     path.write_text("[[data.mixture]]\n" + tables.format(web=tmp_path / "web") + "\n")
     with pytest.raises(ConfigError, match=match):
         load_config(["--config", str(path), *[a.format(web=tmp_path / "web") for a in argv]])
+
+
+def test_checkpoint_enable_takes_torchtitan_v01s_name_too(tmp_path):
+    """[checkpoint] enable is torchtitan v0.2's name; v0.1's enable_checkpoint is read as it."""
+    path = tmp_path / "old.toml"
+    path.write_text("[checkpoint]\nenable_checkpoint = true\n")
+    assert load_config(["--config", str(path)]).checkpoint.enable is True
+    assert load_config(["--checkpoint.enable_checkpoint", "true"]).checkpoint.enable is True
+    cfg = load_config(["--checkpoint.enable", "true"])
+    assert "enable = true" in to_toml(cfg) and "enable_checkpoint" not in to_toml(cfg)
+    # a checkpoint's config.toml written under the old name: no change to report
+    saved = to_toml(cfg).replace("enable = true", "enable_checkpoint = true")
+    assert config_changes(saved, cfg) == []

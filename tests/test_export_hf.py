@@ -4,11 +4,12 @@ Each case builds a Llama, exports its state dict as the trainer stores it (`mode
 the folder with LlamaForCausalLM.from_pretrained and compares logits on random tokens in fp32.
 The q/k weights are re-drawn larger than at init so that attention is sharp and RoPE (hence the
 q/k permutation and the rope scaling) visibly changes the logits; two negative controls check
-that the comparison would catch a missing permutation or missing rope scaling.
+that the comparison would catch a missing permutation or missing rope scaling. A trainer's
+checkpoint exports with nothing but its path: the model, the vocab size and the tokenizer come
+from its config.toml, and the folder holds the tokenizer and the bos/eos ids.
 """
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,13 +21,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+import train  # noqa: E402
+from components.tokenizer import ByteTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
+from models import hf  # noqa: E402
+from scripts import export_hf  # noqa: E402
+from scripts.lib import checkpoints as reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "export_hf.py"
-_spec = importlib.util.spec_from_file_location("export_hf", SCRIPT)
-export_hf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_hf)
 
 DEBUG = FLAVORS["debug"]  # 4 heads, 2 kv heads: grouped-query attention
 VARIANTS = {
@@ -84,7 +86,7 @@ def test_logits_match_transformers(variant, tmp_path):
     model = _model(args)
     ckpt = tmp_path / "state.pt"
     torch.save(_trainer_state(model), ckpt)
-    out = export_hf.export(export_hf.load_model_state(ckpt), args, tmp_path / "hf", "float32")
+    out = export_hf.export(reader.load_model_state(ckpt), args, tmp_path / "hf", "float32")
 
     config = json.loads((out / "config.json").read_text())
     assert config["num_key_value_heads"] == args.n_kv_heads
@@ -107,7 +109,7 @@ def test_logits_match_transformers(variant, tmp_path):
 
 def test_comparison_catches_a_missing_permutation(tmp_path, monkeypatch):
     model = _model(DEBUG)
-    monkeypatch.setattr(export_hf, "permute_for_hf", lambda w, n_heads, dim1, dim2: w)
+    monkeypatch.setattr(hf, "permute_to_hf", lambda w, n_heads: w)
     out = export_hf.export(_trainer_state(model), DEBUG, tmp_path / "hf", torch.float32)
     assert _max_logit_diff(model, out) > 1e-2
 
@@ -118,15 +120,6 @@ def test_comparison_catches_missing_rope_scaling(tmp_path):
     unscaled = dataclasses.replace(args, rope_scaling_factor=None)
     out = export_hf.export(_trainer_state(model), unscaled, tmp_path / "hf", torch.float32)
     assert _max_logit_diff(model, out) > 1e-2
-
-
-def test_permutation_is_hf_convert_script_permute():
-    # Row 2i of each head (the first of RoPE pair i) goes to row i, row 2i+1 to head_dim/2 + i.
-    n_heads, head_dim, dim = 2, 8, 3
-    w = torch.arange(n_heads * head_dim, dtype=torch.float32)[:, None].expand(-1, dim)
-    permuted = export_hf.permute_for_hf(w, n_heads, n_heads * head_dim, dim)
-    expected = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
-    assert permuted[:, 0].tolist() == expected
 
 
 def test_bfloat16_export_is_the_rounded_weights(tmp_path):
@@ -140,6 +133,7 @@ def test_bfloat16_export_is_the_rounded_weights(tmp_path):
     assert transformers.LlamaConfig.from_pretrained(out).num_hidden_layers == DEBUG.n_layers
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_checkpoint_round_trip_through_the_cli(tmp_path):
     """A trainer-like DCP checkpoint (model + optimizer + step), exported by running the script."""
@@ -157,15 +151,16 @@ def test_dcp_checkpoint_round_trip_through_the_cli(tmp_path):
         dcp.save({"model": state, "optimizer": optimizer, "step": step},
                  checkpoint_id=checkpoints / f"step-{step}", no_dist=True)
 
-    assert export_hf.load_model_state(checkpoints / "step-5").keys() == \
+    assert reader.load_model_state(checkpoints / "step-5").keys() == \
         models[5].state_dict().keys()
     out = tmp_path / "hf"
     # The folder of step-<N> folders: the latest (step-20) is exported.
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoints), "--flavor", "debug",
+        [sys.executable, "-m", "scripts.export_hf", "--checkpoint", str(checkpoints),
+         "--flavor", "debug",
          "--vocab-size", str(vocab), "--out", str(out), "--dtype", "float32",
          "--bos-id", "256", "--eos-id", "257"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "step-20" in result.stderr
     config = json.loads((out / "config.json").read_text())
@@ -183,7 +178,7 @@ def test_dcp_checkpoint_with_model_tensors_at_the_top_level(tmp_path):
     state = _trainer_state(model)
     optimizer = {"state": {k: {"exp_avg": torch.zeros_like(v)} for k, v in state.items()}}
     dcp.save({**state, "optimizer": optimizer}, checkpoint_id=tmp_path / "step-1", no_dist=True)
-    loaded = export_hf.load_model_state(tmp_path / "step-1")
+    loaded = reader.load_model_state(tmp_path / "step-1")
     assert loaded.keys() == model.state_dict().keys()
     for key, value in model.state_dict().items():
         assert torch.equal(loaded[key], value), key
@@ -193,7 +188,7 @@ def test_torch_save_of_a_full_trainer_state(tmp_path):
     model = _model(DEBUG)
     ckpt = tmp_path / "full.pt"
     torch.save({"model": _trainer_state(model), "optimizer": {"state": {}}, "step": 7}, ckpt)
-    state = export_hf.load_model_state(ckpt)
+    state = reader.load_model_state(ckpt)
     assert state.keys() == model.state_dict().keys()
     for key, value in model.state_dict().items():
         assert torch.equal(state[key], value), key
@@ -212,10 +207,10 @@ def _assert_nothing_written(tmp_path: Path) -> None:
 
 def test_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        export_hf.load_model_state(tmp_path / "nope")
+        reader.load_model_state(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="not a DCP checkpoint"):
-        export_hf.load_model_state(tmp_path / "empty")
+        reader.load_model_state(tmp_path / "empty")
     code = export_hf.main(["--checkpoint", str(tmp_path / "nope"), "--flavor", "debug",
                            "--out", str(tmp_path / "hf")])
     assert code == 1
@@ -226,7 +221,7 @@ def test_missing_checkpoint(tmp_path, capsys):
 def test_not_a_checkpoint_file(tmp_path):
     (tmp_path / "junk.pt").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="not a torch.save file"):
-        export_hf.load_model_state(tmp_path / "junk.pt")
+        reader.load_model_state(tmp_path / "junk.pt")
 
 
 def test_vocab_mismatch_names_the_key_shapes_and_the_fix(tmp_path, capsys):
@@ -283,5 +278,96 @@ def test_existing_output_is_kept_unless_overwrite(tmp_path):
         export_hf.export(state, DEBUG, out)
     assert (out / "old.txt").exists()
     export_hf.export(state, DEBUG, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
+                                                     "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temp or old folders left
+
+
+# ------------------------------------------------------------------------ a trainer's checkpoint
+
+RUN = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+       "--loss.impl", "unfused", "--training.seq_len", "64", "--training.steps", "2",
+       "--lr_scheduler.warmup_steps", "1", "--training.local_batch_size", "2",
+       "--validation.enable", "false", "--job.print_config", "false", "--data.synthetic", "true",
+       "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2"]
+
+
+def _train(dump: Path, *overrides) -> Path:
+    assert train.main(RUN + ["--job.dump_folder", str(dump), *overrides]) == 0
+    return dump / "checkpoint"
+
+
+def test_a_trainers_checkpoint_exports_from_its_path_alone(tmp_path):
+    """No --flavor, --vocab-size or ids: the run's config.toml says them. The folder holds the
+    byte tokenizer as a tokenizer.json that transformers loads and that encodes like it."""
+    folder = _train(tmp_path / "run", "--model.vocab_size", "300")
+    out = tmp_path / "hf"
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(out),
+                           "--dtype", "float32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (300, 256, 257)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (256, 257)
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == 257
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return 'héllo, 日本 😀'"
+    assert tokenizer(text).input_ids == [256, *ByteTokenizer().encode(text)]  # bos, as trained
+    assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257)
+
+    ours = reader.load_model(folder, torch.device("cpu")).model
+    assert _max_logit_diff(ours, out) < 1e-4
+
+
+def test_a_runs_hf_tokenizer_is_copied_with_its_ids(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["some text to learn from, twice or more"] * 20,
+                                  trainers.BpeTrainer(
+                                      vocab_size=300, special_tokens=["<s>", "</s>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / "tok").mkdir()
+    tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "special_tokens_map.json").write_text('{"bos_token": "<s>"}\n')
+    folder = _train(tmp_path / "run", "--tokenizer.name", "hf", "--tokenizer.path",
+                    str(tmp_path / "tok" / "tokenizer.json"))
+    out = tmp_path / "hf"
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(out)]) == 0
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        assert (out / name).read_bytes() == (tmp_path / "tok" / name).read_bytes()
+    written = json.loads((out / "tokenizer_config.json").read_text())
+    assert (written["bos_token"], written["eos_token"]) == ("<s>", "</s>")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    assert config["vocab_size"] == FLAVORS["debug"].vocab_size
+
+
+def test_a_run_with_a_logit_softcap_is_refused(tmp_path, capsys):
+    folder = _train(tmp_path / "run", "--loss.softcap", "30")
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 1
+    assert "softcap = 30.0: LlamaForCausalLM has neither" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_without_config_toml_needs_the_flavor(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": _trainer_state(_model(DEBUG))}, checkpoint_id=tmp_path / "step-1",
+             no_dist=True)
+    assert export_hf.main(["--checkpoint", str(tmp_path / "step-1"), "--out",
+                           str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "no config.toml" in err and "pass --flavor" in err
+
+
+def test_shard_size_parsing():
+    assert export_hf.parse_size("5GB") == 5 * 10**9
+    assert export_hf.parse_size("2GiB") == 2 * 2**30
+    assert export_hf.parse_size("300kB") == 300_000
+    assert export_hf.parse_size("1000") == 1000
+    with pytest.raises(ValueError, match="expected e.g. 5GB"):
+        export_hf.parse_size("lots")

@@ -21,6 +21,8 @@ import pytest
 import train
 from components.checkpoint import list_checkpoints
 
+pytestmark = pytest.mark.slow  # multi-process runs: not in the fast subset
+
 ROOT = Path(__file__).resolve().parents[1]
 # The unfused loss: the fastest on the CPU, and the loss is not under test here.
 ARGS = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",

@@ -21,6 +21,7 @@ class TinyHead(nn.Module):
         return self.loss(h, target, self.out.weight, self.out.bias)
 
 
+@pytest.mark.slow
 @IMPL_DEVICES
 @pytest.mark.parametrize("float8", ["none", "logits+dx"])
 def test_inside_torch_compile(impl, device, float8):

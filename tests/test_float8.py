@@ -175,6 +175,7 @@ def _without_torchao(code: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_missing_torchao_is_a_clear_error(tmp_path):
     result = _without_torchao(f"""
         import train
@@ -215,6 +216,7 @@ def _fp8_round(t: torch.Tensor) -> torch.Tensor:
     return (t * scale.float()).to(torch.float8_e4m3fn).double() / scale.float().double()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_same_initial_weights_and_gradients_within_float8_error(recipe):
     torch.manual_seed(1)
@@ -236,6 +238,7 @@ def test_same_initial_weights_and_gradients_within_float8_error(recipe):
         assert error < 0.25 and (error > 0.01 or not converted), (name, error)
 
 
+@pytest.mark.slow
 def test_tp_float8_styles_on_one_process():
     """Tensorwise float8 layers get torchao's float8 TP styles: wq/wk/wv and w1/w3 receive
     their input already in float8 (so it is all-gathered in float8), and the result equals the
@@ -332,6 +335,7 @@ def _assert_same_curves(got: dict, ref: dict, tolerance: float) -> None:
             assert abs(got[step][key] - ref[step][key]) <= tolerance, (step, key)
 
 
+@pytest.mark.slow
 def test_fsdp_float8_all_gather_with_precomputed_scales(tmp_path):
     """FSDP=2 all-gathering float8 weights (scales precomputed after each optimizer step, with
     activation checkpointing) trains exactly as FSDP=2 all-gathering fp32 weights and casting
@@ -388,6 +392,7 @@ def one_process(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_float8_trains_like_the_plain_model(one_process):
     plain, float8 = one_process("plain"), one_process("rowwise")
     assert sorted(float8) == [1, 2, 3]
@@ -405,6 +410,7 @@ def test_float8_trains_like_the_plain_model(one_process):
     # TP's float8 layers cast DTensors: global scales, as one process
     ("tp", "rowwise_with_gw_hp"),
 ])
+@pytest.mark.slow
 def test_layouts_match_one_process(tmp_path, one_process, layout, recipe):
     """Two processes train like one with float8, to 1e-5 over 3 steps (later, Adam's steps on
     near-zero gradients amplify a float8 rounding that went the other way)."""

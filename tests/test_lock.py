@@ -26,6 +26,7 @@ def in_use(folder: Path, pid: int) -> str:
             rf"{re.escape(socket.gethostname())}, started ")
 
 
+@pytest.mark.slow
 def test_a_second_run_refuses_and_writes_nothing(tmp_path):
     dump = tmp_path / "run"
     held = acquire(dump)  # as a run in progress holds it
@@ -39,6 +40,7 @@ def test_a_second_run_refuses_and_writes_nothing(tmp_path):
     assert (dump / LOCK_FILE).read_text() == ""  # released: no holder named
 
 
+@pytest.mark.slow
 def test_every_rank_of_a_second_torchrun_run_exits(tmp_path):
     dump = tmp_path / "run"
     held = acquire(dump)
@@ -54,6 +56,7 @@ def test_every_rank_of_a_second_torchrun_run_exits(tmp_path):
     assert len(re.findall(in_use(dump, os.getpid()), proc.stdout + proc.stderr)) >= 2  # 2 ranks
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_do_not_share_a_folder(tmp_path):
     dump = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), *ARGS, "--training.steps", "3",
@@ -74,6 +77,7 @@ def test_two_runs_started_together_do_not_share_a_folder(tmp_path):
     assert steps == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_killed_run_s_lock_is_taken_over(tmp_path):
     dump = tmp_path / "run"
     killed = subprocess.Popen([sys.executable, "-c", "import os, sys; from pathlib import Path; "

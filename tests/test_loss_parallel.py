@@ -65,6 +65,7 @@ def _worker(rank, world, port, style_name, reduction, result_path, impl="torch",
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["sequence", "vocab", "vocab_unfused"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_loss_parallel_styles_match_float64(tmp_path, style, reduction):
@@ -76,6 +77,7 @@ def test_loss_parallel_styles_match_float64(tmp_path, style, reduction):
         torch.testing.assert_close(r[g], r[f"ref_{g}"], rtol=1e-9, atol=1e-12, msg=g)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="runs the kernels on CPU tensors through Triton's interpreter")
 @pytest.mark.parametrize("style", ["sequence", "vocab"])
@@ -158,6 +160,7 @@ def _small_shards_worker(rank, world, port, result_path, cases):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_loss_parallel_with_empty_and_uneven_shards(tmp_path):
     """Fewer tokens (sequence) or classes (vocab) than the 4 ranks, and uneven cuts: a rank with
     an empty shard adds nothing and gets zero/empty gradients. It raised IndexError (sequence:

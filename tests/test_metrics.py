@@ -1,6 +1,7 @@
 """MetricsLogger's outputs (jsonl, stdout, offline wandb, TensorBoard), StepMeter, FLOP counts."""
 
 import json
+import math
 import re
 import sys
 import time
@@ -9,7 +10,8 @@ import pytest
 import torch
 import wandb
 
-from components.metrics import MetricsLogger, StepMeter, peak_flops, peak_flops_for_name
+from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, peak_flops,
+                                peak_flops_for_name)
 
 FULL_STEP_METRICS = {"loss": 3.45123, "grad_norm": 1.234, "lr": 3e-4, "tokens_per_second": 12345.4,
                      "mfu_percent": 41.23, "memory_max_reserved_gib": 10.24}
@@ -36,9 +38,31 @@ def test_jsonl_has_one_object_per_log_call(tmp_path):
 
 def test_jsonl_is_appended_to_on_resume(tmp_path):
     for step in (1, 2):
-        with MetricsLogger(tmp_path, rank=0, total_steps=10) as logger:
+        with MetricsLogger(tmp_path, rank=0, total_steps=10, resumed=step > 1) as logger:
             logger.log(step, {"loss": 1.0})
     assert [r["step"] for r in _read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_fresh_run_sets_an_earlier_runs_jsonl_aside(tmp_path, capsys):
+    for run in range(3):  # the same second: the names must still differ
+        with MetricsLogger(tmp_path, rank=0, total_steps=10) as logger:
+            logger.log(1, {"loss": float(run)})
+            logger.log(2, {"loss": float(run)})
+    assert [r["loss"] for r in _read_jsonl(tmp_path / "metrics.jsonl")] == [2.0, 2.0]
+    earlier = sorted(tmp_path.glob("metrics.*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(earlier) == 2
+    assert {r["loss"] for p in earlier for r in _read_jsonl(p)} == {0.0, 1.0}
+    assert re.fullmatch(r"metrics\.\d{8}-\d{6}(-2)?\.jsonl", earlier[1].name)
+    out = capsys.readouterr().out
+    assert out.count("held an earlier run's metrics: renamed it metrics.") == 2
+
+
+def test_summary_values_are_the_last_and_lowest(tmp_path):
+    with MetricsLogger(tmp_path, rank=0, total_steps=10) as logger:
+        for step, val in ((2, 3.0), (4, 2.5), (6, float("nan")), (8, 2.75)):
+            logger.log(step, {"val_loss": val})
+    assert logger.last["val_loss"] == (8, 2.75) and logger.lowest["val_loss"] == (4, 2.5)
 
 
 def test_only_rank_zero_writes(tmp_path, capsys):
@@ -57,8 +81,8 @@ def test_stdout_line_format_and_eta(tmp_path, capsys):
         logger.log(12, {"loss": 3.0, "data_wait_seconds": 0.5})
     first, second = capsys.readouterr().out.splitlines()
     # No ETA yet: the step time is averaged from the first logged step on.
-    assert first == ("step 10/100 | loss 3.4512 | grad_norm 1.23 | lr 3.0e-04 | tok/s 12,345 | "
-                     "mfu 41.2% | mem 10.2 GiB")
+    assert first == ("step 10/100 | loss 3.4512 | grad_norm 1.23 | lr 3.0e-04 | "
+                     "tok/s/device 12,345 | mfu 41.2% | mem 10.2 GiB")
     # Keys not present are not shown; unprinted keys (data_wait_seconds) only go to the files.
     assert re.fullmatch(r"step 12/100 \| loss 3\.0000 \| eta \d+:\d\d:\d\d", second), second
 
@@ -81,11 +105,11 @@ def test_wandb_run_is_offline_and_under_dump_folder(tmp_path, monkeypatch):
     with MetricsLogger(tmp_path, rank=0, total_steps=10, wandb_enable=True,
                        wandb_run_name="test-run", config={"lr": 3e-4}) as logger:
         logger.log(1, {"loss": 2.5, "tokens_per_second": 12345.5})
-    # run.finish() returns before wandb-core has written the run file out; teardown waits for it
-    # (a trainer gets the same at process exit).
-    wandb.teardown()
+    # run.finish() returns before wandb-core has written the run file out: close() waits for it
+    # (a trainer that leaves through os._exit gets no teardown at exit).
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
+    assert logger.wandb_dir == runs[0]
     (run_file,) = runs[0].glob("run-*.wandb")
     history = run_file.read_bytes()  # protobuf records: keys and JSON values appear verbatim
     assert b"tokens_per_second" in history and b"12345.5" in history
@@ -145,3 +169,19 @@ def test_peak_flops():
     assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops_for_name("NVIDIA H100 PCIe") == 756e12  # the longer key wins
     assert peak_flops_for_name("NVIDIA GeForce RTX 4090") is None
+
+
+def test_validation_line_and_bits_per_byte(tmp_path, capsys):
+    # 2.0 nats per token over tokens of 4 bytes each: 2 / (4 ln 2) bits per byte
+    assert bits_per_byte(2.0 * 100, 400) == pytest.approx(2.0 / (4 * math.log(2)))
+    with pytest.raises(ValueError, match="0 bytes"):
+        bits_per_byte(1.0, 0)
+    with MetricsLogger(tmp_path, rank=0, total_steps=100, tensorboard_enable=True) as logger:
+        logger.log(50, {"val_loss": 2.5, "val_bpb": 0.90123})
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "step 50/100 | val_loss 2.5000 | val_bpb 0.9012"
+    assert _read_jsonl(tmp_path / "metrics.jsonl")[0]["val_bpb"] == 0.90123
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val_bpb")] == [50]

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from components.optim import (build_lr_schedule, build_optimizer, hyperparameters,
-                              lr_multiplier, restore_hyperparameters)
+from components.optim import (build_lr_schedule, build_optimizer, fit_lr_schedule,
+                              hyperparameters, lr_multiplier, restore_hyperparameters)
 
 LR = 1e-3
 
@@ -242,3 +242,44 @@ def test_schedule_errors(kwargs, error, match):
     optimizer = build_optimizer(TinyModel(), lr=LR)
     with pytest.raises(error, match=match):
         build_lr_schedule(optimizer, **arguments)
+
+
+@pytest.mark.parametrize("decay_type", ["cosine", "linear", "wsd"])
+@pytest.mark.parametrize("warmup,total", [(20, 20), (20, 3), (5, 1), (3, 4), (0, 1)])
+def test_a_warmup_too_long_for_the_run_is_fitted_into_it(decay_type, warmup, total):
+    """As torchtitan 0.2 clamps its warmup (and wsd decay) to the run, with one warning line;
+    here the warmup ends a step before the run, so the last step still lands on min_lr."""
+    fitted, decay_ratio, warning = fit_lr_schedule(warmup, total, decay_type, 0.1)
+    assert fitted == min(warmup, total - 1)
+    wsd_decay = max(1, round(0.1 * total))  # wsd's default decay_ratio 0.1, at least a step
+    fits = warmup < total and (decay_type != "wsd" or warmup + wsd_decay <= total)
+    assert (warning is None) == fits
+    if warmup >= total:
+        assert warning.startswith(f"warning: [lr_scheduler] warmup_steps = {warmup} does not fit "
+                                  f"in [training] steps = {total}: warming up over {total - 1} ")
+        assert "\n" not in warning
+    lrs = _lrs_seen_by_steps(fitted, total, decay_type=decay_type, decay_ratio=decay_ratio)
+    assert lrs[-1] == pytest.approx(0.1 * LR)
+    assert lrs[:fitted] == pytest.approx([LR * (step + 1) / fitted for step in range(fitted)])
+
+
+def test_wsd_decay_is_shortened_to_the_steps_left():
+    warmup, decay_ratio, warning = fit_lr_schedule(6, 10, "wsd", 0.0, decay_ratio=0.5)
+    assert (warmup, decay_ratio) == (6, 0.4)
+    assert warning.endswith("the wsd decay ([lr_scheduler] decay_ratio = 0.5) takes the last "
+                            "4 step(s) (a short run)")
+    lrs = _lrs_seen_by_steps(warmup, 10, decay_type="wsd", min_lr_ratio=0.0,
+                             decay_ratio=decay_ratio)
+    assert lrs == pytest.approx([LR * m for m in (1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1,
+                                                  0.75, 0.5, 0.25, 0.0)])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(warmup_steps=-1), r"\[lr_scheduler\] warmup_steps=-1"),
+    (dict(total_steps=0), r"\[training\] steps=0"),
+    (dict(decay_type="cosine", decay_ratio=0.5), r"decay_ratio=0.5 is only used with"),
+    (dict(min_lr_ratio=-0.1), r"\[lr_scheduler\] min_lr_ratio"),
+])
+def test_fitting_still_rejects_wrong_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fit_lr_schedule(**(dict(warmup_steps=2, total_steps=10) | kwargs))

@@ -67,6 +67,7 @@ LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, activati
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_layout_matches_one_process(tmp_path, single, layout):
     nproc, replicate, tp, parallel, impl, ac = (*layout, "none")[:6]
@@ -91,6 +92,7 @@ def test_layout_matches_one_process(tmp_path, single, layout):
         torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=3e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_checkpoint_reshards_across_layouts(tmp_path):
     saved = tmp_path / "dp2_tp2"
     torchrun(4, saved, "--parallelism.tensor_parallel_degree", "2",
@@ -212,6 +214,7 @@ def test_tp_degree_that_divides_passes(flavor, tp, seq_len):
     check_tp_degree(FLAVORS[flavor], flavor, tp, seq_len)
 
 
+@pytest.mark.slow
 def test_train_refuses_tp_degree_before_building(tmp_path):
     """tp=2 with seq_len 63 failed mid-step (127: a gloo abort); now it stops with the message."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

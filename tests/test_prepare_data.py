@@ -21,9 +21,9 @@ from components.shards import ShardFormatError, read_index
 from components.tokenizer import ByteTokenizer
 from shard_cases import framed, held_out, random_texts, shard_documents, train_tokenizer, write_jsonl
 
+from scripts import prepare_data
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import prepare_data  # noqa: E402
 
 SMALL_UNITS = ["--unit-mb", "0.001", "--no-progress"]  # ~1 KB of input per unit: many units
 
@@ -87,9 +87,9 @@ def test_a_killed_run_resumes_to_the_same_shards(tmp_path, rng):
     # One worker takes the units in order: the kill comes when the last of a.jsonl is half written.
     out = tmp_path / "killed"
     last_of_a = [u for u in units if u.startswith("00000-")][-1]
-    killed = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
+    killed = subprocess.run([sys.executable, "-m", "scripts.prepare_data",
                              *map(str, args), "--out", str(out), "--workers", "1"],
-                            env={**os.environ, "FLCE_TEST_PREPARE_KILL": last_of_a},
+                            cwd=ROOT, env={**os.environ, "FLCE_TEST_PREPARE_KILL": last_of_a},
                             start_new_session=True, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     done = sorted(p.stem for p in (out / "units").glob("*.json"))

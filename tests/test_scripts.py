@@ -7,6 +7,7 @@ real CPU runs through compare_fused_vs_unfused.sh."""
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -21,9 +22,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 SHELL_SCRIPTS = sorted([*SCRIPTS.rglob("*.sh"), *SCRIPTS.rglob("*.sbatch")])
-# What a user runs (scripts/lib/ holds what they source).
+# What a user runs (scripts/lib/ holds what they source and import).
 USER_SCRIPTS = sorted(p for p in [*SHELL_SCRIPTS, *SCRIPTS.rglob("*.py")]
-                      if "lib" not in p.relative_to(SCRIPTS).parts)
+                      if "lib" not in p.relative_to(SCRIPTS).parts and p.name != "__init__.py")
+PYTHON_SCRIPTS = [p for p in USER_SCRIPTS if p.suffix == ".py"]
 COMPARE = [sys.executable, str(SCRIPTS / "compare_losses.py")]
 # A short debug run: about 5 s on 2 CPU cores.
 SHORT = ["--training.device", "cpu", "--training.steps", "20", "--training.seq_len", "64",
@@ -51,6 +53,18 @@ time.sleep(30)' & trainer=$!
 wait $trainer
 """
 NEW_TORCHRUN_HELP = "[--signals-to-handle SIGNALS] [--shutdown-timeout SHUTDOWN_TIMEOUT]"
+
+
+def with_repo_on_path(env: dict) -> dict:
+    """The Python scripts run as modules of the repository (`python3 -m scripts.NAME`): from
+    another working directory the repository root goes on PYTHONPATH."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
+
+
+def script_command(script: Path) -> list[str]:
+    if script.suffix == ".py":
+        return [sys.executable, "-m", f"scripts.{script.stem}"]
+    return ["bash", str(script)]
 
 
 def run(cmd, env=None, timeout=120, **kwargs):
@@ -94,13 +108,39 @@ def test_help_prints_the_usage_and_changes_no_file(script, flag, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PYTHONDONTWRITEBYTECODE="1")
     env.pop("CONFIG", None)
-    cmd = [sys.executable if script.suffix == ".py" else "bash", str(script), flag]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, text=True, capture_output=True,
+    result = subprocess.run([*script_command(script), flag], cwd=tmp_path,
+                            env=with_repo_on_path(env), text=True, capture_output=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "usage" in result.stdout.lower() and script.name in result.stdout, result.stdout
+    assert "usage" in result.stdout.lower() and script.stem in result.stdout, result.stdout
     assert files_under(tmp_path) == before
     assert repo_status() == repo_before
+
+
+@pytest.mark.parametrize("script", PYTHON_SCRIPTS, ids=lambda p: p.name)
+def test_a_script_run_as_a_file_says_how_to_run_it(script, tmp_path):
+    """`python3 scripts/NAME.py` (as the README once said): a script that imports the repository
+    stops with one line naming the module command, not a traceback; one that imports only the
+    standard library runs as a file too."""
+    result = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, text=True,
+                            capture_output=True, timeout=120)
+    if result.returncode == 0:
+        assert "usage" in result.stdout.lower(), result.stdout
+    else:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("run from the repository root as a module: ")
+        assert line.endswith(f" -m scripts.{script.stem} ..."), line
+
+
+def test_no_sys_path_edits():
+    """The recipe runs from the repository root and the scripts as its modules: nothing needs
+    to edit sys.path (only flce is installed)."""
+    folders = ("flce", "components", "models", "parallelisms", "scripts", "tests")
+    tree = [REPO / "train.py", *[p for d in folders for p in (REPO / d).rglob("*.py")]]
+    edits = [str(p.relative_to(REPO)) for p in tree
+             if re.search(r"sys\.path\.(insert|append|extend)|sys\.path\s*=", p.read_text())]
+    assert edits == []
 
 
 # ---- shell syntax ----------------------------------------------------------------------------
@@ -263,6 +303,7 @@ def test_run_train_command(ngpu, expect):
 
 FAKE_SRUN = """#!/bin/bash
 echo "$@" > "$FAKE_DIR/srun_args"
+echo "${FLCE_TEST_SETUP:-unset}" > "$FAKE_DIR/srun_env"
 if [[ -n ${FAKE_SRUN_RC:-} ]]; then exit "$FAKE_SRUN_RC"; fi
 sleep 30 & sleeper=$!
 # Like torchrun after the trainers checkpointed: exits non-zero once told to stop.
@@ -323,6 +364,28 @@ def test_sbatch_without_usr1_does_not_requeue(fake_slurm, srun_rc):
     output = job.communicate(timeout=20)[0]
     assert job.returncode == int(srun_rc), output
     assert not (tmp / "requeued").exists()
+
+
+def test_sbatch_sources_the_environment_hook_before_srun(fake_slurm):
+    """FLCE_ENV_SETUP (a venv, conda, modules): sourced by the batch shell, under `set +u` as
+    activation scripts need; what it exports reaches srun (and through it every node)."""
+    tmp, env = fake_slurm
+    setup = tmp / "my env.sh"
+    setup.write_text('echo "setup: ${NOT_SET_ANYWHERE}"\nexport FLCE_TEST_SETUP=activated\n')
+    job = start_sbatch({**env, "FAKE_SRUN_RC": "0", "FLCE_ENV_SETUP": str(setup)})
+    output = job.communicate(timeout=20)[0]
+    assert job.returncode == 0, output
+    assert f"sourcing {setup}" in output and "setup: \n" in output
+    assert (tmp / "srun_env").read_text() == "activated\n"
+
+
+def test_sbatch_stops_when_the_named_environment_hook_is_missing(fake_slurm):
+    tmp, env = fake_slurm
+    job = start_sbatch({**env, "FAKE_SRUN_RC": "0", "FLCE_ENV_SETUP": str(tmp / "nowhere.sh")})
+    output = job.communicate(timeout=20)[0]
+    assert job.returncode == 1
+    assert f"error: FLCE_ENV_SETUP={tmp}/nowhere.sh: no such file" in output
+    assert not (tmp / "srun_args").exists()
 
 
 # ---- compare_losses.py on synthetic metrics --------------------------------------------------
@@ -396,11 +459,27 @@ def test_null_is_a_divergence(tmp_path):
 
 def test_the_last_line_of_a_repeated_step_wins(tmp_path):
     a = write_metrics(tmp_path / "a", curve)
-    b = write_metrics(tmp_path / "b", lambda s: curve(s) + 1.0)  # a run that was resumed ...
-    with open(b / "metrics.jsonl", "a") as f:  # ... and repeated every step correctly
-        for step in range(1, 31):
+    b = write_metrics(tmp_path / "b", lambda s: curve(s) + (1.0 if s > 10 else 0.0))
+    with open(b / "metrics.jsonl", "a") as f:  # resumed from step 10, repeating 11-30 correctly
+        for step in range(11, 31):
             f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
-    assert compare(a, b).returncode == 0
+    result = compare(a, b)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "steps go back from 30 to 11: a resumed run" in result.stderr
+
+
+def test_two_runs_in_one_file_are_refused(tmp_path):
+    """A second run from step 1 appended to the first's file (what the trainer did before it
+    kept fresh runs apart) is not a resumed run: comparing the mix would mislead."""
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", curve)
+    with open(b / "metrics.jsonl", "a") as f:
+        for step in range(1, 21):
+            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step) + 0.5}) + "\n")
+    result = compare(a, b)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "metrics.jsonl:34: step 1 follows step 30: the file holds more than one run" in \
+        result.stderr
 
 
 @pytest.mark.parametrize("problem", ["missing", "no common steps", "metric absent"])
@@ -511,6 +590,7 @@ def fused_vs_unfused(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow
 def test_fused_and_unfused_losses_agree(fused_vs_unfused):
     """On the CPU (fp32, deterministic) the script picks the absolute verdict by itself."""
     result, out = fused_vs_unfused
@@ -529,6 +609,7 @@ def train_short(dump, *overrides):
     return dump
 
 
+@pytest.mark.slow
 def test_another_learning_rate_is_caught_by_both_verdicts(fused_vs_unfused, tmp_path):
     """Real runs: fused vs unfused sits deep inside the noise band that a run at another seed
     measures; a run at another learning rate is outside it, and outside the tolerance."""
@@ -590,7 +671,7 @@ def test_fused_vs_unfused_bad_input_keeps_earlier_results(tmp_path, args):
 
 # ---- compare_layouts.py ----------------------------------------------------------------------
 
-LAYOUTS = [sys.executable, str(SCRIPTS / "compare_layouts.py"), "--config", "configs/debug.toml"]
+LAYOUTS = [sys.executable, "-m", "scripts.compare_layouts", "--config", "configs/debug.toml"]
 
 
 def test_layout_commands(tmp_path):
@@ -614,6 +695,7 @@ def test_layout_commands(tmp_path):
     assert bad.returncode == 2 and "layout 'tp2_rows'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_layouts_on_two_cpu_processes(tmp_path):
     """Two real torchrun runs (gloo) of the vocab-parallel layout: report, plot and verdict."""
     out = tmp_path / "report"
@@ -622,7 +704,8 @@ def test_layouts_on_two_cpu_processes(tmp_path):
                   "--runs-dir", str(tmp_path / "runs"),
                   "--extra=--training.device cpu --training.seq_len 64 "
                   "--training.local_batch_size 2 --lr_scheduler.warmup_steps 2 "
-                  "--validation.enable false"], env={"OMP_NUM_THREADS": "1"})
+                  "--validation.enable false"],
+                 env={"OMP_NUM_THREADS": "1", "FLCE_GIT_REVISION": "0a1b2c3"})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.with_suffix(".json").read_text())
     assert [(r["layout"], r["loss"], r["status"]) for r in report["runs"]] == [
@@ -634,22 +717,30 @@ def test_layouts_on_two_cpu_processes(tmp_path):
     assert (tmp_path / "report_tp2_vocab.png").stat().st_size > 0
     md = out.with_suffix(".md").read_text()
     assert "| tp2_vocab | flce | ok |" in md and "- **tp2_vocab**: PASS" in md
+    assert md.splitlines()[0].endswith(" · git 0a1b2c3") and report["meta"]["dirty"] is False
 
 
+@pytest.mark.slow
 def test_loss_parallel_benchmark_on_two_cpu_processes(tmp_path):
     """Both modes run through torchrun (gloo) and compute the same loss."""
     out = tmp_path / "lp"
     result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc_per_node", "2", str(SCRIPTS / "bench_loss_parallel.py"),
+                  "--nproc_per_node", "2", "-m", "scripts.bench_loss_parallel",
                   "--shapes", "64x16x37,90x24x101", "--warmup", "1", "--reps", "2",
                   "--modes", "sequence,vocab,vocab_unfused", "--out", str(out)],
-                 env={"OMP_NUM_THREADS": "1"})
+                 env={"OMP_NUM_THREADS": "1", "FLCE_GIT_REVISION": "0a1b2c3+dirty"})
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = report["results"]
+    assert report["meta"]["git"] == "0a1b2c3+dirty" and report["meta"]["dirty"] is True
+    assert report["meta"]["command"].startswith(
+        "torchrun --nproc_per_node 2 -m scripts.bench_loss_parallel --shapes")
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("**DIRTY TREE: not reproducible from a commit** (git 0a1b2c3+dirty")
     assert [(r["shape"], r["mode"]) for r in rows] == [
         (shape, mode) for shape in ("64x16x37", "90x24x101")
         for mode in ("sequence", "vocab", "vocab_unfused")]
     for a, b, c in zip(rows[::3], rows[1::3], rows[2::3]):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and a["ms"] > 0
         assert math.isclose(a["loss"], c["loss"], rel_tol=1e-5)
-    assert "| 90x24x101 |" in out.with_suffix(".md").read_text()
+    assert "| 90x24x101 |" in md

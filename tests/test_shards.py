@@ -23,9 +23,9 @@ from components.shards import ShardFormatError, TokenShards, read_index
 from components.tokenizer import ByteTokenizer
 from shard_cases import random_texts, shard_documents, train_tokenizer, write_jsonl, write_token_shards
 
+from scripts import prepare_data
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import prepare_data  # noqa: E402
 BYTE = ByteTokenizer()
 
 

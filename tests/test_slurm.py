@@ -34,10 +34,11 @@ SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("sbatch", "squeue", "sinfo", "scontrol", "scancel", "srun")
 MISSING = [name for name in DAEMONS + COMMANDS if shutil.which(name, path=SBIN) is None]
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     bool(MISSING) or os.geteuid() != 0,
     reason=f"SLURM is not installed ({', '.join(MISSING)} missing; .ci/run installs it)"
-    if MISSING else "starting SLURM's daemons needs root")
+    if MISSING else "starting SLURM's daemons needs root"),
+    pytest.mark.slow]  # a cluster and multi-process runs: not in the fast subset
 
 # A constant learning rate after warmup (min_lr_ratio 1): the schedule does not depend on
 # --training.steps, so a run stopped at step m is comparable with one of m steps.

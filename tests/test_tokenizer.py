@@ -1,11 +1,14 @@
-"""The byte tokenizer and a real tokenizer.json, trained here, round-trip text and find their specials."""
+"""The byte tokenizer and a real tokenizer.json, trained here, round-trip text and find their specials;
+the bytes each id stands for add up to the decoded text's (bits per byte); the byte tokenizer as a
+tokenizer.json encodes alike."""
 
+import json
 import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from components.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, byte_tokenizer_json
 
 ALPHABET = "abcdefghij klmnop\nqrstuvwxyz ABC 0123456789 .,;:!? éüßñ ÆØ Ωπ 漢字かな 🙂🚀"
 
@@ -92,17 +95,72 @@ def test_hf_tokenizer_with_one_endoftext_token_uses_it_for_both_ends(tmp_path, r
     assert tokenizer.bos_id == tokenizer.eos_id == trained.token_to_id("<|endoftext|>")
 
 
-def test_hf_tokenizer_errors_name_the_file_and_the_tokens(tmp_path, rng):
+def test_hf_tokenizer_errors_name_the_file_the_keys_and_the_specials(tmp_path, rng):
     missing = tmp_path / "nowhere" / "tokenizer.json"
     with pytest.raises(FileNotFoundError, match="nowhere/tokenizer.json"):
         build_tokenizer("hf", str(missing))
 
     path = tmp_path / "tokenizer.json"
-    train_byte_level_bpe(rng, ["<s>"]).save(str(path))  # a bos but no eos
-    with pytest.raises(ValueError, match=r"tokenizer\.json: no eos token found.*'</s>'"):
+    train_byte_level_bpe(rng, ["<pad>", "<s>", "<doc_end>"]).save(str(path))  # a bos, no eos
+    with pytest.raises(ValueError, match=r"tokenizer\.json: no eos token found .*'</s>'.*: name "
+                       r"the one that marks a document's end with --tokenizer\.eos_token \(its "
+                       r"special tokens: '<pad>', '<s>', '<doc_end>'\)$"):
         build_tokenizer("hf", str(path))
-    with pytest.raises(ValueError, match=r"no bos token found \(looked for '<BOS>'\)"):
+    with pytest.raises(ValueError, match=r"\[tokenizer\] bos_token = '<BOS>': .*tokenizer\.json "
+                       r"has no such token \(its special tokens: '<pad>', '<s>', '<doc_end>'\)"):
         build_tokenizer("hf", str(path), bos_token="<BOS>", eos_token="<s>")
+    assert build_tokenizer("hf", str(path), eos_token="<doc_end>").eos_id == 2
+
+
+def test_hf_tokenizer_takes_bos_eos_from_tokenizer_config_json(tmp_path, rng):
+    """A Hugging Face model folder's tokenizer_config.json names them (a string, or a dict with
+    "content"); it outranks the common names."""
+    trained = train_byte_level_bpe(rng, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": {"content": "<|im_end|>", "special": True}}))
+    lines = []
+    tokenizer = build_tokenizer("hf", str(path), log=lines.append)
+    assert tokenizer.bos_id == trained.token_to_id("<|endoftext|>")  # config: none; a common name
+    assert tokenizer.eos_id == trained.token_to_id("<|im_end|>")
+    assert lines == [f"tokenizer {path}: {trained.get_vocab_size()} ids, bos '<|endoftext|>' "
+                     "(id 0, a common name), eos '<|im_end|>' (id 2, tokenizer_config.json)"]
+
+
+@pytest.mark.parametrize("processor", ["template", "sequence", "bert"])
+def test_hf_tokenizer_takes_bos_eos_from_the_post_processor(tmp_path, rng, processor):
+    """Names no common list has ([CLS]/[SEP], <doc>/</doc>): the post-processor frames a
+    sequence with them."""
+    bos, eos = ("[CLS]", "[SEP]") if processor == "bert" else ("<doc>", "</doc>")
+    trained = train_byte_level_bpe(rng, ["<pad>", bos, eos])
+    ids = {t: trained.token_to_id(t) for t in (bos, eos)}
+    if processor == "bert":
+        trained.post_processor = processors.BertProcessing((eos, ids[eos]), (bos, ids[bos]))
+    else:
+        template = processors.TemplateProcessing(
+            single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B:1 {eos}:1",
+            special_tokens=list(ids.items()))
+        trained.post_processor = (processors.Sequence([processors.ByteLevel(), template])
+                                  if processor == "sequence" else template)
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+    lines = []
+    tokenizer = build_tokenizer("hf", str(path), log=lines.append)
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (ids[bos], ids[eos])
+    assert f"bos '{bos}' (id {ids[bos]}, the post-processor)" in lines[0]
+
+
+def test_hf_tokenizer_with_only_a_bos_in_its_template_finds_eos_by_name(tmp_path, rng):
+    trained = train_byte_level_bpe(rng, ["<|begin_of_text|>", "<|end_of_text|>"])
+    trained.post_processor = processors.TemplateProcessing(  # Llama-3's: bos only
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)])
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+    tokenizer = build_tokenizer("hf", str(path))
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+    assert tokenizer.found == {"bos": "'<|begin_of_text|>' (id 0, the post-processor)",
+                               "eos": "'<|end_of_text|>' (id 1, a common name)"}
 
 
 def test_build_tokenizer_rejects_unknown_names_and_a_missing_path():
@@ -112,3 +170,91 @@ def test_build_tokenizer_rejects_unknown_names_and_a_missing_path():
         build_tokenizer("hf")
     with pytest.raises(ValueError, match=r"\[tokenizer\] path"):
         build_tokenizer("hf", "")
+
+
+# ---- bytes per token (bits per byte) ---------------------------------------------------------
+
+def byte_sum(tokenizer, ids) -> int:
+    lengths = tokenizer.byte_lengths()
+    return sum(lengths[i] for i in ids)
+
+
+def test_byte_tokenizer_byte_lengths(rng):
+    tokenizer = ByteTokenizer()
+    lengths = tokenizer.byte_lengths()
+    assert len(lengths) == tokenizer.vocab_size and lengths[255] == 1 and lengths[256:] == [0] * 3
+    text = random_text(rng, 100)
+    ids = [tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id]
+    assert byte_sum(tokenizer, ids) == len(text.encode("utf-8"))
+
+
+def test_byte_level_bpe_byte_lengths_add_up_to_the_decoded_bytes(tmp_path, rng):
+    """Exact, also where tokens hold parts of a character: characters never seen in training
+    are split into single bytes, each of which alone decodes to a replacement character."""
+    trained = train_byte_level_bpe(rng, ["<s>", "</s>"])
+    trained.add_tokens(["<|tool|>"])  # an added token that decodes to itself
+    trained.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    assert len(tokenizer.byte_lengths()) == tokenizer.vocab_size
+    assert tokenizer.byte_lengths()[tokenizer.bos_id] == 0
+    partial = set()
+    for _ in range(30):
+        text = random_text(rng, rng.randint(1, 150)) + rng.choice(["", " <|tool|> x", "龍🦀ǅ"])
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text
+        partial |= {i for i in ids if "\ufffd" in tokenizer.decode([i])}
+        framed = [tokenizer.bos_id, *ids, tokenizer.eos_id]
+        assert byte_sum(tokenizer, framed) == len(text.encode("utf-8")), text
+    assert partial  # some tokens held part of a multi-byte character
+
+
+@pytest.mark.parametrize("decoder", ["metaspace", "llama2_sequence"])
+def test_sentencepiece_style_byte_lengths_count_the_leading_space(tmp_path, rng, decoder):
+    """Metaspace ("▁") pieces with <0xNN> byte fallback, as Llama 2's tokenizer.json: exact but
+    for the space the tokenizer puts before a text's first word, which decoding drops."""
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    if decoder == "metaspace":
+        tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(
+            replacement="▁", prepend_scheme="first")])
+    else:
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "),
+                                               decoders.ByteFallback(), decoders.Fuse(),
+                                               decoders.Strip(" ", 1, 0)])
+    ascii_only = "abcdefghij klmnop qrstuvwxyz ABC 0123456789 .,;:!?"
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(["".join(rng.choice(ascii_only) for _ in range(200))
+                                   for _ in range(50)], trainer)
+    spec = json.loads(tokenizer.to_str())  # the byte tokens go into the vocabulary, as Llama 2's
+    vocab = spec["model"]["vocab"]
+    vocab.update({t: len(vocab) + i for i, t in enumerate(byte_tokens)})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    wrapped = HFTokenizer(tmp_path / "tokenizer.json")
+    lengths = wrapped.byte_lengths()
+    fell_back = False
+    for _ in range(30):
+        text = random_text(rng, rng.randint(1, 100))  # non-ASCII characters fall back to bytes
+        ids = wrapped.encode(text)
+        fell_back |= any(wrapped.id_to_token(i).startswith("<0x") for i in ids)
+        # decoding drops a leading space: the one added before the first word, or the text's own
+        assert wrapped.decode(ids) == text.removeprefix(" ")
+        expected = len(text.encode("utf-8")) + (not text.startswith(" "))
+        assert sum(lengths[i] for i in [wrapped.bos_id, *ids]) == expected, text
+    assert fell_back
+
+
+def test_byte_tokenizer_as_tokenizer_json_encodes_alike(tmp_path, rng):
+    """What export_hf.py ships for a byte-tokenizer run: the same ids for any text."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(byte_tokenizer_json())
+    wrapped, byte = HFTokenizer(path), ByteTokenizer()
+    assert (wrapped.bos_id, wrapped.eos_id, wrapped.vocab_size) == (256, 257, 259)
+    assert wrapped.byte_lengths() == byte.byte_lengths()
+    for _ in range(50):
+        ranges = [(0, 0x80), (0x80, 0x800), (0x800, 0xD800), (0x10000, 0x110000)]
+        text = "".join(chr(rng.randrange(*rng.choice(ranges))) for _ in range(rng.randint(0, 30)))
+        assert wrapped.encode(text) == byte.encode(text)
+        assert wrapped.decode(wrapped.encode(text)) == text
+    assert Tokenizer.from_file(str(path)).encode("ab").ids == [256, 97, 98]  # bos, as trained

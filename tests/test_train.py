@@ -5,6 +5,9 @@ a resumed run follows its own optimizer config, stop signals save and exit clean
 import json
 import math
 import os
+import random
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,6 +35,7 @@ def run(tmp_path, name, *overrides):
     return code, dump, rows
 
 
+@pytest.mark.slow
 def test_debug_config_trains_and_writes_metrics(tmp_path):
     code, dump, rows = run(tmp_path, "run", "--training.steps", "30", "--validation.enable",
                            "true", "--validation.freq", "30", "--validation.steps", "2")
@@ -47,6 +51,7 @@ def test_debug_config_trains_and_writes_metrics(tmp_path):
     assert (dump / "config.toml").read_text().count("steps = 30") == 1
 
 
+@pytest.mark.slow
 def test_fused_and_unfused_losses_agree(tmp_path):
     """Same seed and data: equal at step 1, within 1e-4 after 50 steps (fp32)."""
     curves = {}
@@ -95,7 +100,7 @@ def test_non_finite_steps_between_log_steps(tmp_path, monkeypatch, policy, nan_s
     monkeypatch.setenv("FLCE_TEST_NAN_STEPS", nan_steps)
     code, dump, rows = run(tmp_path, "r", "--training.steps", "6", "--metrics.log_freq", "3",
                            "--training.nan_policy", policy, "--training.max_bad_steps", "2",
-                           "--checkpoint.enable_checkpoint", str(saved is not None).lower(),
+                           "--checkpoint.enable", str(saved is not None).lower(),
                            "--checkpoint.interval", "3")
     assert code == exit_code
     assert [r["step"] for r in rows] == logged
@@ -116,10 +121,98 @@ def test_logged_lr_is_the_lr_each_step_used(tmp_path):
         [3e-3 * lr_multiplier(step, 2, 6, "cosine", 0.1) for step in range(1, 7)])
 
 
+def test_a_run_shorter_than_its_warmup_fits_the_schedule_into_it(tmp_path, capsys):
+    """`--training.steps 3` under a config that warms up over 20 steps runs (it used to stop
+    after building the model): the warmup ends one step before the run, with a warning."""
+    code, _, rows = run(tmp_path, "short", "--training.steps", "3",
+                        "--lr_scheduler.warmup_steps", "20")
+    assert code == 0
+    assert [r["lr"] for r in rows] == pytest.approx(
+        [3e-3 * lr_multiplier(step, 2, 3, "cosine", 0.1) for step in (1, 2, 3)])
+    assert ("warning: [lr_scheduler] warmup_steps = 20 does not fit in [training] steps = 3: "
+            "warming up over 2 step(s)") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override,match", [
+    (["--optimizer.lr", "-1"], r"\[optimizer\] lr=-1.0"),
+    (["--optimizer.beta2", "1.5"], r"\[optimizer\] beta2"),
+    (["--lr_scheduler.decay_ratio", "0.5"], r"decay_ratio=0.5 is only used with"),
+    (["--lr_scheduler.min_lr_ratio", "2"], r"\[lr_scheduler\] min_lr_ratio"),
+    (["--checkpoint.enable", "true", "--checkpoint.load_step", "4"],
+     r"\[checkpoint\] load_step = 4, but .* holds no complete checkpoint"),
+])
+def test_setting_errors_come_before_the_model_is_built(tmp_path, monkeypatch, override, match):
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        train.main(SMALL + ["--job.dump_folder", str(tmp_path), *override])
+
+
+def test_a_missing_metrics_backend_is_named_before_the_model_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like
+    with pytest.raises(ImportError, match=r"\[metrics\] enable_wandb is set but wandb is not"):
+        train.main(SMALL + ["--job.dump_folder", str(tmp_path), "--metrics.enable_wandb", "true"])
+
+
+def test_the_run_ends_with_a_summary_and_logs_each_save(tmp_path, capsys):
+    code, dump, _ = run(tmp_path, "sum", "--training.steps", "4", "--validation.enable", "true",
+                        "--validation.freq", "2", "--validation.steps", "1",
+                        "--checkpoint.enable", "true", "--checkpoint.interval", "2")
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    best = min(val, key=val.get)
+    for step in (2, 4):
+        assert re.search(rf"^checkpoint: step {step} saved to {dump}/checkpoint/step-{step} in "
+                         r"\d+\.\d s$", out, re.M), out
+    summary = out[out.index("\ndone: "):].splitlines()[1:]
+    assert re.fullmatch(r"done: steps 1-4 of 4 in 0:\d\d:\d\d, 1,024 tokens", summary[0])
+    assert summary[1] == (f"  final loss {rows[-2]['loss']:.4f} (step 4), validation loss "
+                          f"{val[4]:.4f} (step 4), best {val[best]:.4f} (step {best})")
+    assert summary[2:] == [f"  metrics: {dump}/metrics.jsonl",
+                           f"  checkpoints: {dump}/checkpoint (latest step-4)"]
+    assert "tok/s/device" in out
+
+
+def test_a_fresh_run_starts_a_new_metrics_file_and_a_resumed_one_appends(tmp_path, capsys):
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    run(tmp_path, "r", "--training.steps", "3", *ckpt)
+    code, dump, rows = run(tmp_path, "r", "--training.steps", "4", *ckpt)  # resumes at step 4
+    assert code == 0 and [r["step"] for r in rows] == [1, 2, 3, 4]
+    capsys.readouterr()
+    code, dump, rows = run(tmp_path, "r", "--training.steps", "3")  # a fresh run, same folder
+    assert code == 0 and [r["step"] for r in rows] == [1, 2, 3]
+    (earlier,) = dump.glob("metrics.*.jsonl")
+    assert [json.loads(line)["step"] for line in earlier.read_text().splitlines()] == [1, 2, 3, 4]
+    assert (f"{dump}/metrics.jsonl held an earlier run's metrics: renamed it {earlier.name}"
+            in capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_a_single_process_run_exits_through_the_interpreter(tmp_path):
+    """Only a process that used gloo with several ranks skips the interpreter's teardown: a
+    plain run's atexit handlers run (wandb's among them: an offline run's history is written)."""
+    dump = tmp_path / "exit"
+    code = ("import atexit, runpy, sys; atexit.register(print, 'atexit ran'); "
+            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "train.py"), *SMALL,
+                             "--training.steps", "3", "--job.dump_folder", str(dump),
+                             "--metrics.enable_wandb", "true"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.endswith("atexit ran\n"), result.stdout
+    (wandb_run,) = (dump / "wandb").glob("offline-run-*")
+    assert f"  wandb (offline): {wandb_run}; upload it with: wandb sync {wandb_run}\n" in \
+        result.stdout
+    (history,) = wandb_run.glob("run-*.wandb")
+    assert b"grad_norm" in history.read_bytes()
+
+
 def test_resume_follows_the_changed_optimizer_config(tmp_path, capsys):
     """The checkpoint brings back the moments and step counts; lr, betas, eps, weight decay and
     the schedule's peak come from the resumed run's config, and the log names what changed."""
-    ckpt = ["--training.steps", "6", "--checkpoint.enable_checkpoint", "true",
+    ckpt = ["--training.steps", "6", "--checkpoint.enable", "true",
             "--checkpoint.interval", "3"]
     code, _, first = run(tmp_path, "first", *ckpt)
     assert code == 0
@@ -142,11 +235,13 @@ def test_resume_follows_the_changed_optimizer_config(tmp_path, capsys):
     assert "  [optimizer] beta2: 0.95 -> 0.99\n" in out
 
 
+@pytest.mark.slow
 def test_torchrun_gloo_two_processes_match_one(tmp_path):
     """FSDP over 2 CPU processes (gloo): the same losses as one process (fp32). Synthetic
     tokens are drawn per global window, so 2 x 2 windows are the 4 windows of one process."""
+    # 20 warmup steps in a 5-step run: fitted into it on every rank, as with one process
     args = SMALL + ["--training.steps", "5", "--training.local_batch_size", "2",
-                    "--data.synthetic", "true"]
+                    "--data.synthetic", "true", "--lr_scheduler.warmup_steps", "20"]
     single_dump = tmp_path / "single"
     assert train.main(args + ["--job.dump_folder", str(single_dump),
                               "--training.local_batch_size", "4"]) == 0
@@ -154,13 +249,17 @@ def test_torchrun_gloo_two_processes_match_one(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node", "2", str(ROOT / "train.py"), *args,
-                    "--job.dump_folder", str(dist_dump)], check=True, cwd=ROOT, env=env,
-                   timeout=300)
+                    "--job.dump_folder", str(dist_dump), "--metrics.enable_wandb", "true"],
+                   check=True, cwd=ROOT, env=env, timeout=300)
     load = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     single, both = load(single_dump), load(dist_dump)
     assert len(single) == len(both) == 5
     for key in ("loss", "grad_norm"):
         assert max(abs(a[key] - b[key]) for a, b in zip(single, both)) <= 1e-5, key
+    # These processes leave through os._exit (parallelisms/teardown.py): only once wandb's
+    # offline run is written out.
+    (history,) = (dist_dump / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"grad_norm" in history.read_bytes()
 
 
 def test_profiling_writes_a_trace(tmp_path):
@@ -176,8 +275,7 @@ def test_profiling_writes_a_trace(tmp_path):
 
 
 def test_trace_summary_groups_kernels_by_name():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from summarize_trace import kernel_totals
+    from scripts.summarize_trace import kernel_totals
     events = [{"ph": "X", "cat": "kernel", "name": "gemm_abc", "dur": 5.0},
               {"ph": "X", "cat": "kernel", "name": "gemm_abd", "dur": 2.5},
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9.0},
@@ -205,7 +303,8 @@ def test_a_failed_run_leaves_no_process_group_behind(tmp_path):
     import torch.distributed as dist
     # Fails after the process group exists (a CUDA host) or before (the CPU): either way the next
     # run in this process must be able to start.
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ValueError, match=r"\[model\] vocab_size 3 is smaller than the "
+                       r"tokenizer's 259 ids: set --model.vocab_size 259 or more"):
         train.main(SMALL + ["--model.vocab_size", "3", "--job.dump_folder", str(tmp_path / "a")])
     assert not dist.is_initialized()
     code, _, rows = run(tmp_path, "b", "--training.steps", "3")
@@ -241,7 +340,7 @@ def start_training(tmp_path):
         with open(tmp_path / f"{name}.out", "w") as out:
             proc = subprocess.Popen(
                 [*command, *OVERRIDES, "--training.steps", "100000", "--job.dump_folder", str(dump),
-                 "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "100000"],
+                 "--checkpoint.enable", "true", "--checkpoint.interval", "100000"],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         started.append(proc)
@@ -276,6 +375,7 @@ def logged_steps(dump) -> list[int]:
 PYTHON_TRAIN = [sys.executable, str(ROOT / "train.py"), "--config", DEBUG_CONFIG]
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_exits_cleanly(start_training):
     proc, dump, output = start_training("int", PYTHON_TRAIN)
     wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
@@ -286,6 +386,7 @@ def test_ctrl_c_saves_and_exits_cleanly(start_training):
     assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_aborts_at_once(start_training):
     proc, dump, output = start_training("int2", PYTHON_TRAIN)
     wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
@@ -299,6 +400,7 @@ def test_second_ctrl_c_aborts_at_once(start_training):
     assert not list((dump / "checkpoint").glob("step-*[0-9]"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,to_every_process", [(signal.SIGTERM, False), (signal.SIGUSR1, True)],
                          ids=["SIGTERM-to-the-script", "SIGUSR1-to-every-process"])
 def test_torchrun_launch_exits_0_after_a_clean_stop(start_training, sig, to_every_process):
@@ -314,3 +416,27 @@ def test_torchrun_launch_exits_0_after_a_clean_stop(start_training, sig, to_ever
     last = logged_steps(dump)[-1]
     assert f"received {sig.name}: stopped after step {last}" in output()
     assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
+
+
+def test_the_readmes_own_data_and_tokenizer_example_runs(tmp_path, monkeypatch, capsys):
+    """README's "Your own data and tokenizer", verbatim: its train_tokenizer.py on a .jsonl,
+    then its train.py command (shortened here), which finds the bos/eos and says so."""
+    section = (ROOT / "README.md").read_text().split("### Your own data and tokenizer")[1]
+    script = section.split("```python\n")[1].split("```")[0]
+    command = section.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
+    argv = shlex.split(next(line for line in command.splitlines() if " train.py " in line))
+    argv = argv[argv.index("train.py") + 1:]
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
+    with open(tmp_path / "my_corpus.jsonl", "w") as f:
+        for _ in range(300):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=60))}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train_tokenizer.py").write_text(script)
+    subprocess.run([sys.executable, "train_tokenizer.py"], check=True, timeout=120)
+    argv[argv.index("--config") + 1] = DEBUG_CONFIG
+    assert train.main([*argv, *OVERRIDES, "--training.steps", "3",
+                       "--data.cache_dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer my_tokenizer.json: " in out and "bos '<s>' (id 0, a common name)" in out
+    assert (tmp_path / "outputs/mine/metrics.jsonl").is_file()

@@ -1,0 +1,123 @@
+"""Evaluate a checkpoint on a data source: loss per token and bits per byte.
+
+    python3 -m scripts.evaluate --checkpoint outputs/debug/checkpoint \\
+        [--source stdlib|PATH] [--split validation] [--val-every N] [--steps N] \\
+        [--batch-size N] [--seq-len N] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] \\
+        [--json FILE]
+
+--checkpoint: a DCP step folder, the folder of a run's step-<N> folders (the latest), or a
+Hugging Face folder. The data comes through the trainer's own pipeline (components/data.py
+build_data): by default the run's [data] source and its held-out validation split, cut into
+windows of the run's seq_len, as many batches as its validation scored: at a step where the run
+validated, the numbers are its val_loss and val_bpb. --source takes any source the trainer
+takes. Loss and bits per byte are train.py's evaluate(): the plain
+cross-entropy, and bpb = summed losses (nats) / (ln 2 x the UTF-8 bytes of the target tokens).
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # run as a file: the repository root (models) is not importable
+    sys.exit("run from the repository root as a module: python3 -m scripts.evaluate ...")
+
+import torch  # noqa: E402
+
+from scripts.lib import checkpoints  # noqa: E402
+from scripts.lib.checkpoints import pick_device, pick_dtype  # noqa: E402
+import train  # noqa: E402
+from components.config import JobConfig  # noqa: E402
+from components.data import build_data  # noqa: E402
+from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True,
+                        help="a DCP step folder, a run's checkpoint folder (latest) or a Hugging "
+                             "Face folder")
+    parser.add_argument("--source", default=None,
+                        help="data source as [data] source (default: the run's)")
+    parser.add_argument("--split", default="validation",
+                        help="validation (the run's held-out documents) or train, or a split "
+                             "the source has")
+    parser.add_argument("--val-every", type=int, default=0,
+                        help="every n-th document is held out (default: the run's [data] "
+                             "val_every)")
+    parser.add_argument("--cache-dir", default=None, help="default: the run's [data] cache_dir")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="batches to evaluate (default: the run's [validation] steps, 20 for "
+                             "a Hugging Face folder)")
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="windows per batch (default: the run's [training] local_batch_size, "
+                             "8 for a Hugging Face folder)")
+    parser.add_argument("--seq-len", type=int, default=0,
+                        help="tokens per window (default: the run's [training] seq_len, 2048 "
+                             "for a Hugging Face folder)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--loss-impl", default="auto", choices=["auto", "flce", "unfused"],
+                        help="auto: the fused loss on a GPU, the unfused one on the CPU")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer.json instead of the run's / the folder's")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    opts = parser.parse_args(argv)
+
+    try:
+        for name in ("steps", "batch_size", "seq_len", "val_every"):
+            if getattr(opts, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(opts, name)}: expected > 0")
+        device = pick_device(opts.device)
+        loaded = checkpoints.load_model(opts.checkpoint, device, pick_dtype(opts.dtype, device),
+                                        tokenizer_path=opts.tokenizer)
+        cfg = loaded.config or JobConfig()  # a Hugging Face folder: the trainer's defaults
+        if loaded.config is None and opts.source is None:
+            raise ValueError(f"{loaded.folder} is a Hugging Face folder: pass --source")
+        run = loaded.config is not None
+        seq_len = opts.seq_len or (cfg.training.seq_len if run
+                                   else min(2048, loaded.args.max_seq_len))
+        steps = opts.steps or (cfg.validation.steps if run else 20)
+        batch_size = opts.batch_size or (cfg.training.local_batch_size if run else 8)
+        if seq_len > loaded.model.rope_cache.shape[0]:
+            raise ValueError(f"--seq-len {seq_len} exceeds the model's {loaded.args.max_seq_len}")
+        source = opts.source or cfg.data.source
+        batches = build_data(source=source, split=opts.split, tokenizer=loaded.tokenizer,
+                             seq_len=seq_len, local_batch_size=batch_size,
+                             max_token_id=loaded.args.vocab_size, streaming=cfg.data.streaming,
+                             text_field=cfg.data.text_field,
+                             val_every=opts.val_every or cfg.data.val_every,
+                             cache_dir=opts.cache_dir or cfg.data.cache_dir,
+                             on_bad_document=cfg.data.on_bad_document)
+        impl = opts.loss_impl if opts.loss_impl != "auto" else (
+            "flce" if device.type == "cuda" else "unfused")
+        loss = TrainingLoss(dataclasses.replace(cfg.loss, impl=impl, float8="none"))
+        model = ModelWithLoss(loaded.model, loss)
+        lengths = loaded.tokenizer.byte_lengths()
+        token_bytes = torch.tensor(lengths + [0] * (loaded.args.vocab_size - len(lengths)))
+        start = time.perf_counter()
+        metrics = train.evaluate(model, batches, steps, device, token_bytes)
+        seconds = time.perf_counter() - start
+    except (FileNotFoundError, ValueError) as e:
+        print(f"evaluate: error: {e}", file=sys.stderr)
+        return 1
+    tokens = steps * batch_size * seq_len
+    wrapped = batches.state_dict().get("epoch", 0) > 0
+    print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+          + f" | {steps} batches x {batch_size} x {seq_len} tokens of {source} "
+            f"({opts.split}) | {loaded.folder} | {seconds:.1f} s")
+    if wrapped:
+        print(f"evaluate: note: the {opts.split} split holds fewer tokens than {tokens:,}: it was "
+              "read more than once (fewer --steps would not repeat)", file=sys.stderr)
+    if opts.json:
+        record = {**metrics, "tokens": tokens, "source": source, "split": opts.split,
+                  "seq_len": seq_len, "checkpoint": str(loaded.folder),
+                  "read_more_than_once": wrapped}
+        Path(opts.json).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

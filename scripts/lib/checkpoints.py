@@ -1,0 +1,253 @@
+"""A trained model as scripts/export_hf.py, generate.py and evaluate.py read it.
+
+A checkpoint is one of:
+- a DCP step folder, `<dump_folder>/checkpoint/step-<N>/`: the trainer's. Its config.toml (the
+  resolved config of the run that wrote it) gives the flavor, the vocab size, the tokenizer
+  and the loss's logit options;
+- the folder holding step-<N> folders: the largest N with a `.metadata` is read;
+- a Hugging Face LlamaForCausalLM folder (config.json + safetensors): the model from
+  config.json, the tokenizer from the folder's tokenizer.json;
+- for export_hf.py also a `torch.save` file of a state dict (it needs --flavor).
+
+From a DCP folder only the tensors under "model" are read (not the optimizer's); in a
+checkpoint with no "model" entry, the top-level tensors (torchtitan's layout). Relative
+tokenizer paths in config.toml are read from the current directory, as the run did.
+"""
+
+import dataclasses
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+import torch
+from torch import Tensor
+
+from components.config import JobConfig, load_config
+from components.tokenizer import HFTokenizer, build_tokenizer
+from models import FLAVORS, Llama, LlamaArgs, build_rope_cache
+from models import hf
+
+# Wrapper segments that torch.compile (`_orig_mod.`) and activation checkpointing
+# (`_checkpoint_wrapped_module.`) may leave in parameter names; the weights are the same.
+_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
+# Buffers derived from LlamaArgs: not weights, dropped if a state dict carries them.
+_DERIVED_BUFFERS = ("rope_cache", "freqs_cis")
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The folder to read: a DCP step folder, a Hugging Face folder or a torch.save file as
+    given; for a folder of step-<N> folders, the latest."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if path.is_file() or (path / ".metadata").is_file() or hf.is_hf_folder(path):
+        return path
+    steps = [(int(m.group(1)), p) for p in path.iterdir()
+             if p.is_dir() and (m := re.fullmatch(r"step-(\d+)", p.name))
+             and (p / ".metadata").is_file()]
+    if not steps:
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} is a folder but not a DCP checkpoint (no .metadata file), "
+            "not a Hugging Face folder (config.json + model.safetensors) and holds no step-<N> "
+            "checkpoint folders")
+    _, latest = max(steps)
+    print(f"reading the latest checkpoint in {path}: {latest.name}", file=sys.stderr)
+    return latest
+
+
+# ------------------------------------------------------------------------- DCP / torch.save
+
+def load_model_state(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The model's tensors from a DCP checkpoint (or a folder of them: the latest) or a
+    torch.save file (a state dict, or a dict whose "model" entry is one), keyed by the Llama's
+    own parameter names."""
+    path = resolve(path)
+    if path.is_dir():
+        state = _load_dcp_model(path)
+    else:
+        try:
+            try:  # mmap: tensors are read when used, so a large file is not held twice
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+        except Exception as e:  # a file torch.save did not write, or one with pickled objects
+            raise ValueError(f"checkpoint {str(path)!r}: not a torch.save file of tensors "
+                             f"({type(e).__name__}: {e})") from e
+        if not isinstance(state, dict):
+            raise ValueError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, "
+                             "expected a state dict")
+        if isinstance(state.get("model"), dict):
+            state = state["model"]
+    tensors = {k: v for k, v in state.items() if isinstance(v, Tensor)}
+    if not tensors:
+        raise ValueError(f"checkpoint {str(path)!r} holds no model tensors")
+    return normalize_keys(tensors)
+
+
+def _load_dcp_model(path: Path) -> dict[str, Tensor]:
+    """The tensors under the top-level "model" entry (the top-level ones when there is none)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if hf.is_hf_folder(path):
+        raise ValueError(f"{path} is a Hugging Face folder, not a DCP checkpoint")
+    reader = dcp.FileSystemReader(str(path))
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        raise ValueError(f"checkpoint {str(path)!r}: cannot read its DCP metadata "
+                         f"({type(e).__name__}: {e})") from e
+    # DCP flattens nested dicts to dotted keys; planner_data maps each to its path of dict keys.
+    paths = metadata.planner_data or {}
+    tensor_meta = {k: m for k, m in metadata.state_dict_metadata.items()
+                   if isinstance(m, TensorStorageMetadata)}
+
+    def under_model(key: str) -> str | None:
+        parts = paths.get(key)
+        if isinstance(parts, (tuple, list)) and len(parts) >= 2 and parts[0] == "model":
+            return ".".join(str(p) for p in parts[1:])
+        if parts is None and key.startswith("model."):
+            return key[len("model."):]
+        return None
+
+    selected = {k: name for k in tensor_meta if (name := under_model(k)) is not None}
+    if not selected:
+        # No "model" entry: the model's tensors are at the top level (a weights-only checkpoint,
+        # or torchtitan's layout, which puts the optimizer etc. in nested entries beside them).
+        selected = {k: k for k in tensor_meta
+                    if not isinstance(paths.get(k), (tuple, list)) or len(paths[k]) == 1}
+    # Load only the selected entries, into full-size CPU tensors (sharded saves are reassembled).
+    buffers = {k: torch.empty(tensor_meta[k].size, dtype=tensor_meta[k].properties.dtype)
+               for k in selected}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(buffers, storage_reader=reader, no_dist=True)
+    return {selected[k]: v for k, v in buffers.items()}
+
+
+def normalize_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop ModelWithLoss's `model.` prefix and compile/checkpoint wrapper segments."""
+    out = {}
+    for key, value in state.items():
+        for segment in _WRAPPER_SEGMENTS:
+            key = key.replace(segment, "")
+        out[key] = value
+    if out and all(k.startswith("model.") for k in out):
+        out = {k[len("model."):]: v for k, v in out.items()}
+    return {k: v for k, v in out.items() if k not in _DERIVED_BUFFERS}
+
+
+def run_config(folder: Path) -> JobConfig | None:
+    """The config.toml of the run that wrote a step folder; None when there is none."""
+    path = folder / "config.toml"
+    if not path.is_file():
+        return None
+    try:
+        return load_config(["--config", str(path)])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def model_args(cfg: JobConfig) -> LlamaArgs:
+    """The model a run trained: its flavor with its [model] vocab_size."""
+    if cfg.model.flavor not in FLAVORS:
+        raise ValueError(f"[model] flavor = {cfg.model.flavor!r} is not one of {list(FLAVORS)}")
+    args = FLAVORS[cfg.model.flavor]
+    return dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
+
+
+def run_tokenizer(cfg: JobConfig, path: str | None = None):
+    """The run's tokenizer ([tokenizer]); path replaces [tokenizer] path when given."""
+    tokenizer_path = path or cfg.tokenizer.path
+    if (cfg.tokenizer.name == "hf" and tokenizer_path
+            and not Path(tokenizer_path).expanduser().is_file()):
+        raise FileNotFoundError(f"the run's [tokenizer] path {tokenizer_path!r} is not a file from "
+                                f"here ({Path.cwd()}): run from the run's directory or pass "
+                                "--tokenizer PATH")
+    return build_tokenizer(cfg.tokenizer.name, tokenizer_path or None,
+                           cfg.tokenizer.bos_token or None, cfg.tokenizer.eos_token or None)
+
+
+# ------------------------------------------------------------------------- a model to run
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    """auto: CUDA when there is a GPU, else the CPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    return torch.device("cuda" if name != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on a GPU (the trainer's forward), float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclass
+class LoadedModel:
+    model: Llama  # eval mode, on the device asked for
+    args: LlamaArgs
+    tokenizer: object  # components.tokenizer's ByteTokenizer or HFTokenizer
+    folder: Path  # the folder read
+    config: JobConfig | None  # the run's config (DCP checkpoints)
+    logit_scale: float = 1.0  # [loss] logit_scale and softcap: part of the trained logits
+    softcap: float | None = None
+
+
+def hf_tokenizer(folder: Path, path: str | None = None) -> HFTokenizer:
+    """A Hugging Face folder's tokenizer.json, bos/eos from its config.json when it names them."""
+    path = Path(path) if path else folder / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no tokenizer.json: pass --tokenizer PATH")
+    config = hf.read_config(folder)
+    names = {}
+    for role in ("bos", "eos"):  # config.json's ids win over the usual token names
+        if isinstance(config.get(f"{role}_token_id"), int):
+            names[f"{role}_token"] = tokenizers.Tokenizer.from_file(str(path)).id_to_token(
+                config[f"{role}_token_id"])
+    return HFTokenizer(path, **names)
+
+
+def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32,
+               seq_len: int | None = None, tokenizer_path: str | None = None) -> LoadedModel:
+    """A checkpoint (DCP, a folder of them, or a Hugging Face folder) as a Llama in eval mode,
+    with the tokenizer to use. seq_len: the longest sequence it will run (RoPE rows; default
+    and most: the model's max_seq_len)."""
+    folder = resolve(path)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: expected a checkpoint folder, not a file")
+    config, logit_scale, softcap = None, 1.0, None
+    if hf.is_hf_folder(folder):
+        args = hf.args_from_hf_config(hf.read_config(folder), str(folder / hf.CONFIG))
+        state = hf.load_hf_weights(folder, args)
+        tokenizer = hf_tokenizer(folder, tokenizer_path)
+    else:
+        config = run_config(folder)
+        if config is None:
+            raise FileNotFoundError(f"{folder} has no config.toml (written with every checkpoint "
+                                    "of this trainer): cannot tell the model and tokenizer")
+        args = model_args(config)
+        state = load_model_state(folder)
+        tokenizer = run_tokenizer(config, tokenizer_path)
+        logit_scale, softcap = config.loss.logit_scale, config.loss.softcap or None
+    seq_len = min(seq_len or args.max_seq_len, args.max_seq_len)
+    with torch.device("meta"):
+        model = Llama(args, seq_len=seq_len)
+    model = model.to(dtype).to_empty(device=device)
+    try:
+        model.load_state_dict(state, strict=True)  # copies, in the model's dtype
+    except RuntimeError as e:
+        raise ValueError(f"{folder}: the weights do not fit the model its config describes: "
+                         f"{' '.join(str(e).split())[:500]}") from e
+    model.rope_cache = build_rope_cache(args, seq_len, device)  # derived, not in checkpoints
+    return LoadedModel(model.eval(), args, tokenizer, folder, config, logit_scale, softcap)

@@ -1,0 +1,124 @@
+"""Validation in bits per byte, and scripts/evaluate.py.
+
+A short run on a corpus written here, with a byte-level BPE tokenizer trained here (so a token
+is several bytes, and bits per byte differ from bits per token), label smoothing and z-loss
+(training-only regularisers that validation leaves out): its val_bpb is its val_loss over the
+UTF-8 bytes of the validation targets, its val_loss the plain cross-entropy recomputed here, and
+evaluate.py reproduces both from the checkpoint and from its exported Hugging Face folder.
+"""
+
+import importlib
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import train
+from components.data import build_data
+from components.tokenizer import HFTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN, BATCH, VAL_STEPS, STEPS = 64, 2, 3, 4
+WORDS = ["def", "return", "class", "import", "naïve", "café", "日本語", "数据", "🙂", "Ωπ", "x",
+         "(", ")", ":", "\n", "    ", "=", "+", "1", "2"]
+
+
+def load_script(name: str):
+    return importlib.import_module(f"scripts.{name}")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bpb")
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 120))) for _ in range(48)]
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(root / "tokenizer.json"))
+    dump = root / "run"
+    data = ["--data.source", str(corpus), "--data.val_every", "4", "--data.cache_dir",
+            str(root / "cache"), "--tokenizer.name", "hf", "--tokenizer.path",
+            str(root / "tokenizer.json")]
+    assert train.main(["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+                       "--loss.impl", "unfused", "--loss.label_smoothing", "0.1",
+                       "--loss.z_loss", "1e-3", "--training.seq_len", str(SEQ_LEN),
+                       "--training.local_batch_size", str(BATCH), "--training.steps", str(STEPS),
+                       "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "1e-2",
+                       "--validation.enable", "true", "--validation.freq", str(STEPS),
+                       "--validation.steps", str(VAL_STEPS), "--checkpoint.enable_checkpoint",
+                       "true", "--checkpoint.interval", str(STEPS), "--job.print_config", "false",
+                       "--job.dump_folder", str(dump), *data]) == 0
+    rows = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in rows if "val_loss" in r]
+    assert len(val) == 1 and val[0]["step"] == STEPS
+    return {"dump": dump, "corpus": corpus, "tokenizer": HFTokenizer(root / "tokenizer.json"),
+            "val": val[0], "cache": root / "cache"}
+
+
+def validation_batches(run):
+    batches = build_data(source=str(run["corpus"]), split="validation", tokenizer=run["tokenizer"],
+                         seq_len=SEQ_LEN, local_batch_size=BATCH, max_token_id=512, val_every=4,
+                         cache_dir=run["cache"])
+    return [next(batches) for _ in range(VAL_STEPS)]
+
+
+def test_val_loss_is_the_plain_cross_entropy_and_val_bpb_its_bits_per_byte(run):
+    checkpoints = load_script("generate").checkpoints
+    model = checkpoints.load_model(run["dump"] / "checkpoint", torch.device("cpu")).model
+    lengths = run["tokenizer"].byte_lengths()
+    nats = smoothed = 0.0
+    tokens = n_bytes = 0
+    with torch.no_grad():
+        for inputs, labels in validation_batches(run):
+            logits = model.logits(model(inputs)).flatten(0, 1).double()
+            nats += F.cross_entropy(logits, labels.flatten(), reduction="sum").item()
+            smoothed += F.cross_entropy(logits, labels.flatten(), reduction="sum",
+                                        label_smoothing=0.1).item()
+            tokens += labels.numel()
+            n_bytes += sum(lengths[i] for i in labels.flatten().tolist())
+    assert n_bytes > 1.5 * tokens  # tokens of several bytes: bpb is not bits per token
+    val = run["val"]
+    assert val["val_loss"] == pytest.approx(nats / tokens, abs=1e-5)
+    assert abs(val["val_loss"] - smoothed / tokens) > 0.05  # the smoothed loss would show
+    assert val["val_bpb"] == pytest.approx(nats / (math.log(2) * n_bytes), abs=1e-5)
+
+
+def test_evaluate_script_reproduces_the_runs_validation(run, tmp_path, capsys):
+    evaluate = load_script("evaluate")
+    out = tmp_path / "eval.json"
+    # by default the run's source, split, seq_len, batch size and validation steps
+    assert evaluate.main(["--checkpoint", str(run["dump"] / "checkpoint"), "--json",
+                          str(out)]) == 0
+    line = capsys.readouterr().out
+    assert "val_loss" in line and "val_bpb" in line
+    record = json.loads(out.read_text())
+    for key in ("val_loss", "val_bpb"):
+        assert record[key] == pytest.approx(run["val"][key], abs=1e-6)
+    assert (record["seq_len"], record["split"], record["tokens"]) == (SEQ_LEN, "validation",
+                                                                      VAL_STEPS * BATCH * SEQ_LEN)
+
+    # the exported folder, given the same source, gives the same numbers
+    export_hf = load_script("export_hf")
+    assert export_hf.main(["--checkpoint", str(run["dump"] / "checkpoint"), "--out",
+                           str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    assert evaluate.main(["--checkpoint", str(tmp_path / "hf"), "--source", str(run["corpus"]),
+                          "--seq-len", str(SEQ_LEN), "--steps", str(VAL_STEPS), "--batch-size",
+                          str(BATCH), "--val-every", "4", "--cache-dir", str(run["cache"]),
+                          "--json", str(out)]) == 0
+    from_hf = json.loads(out.read_text())
+    for key in ("val_loss", "val_bpb"):
+        assert from_hf[key] == pytest.approx(run["val"][key], abs=1e-5)
+    capsys.readouterr()
+    assert evaluate.main(["--checkpoint", str(tmp_path / "hf")]) == 1
+    assert "Hugging Face folder: pass --source" in capsys.readouterr().err

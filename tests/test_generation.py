@@ -1,0 +1,181 @@
+"""Inference: the KV cache gives the training forward's results (greedy generation token for
+token, prefill in pieces), sampling follows temperature / top-k / top-p, and scripts/generate.py
+samples from a trainer's checkpoint and from an exported Hugging Face folder."""
+
+import dataclasses
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from components.tokenizer import ByteTokenizer
+from models import FLAVORS, KVCache, Llama
+from models.generation import generate, sample_next
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = FLAVORS["debug"]
+VARIANTS = {"gqa": DEBUG, "mqa_tied": dataclasses.replace(DEBUG, n_kv_heads=1, tie_embeddings=True),
+            "rope_scaling": dataclasses.replace(DEBUG, rope_scaling_factor=8.0,
+                                                rope_original_max_pos=32)}
+
+
+def load_script(name: str):
+    return importlib.import_module(f"scripts.{name}")
+
+
+def model_for(args, seed: int = 0, seq_len: int = 128) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(args, seq_len=seq_len)
+    model.init_weights()
+    with torch.no_grad():  # sharp attention, so that positions and cached keys matter, and
+        for layer in model.layers.values():  # blocks that outweigh the embedding (tied ones)
+            for name, linear in layer.named_modules():
+                if isinstance(linear, torch.nn.Linear):
+                    linear.weight.normal_(0.0, 0.2 if name in ("attention.wq", "attention.wk")
+                                          else 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_greedy_generation_is_full_recompute_token_for_token(variant, rng):
+    model = model_for(VARIANTS[variant], seed=rng.randrange(1000))
+    prompt = [rng.randrange(DEBUG.vocab_size) for _ in range(rng.randint(1, 12))]
+    cached = generate(model, prompt, 40, temperature=0)
+    recomputed = generate(model, prompt, 40, temperature=0, use_cache=False)
+    assert len(cached) == 40 and cached == recomputed
+    assert len(set(cached)) > 5  # not one token repeated: the comparison says something
+
+
+def test_prefill_in_pieces_gives_the_full_forward(rng):
+    """Chunks after the first attend through the offset causal mask to the cached keys."""
+    model = model_for(DEBUG, seed=rng.randrange(1000))
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 50))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(DEBUG, 2, 64)
+        pieces = [model(tokens[:, a:b], cache) for a, b in ((0, 17), (17, 18), (18, 41), (41, 50))]
+    assert cache.length == 50
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="holds 64 positions, 65 needed"):
+        model(torch.zeros(2, 15, dtype=torch.long), cache)
+
+
+def test_the_training_forward_is_unchanged_by_an_empty_cache():
+    """A whole sequence into an empty cache runs the training path's attention (is_causal):
+    the same bits."""
+    model = model_for(DEBUG)
+    tokens = torch.randint(0, DEBUG.vocab_size, (3, 40))
+    with torch.no_grad():
+        assert torch.equal(model(tokens, KVCache(DEBUG, 3, 40)), model(tokens))
+
+
+def test_sampling_follows_temperature_top_k_and_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    g = torch.Generator().manual_seed(0)
+    draws = 10000
+
+    def frequencies(**kwargs):
+        counts = torch.zeros(len(logits))
+        for _ in range(draws):
+            counts[sample_next(logits, generator=g, **kwargs)] += 1
+        return counts / draws
+
+    expected = (logits / 0.7).softmax(-1)
+    assert (frequencies(temperature=0.7) - expected).abs().max() < 0.02
+    top3 = frequencies(temperature=1.0, top_k=3)
+    assert top3[3:].sum() == 0
+    torch.testing.assert_close(top3[:3], logits[:3].softmax(-1), atol=0.02, rtol=0)
+    # p = 0.75: the ids of probability 0.56 and 0.21 reach it (0.56 alone does not)
+    nucleus = frequencies(temperature=1.0, top_p=0.75)
+    assert nucleus[2:].sum() == 0
+    torch.testing.assert_close(nucleus[:2], logits[:2].softmax(-1), atol=0.02, rtol=0)
+    assert sample_next(logits, temperature=0) == 0
+    assert sample_next(logits, top_k=1, generator=g) == 0
+    assert sample_next(logits, top_p=1e-6, generator=g) == 0
+
+
+def test_generation_stops_at_eos_keeps_to_the_tokenizer_and_is_seeded(rng):
+    model = model_for(DEBUG)
+    prompt = [256, 100, 101]
+    greedy = generate(model, prompt, 10, temperature=0)
+    assert generate(model, prompt, 10, temperature=0, eos_id=greedy[3]) == greedy[:3]
+    sampled = [generate(model, prompt, 30, temperature=2.0, vocab_limit=100,
+                        generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert sampled[0] == sampled[1] and max(sampled[0]) < 100
+    with torch.no_grad():
+        model.output.weight[300:] += 10.0  # padding rows that would otherwise win
+    assert min(generate(model, prompt, 5, temperature=0, vocab_limit=259)) >= 0
+    assert max(generate(model, prompt, 5, temperature=0, vocab_limit=259)) < 259
+
+
+def test_generation_errors_name_the_problem():
+    model = model_for(DEBUG, seq_len=32)
+    with pytest.raises(ValueError, match="20 prompt \\+ 13 new tokens exceed the 32 positions"):
+        generate(model, [1] * 20, 13)
+    with pytest.raises(ValueError, match="prompt token id 512 is outside"):
+        generate(model, [1, 512], 1)
+    with pytest.raises(ValueError, match="top_p=0"):
+        generate(model, [1], 1, top_p=0)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        generate(model, [1], 1, temperature=-1)
+    with pytest.raises(ValueError, match="no tokens"):
+        generate(model, [], 1)
+
+
+# ---------------------------------------------------------------------------------- the script
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("run")
+    assert train.main(["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+                       "--loss.impl", "unfused", "--training.seq_len", "64",
+                       "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+                       "--training.local_batch_size", "2", "--validation.enable", "false",
+                       "--job.print_config", "false", "--data.synthetic", "true",
+                       "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2",
+                       "--loss.logit_scale", "1.5", "--job.dump_folder", str(dump)]) == 0
+    return dump / "checkpoint"
+
+
+def test_generate_script_samples_from_a_checkpoint(checkpoint, capsys):
+    generate_script = load_script("generate")
+    argv = ["--checkpoint", str(checkpoint), "--prompt", "def f(", "--max-new-tokens", "25",
+            "--temperature", "0"]
+    assert generate_script.main(argv) == 0
+    text = capsys.readouterr().out
+    loaded = generate_script.checkpoints.load_model(checkpoint, torch.device("cpu"))
+    assert loaded.logit_scale == 1.5
+    prompt = [256, *ByteTokenizer().encode("def f(")]
+    expected = generate(loaded.model, prompt, 25, temperature=0, eos_id=257, logit_scale=1.5,
+                        vocab_limit=259)
+    assert text == "def f(" + ByteTokenizer().decode(expected) + "\n"
+    assert generate_script.main(argv + ["--no-cache"]) == 0
+    assert capsys.readouterr().out == text
+    assert generate_script.main(argv[:4] + ["--num-samples", "2", "--top-k", "5", "--top-p",
+                                            "0.9", "--max-new-tokens", "5", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.count("--- sample") == 2
+
+
+def test_generate_script_reads_an_exported_folder_and_names_bad_input(checkpoint, tmp_path,
+                                                                     capsys):
+    pytest.importorskip("safetensors")
+    generate_script = load_script("generate")
+    argv = ["--prompt", "x", "--max-new-tokens", "10", "--temperature", "0"]
+    # logit_scale 1.5 cannot be exported; the same weights without it can
+    state = generate_script.checkpoints.load_model_state(checkpoint)
+    export_hf = load_script("export_hf")
+    out = export_hf.export(state, DEBUG, tmp_path / "hf", "float32", bos_token_id=256,
+                           eos_token_id=257,
+                           extra_files=export_hf.tokenizer_files(ByteTokenizer(), 2048))
+    assert generate_script.main(["--checkpoint", str(out), *argv]) == 0
+    from_hf = capsys.readouterr().out
+    loaded = generate_script.checkpoints.load_model(checkpoint, torch.device("cpu"))
+    expected = generate(loaded.model, [256, 120], 10, temperature=0, eos_id=257, vocab_limit=259)
+    assert from_hf == "x" + loaded.tokenizer.decode(expected) + "\n"
+
+    assert generate_script.main(["--checkpoint", str(tmp_path / "nope"), *argv]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert generate_script.main(["--checkpoint", str(checkpoint), "--top-p", "1.5"]) == 1
+    assert "top_p=1.5" in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""scripts/lib/: the commit a report records (a dirty tree flagged, $FLCE_GIT_REVISION honoured),
+the report files, the timer, and the loud first line of every benchmark's markdown."""
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from scripts import bench_attention, bench_flce, bench_peers
+from scripts.lib import report
+from scripts.lib.timing import median_ms
+
+
+def git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                   check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLCE_GIT_REVISION", raising=False)
+    git(tmp_path, "init", "-q")
+    (tmp_path / "train.py").write_text("print(1)\n")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "old.md").write_text("old\n")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "one")
+    return tmp_path
+
+
+def head(repo) -> str:
+    return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_clean_tree_records_its_commit(repo):
+    # Results written into benchmarks/ by earlier runs are not code: the tree stays clean.
+    (repo / "benchmarks" / "new.json").write_text("{}\n")
+    assert report.git_revision(repo) == {"git": head(repo), "dirty": False}
+
+
+@pytest.mark.parametrize("change", ["tracked file edited", "untracked code", "staged"])
+def test_a_dirty_tree_is_flagged(repo, change):
+    if change == "tracked file edited":
+        (repo / "train.py").write_text("print(2)\n")
+    elif change == "untracked code":
+        (repo / "models").mkdir()
+        (repo / "models" / "new.py").write_text("x = 1\n")
+    else:
+        (repo / "benchmarks" / "old.md").write_text("changed\n")  # tracked, so it counts
+        git(repo, "add", "benchmarks/old.md")
+    assert report.git_revision(repo) == {"git": head(repo) + "+dirty", "dirty": True}
+
+
+def test_the_sent_revision_wins_over_a_stale_git(repo, monkeypatch):
+    """A tree copied to a GPU machine carries a stale .git: its sender names the commit."""
+    (repo / "train.py").write_text("print(2)\n")
+    monkeypatch.setenv("FLCE_GIT_REVISION", "0123abc")
+    assert report.git_revision(repo) == {"git": "0123abc", "dirty": False}
+    monkeypatch.setenv("FLCE_GIT_REVISION", "0123abc+dirty")
+    assert report.git_revision(repo) == {"git": "0123abc+dirty", "dirty": True}
+
+
+def test_no_git_checkout_is_an_unknown_revision(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLCE_GIT_REVISION", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above
+    assert report.git_revision(tmp_path) == {"git": None, "dirty": None}
+
+
+def test_warning_lines():
+    assert report.warning_lines({"git": "abc1234", "dirty": False}) == []
+    assert report.warning_lines({"git": "abc1234+dirty", "dirty": True})[0].startswith(
+        "**DIRTY TREE: not reproducible from a commit** (git abc1234+dirty")
+    assert report.warning_lines({"git": None, "dirty": None})[0].startswith(
+        "**UNKNOWN REVISION: not reproducible from a commit**")
+
+
+def test_provenance_warns_at_once(monkeypatch, capsys):
+    monkeypatch.setenv("FLCE_GIT_REVISION", "abc1234+dirty")
+    meta = report.provenance()
+    assert meta["git"] == "abc1234+dirty" and meta["dirty"] is True and meta["date"]
+    assert "warning: DIRTY TREE: not reproducible from a commit" in capsys.readouterr().err
+
+
+def test_write_report_writes_both_files_whole(tmp_path):
+    out = tmp_path / "deep" / "bench_x"
+    report.write_report(out, {"meta": {"git": "abc"}, "results": [1.5]}, "# x\n")
+    assert json.loads((tmp_path / "deep" / "bench_x.json").read_text())["results"] == [1.5]
+    assert (tmp_path / "deep" / "bench_x.md").read_text() == "# x\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["bench_x.json", "bench_x.md"]
+
+
+def test_the_timer_on_the_cpu():
+    calls, barriers = [], []
+    ms = median_ms(lambda: (calls.append(1), time.sleep(0.02)), warmup=2, reps=3, cuda=False,
+                   before_each=lambda: barriers.append(1))
+    assert len(calls) == 5 and len(barriers) == 3
+    assert 20 <= ms < 200
+
+
+DIRTY = {"git": "abc1234+dirty", "dirty": True}
+CLEAN = {"git": "abc1234", "dirty": False}
+
+
+def flce_report(meta):
+    meta = {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
+            "command": "c", **meta}
+    return bench_flce.markdown(meta, [{"shape": "8x4x16", "method": "flce", "ms": 1.0,
+                                       "extra_mib": 2.0, "vs_gemms": 1.1}], {})
+
+
+def attention_report(meta):
+    meta = {"gpu": "G", "torch": "t", "cudnn": 1, "date": "d", "command": "c", **meta}
+    return bench_attention.markdown(meta, [{"shape": "1x2x1x8x4", "backend": "cudnn", "ms": 1.0,
+                                            "tflops": 3.0}])
+
+
+def peers_report(meta):
+    meta = {"config": "c.toml", "flavor": "f", "seq_len": 8, "nproc": 1, "gpu": "G", "torch": "t",
+            "triton": "tr", "date": "d", "command": "c", "warmup_steps": 1, **meta}
+    return bench_peers.markdown(meta, [], None)
+
+
+@pytest.mark.parametrize("render", [flce_report, attention_report, peers_report])
+def test_benchmark_reports_name_the_commit_and_flag_a_dirty_tree(render):
+    """The GPU benchmarks' markdown (their runs need CUDA; bench_train, compare_layouts and
+    bench_loss_parallel are run for real in test_bench_train.py and test_scripts.py)."""
+    dirty, clean = render(DIRTY), render(CLEAN)
+    assert dirty.startswith("**DIRTY TREE: not reproducible from a commit** (git abc1234+dirty")
+    assert "DIRTY" not in clean and "git abc1234" in clean
