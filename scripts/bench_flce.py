@@ -9,10 +9,23 @@ GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into 
     python3 -m scripts.bench_flce --sweep             # plus chunk-size / accumulation variants
     python3 -m scripts.bench_flce --float8            # the float8 loss against the bf16 one, the
                                                       # bare bf16 and float8 GEMMs, quantization
+    python3 -m scripts.bench_flce --grid [--resume]   # N x H x V grid against the targets
+                                                      # (benchmarks/flce_grid; resumable)
+
+--grid times flce, flce_lean and the peers (compiled unfused, Liger, CCE) at every point of
+GRID_N x GRID_H x GRID_V, each for about --seconds (at least 3 timed calls), and writes the
+report after every point: a run cut short by a time limit keeps what it measured, and --resume
+skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM floor runs
+in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
 
 import argparse
+import itertools
+import json
+import math
+import statistics
 import sys
+from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench_flce ...")
@@ -24,6 +37,11 @@ from scripts.lib.report import grid_table, provenance, warning_lines, write_repo
 from scripts.lib.timing import median_ms  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
+GRID_N = (2048, 4096, 16384, 65536, 131072)
+GRID_H = (1024, 2048, 4096, 8192)
+GRID_V = (32000, 128256, 256000)
+GRID_METHODS = ("flce", "flce_lean", "unfused_compile", "liger", "cce")
+FLOOR_LOGITS_BYTES = 4 << 30
 MiB = 1 << 20
 FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
                   "flce_float8_logits_dx": "logits+dx"}
@@ -88,16 +106,36 @@ def fwd_bwd(f, x, t, w):
     return run
 
 
-def gemm_floor(x, w):
+def gemm_floor(x, w, max_logits_bytes=None):
+    """The three GEMMs of the loss (logits, dx, dW) at full size, or in row blocks whose logits
+    take at most max_logits_bytes (dW summed in place over the blocks)."""
     N, V = x.shape[0], w.shape[0]
-    logits = torch.empty(N, V, device="cuda", dtype=x.dtype)
+    rows = N if max_logits_bytes is None else max(1, min(N, max_logits_bytes // (V * x.element_size())))
+    logits = torch.empty(rows, V, device=x.device, dtype=x.dtype)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
 
     def run():
-        torch.mm(x, w.t(), out=logits)
-        torch.mm(logits, w, out=dx)
-        torch.mm(logits.t(), x, out=dw)
+        for start in range(0, N, rows):
+            xs, block = x[start:start + rows], logits[:min(rows, N - start)]
+            torch.mm(xs, w.t(), out=block)
+            torch.mm(block, w, out=dx[start:start + rows])
+            if start == 0:
+                torch.mm(block.t(), xs, out=dw)
+            else:
+                dw.addmm_(block.t(), xs)
     return run, (logits, dx, dw)
+
+
+def timed_ms(fn, seconds, max_reps):
+    """Median ms of fn() over as many calls as fit in about `seconds` (3 at least, max_reps at
+    most), after one untimed call (compilation, autotuning)."""
+    fn()
+    probe = median_ms(fn, warmup=0, reps=1)
+    return median_ms(fn, warmup=0, reps=max(3, min(max_reps, int(seconds * 1e3 / probe))))
+
+
+def grid_shapes() -> list[str]:
+    return [f"{n}x{h}x{v}" for n, h, v in itertools.product(GRID_N, GRID_H, GRID_V)]
 
 
 def float8_gemm_runs(x, w, logits):
@@ -181,13 +219,23 @@ def main():
                    help="tokens for the error-vs-float64 check at the first shape (0: skip)")
     p.add_argument("--profile", action="store_true",
                    help="print a per-kernel CUDA time table for flce at each shape, then exit")
+    p.add_argument("--grid", action="store_true",
+                   help="flce, flce_lean and the peers at every point of the N x H x V grid")
+    p.add_argument("--resume", action="store_true",
+                   help="with --grid: keep the points already in <out>.json, measure the rest")
+    p.add_argument("--seconds", type=float, default=1.0,
+                   help="with --grid: about this long timing each method at each point")
     p.add_argument("--out", default=None, help="output path without suffix (default: "
-                   "benchmarks/flce_bench, or benchmarks/flce_float8 with --float8)")
+                   "benchmarks/flce_bench, benchmarks/flce_float8 with --float8, "
+                   "benchmarks/flce_grid with --grid)")
     args = p.parse_args()
-    args.out = args.out or ("benchmarks/flce_float8" if args.float8 else "benchmarks/flce_bench")
+    args.out = args.out or ("benchmarks/flce_float8" if args.float8 else
+                            "benchmarks/flce_grid" if args.grid else "benchmarks/flce_bench")
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     dtype = getattr(torch, args.dtype)
+    if args.grid:
+        return run_grid(args, origin, dtype)
     results, accuracy = [], {}
     for i, shape in enumerate(args.shapes.split(",")):
         N, H, V = map(int, shape.split("x"))
@@ -242,6 +290,101 @@ def main():
     text = markdown(meta, results, accuracy)
     write_report(args.out, {"meta": meta, "results": results, "accuracy": accuracy}, text)
     print(text)
+
+
+def run_grid(args, origin, dtype):
+    out = Path(args.out).with_suffix(".json")
+    results = json.loads(out.read_text())["results"] if args.resume and out.exists() else []
+    done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, **origin, "dtype": args.dtype,
+            "seconds_per_method": args.seconds,
+            "targets": "10% of targets = -100; extra memory = peak allocated above the inputs"}
+    for shape in grid_shapes():
+        if shape in done:
+            continue
+        N, H, V = map(int, shape.split("x"))
+        fns = {k: f for k, f in methods(N, H, V, sweep=False).items() if k in GRID_METHODS}
+        x, t, w = make_inputs(N, H, V, dtype)
+        run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
+        floor_ms = timed_ms(run, args.seconds, args.reps)
+        del run, bufs
+        torch.cuda.empty_cache()
+        point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
+                  "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None}]
+        for name, f in fns.items():
+            try:
+                ms = timed_ms(fwd_bwd(f, x, t, w), args.seconds, args.reps)
+                mib = peak_extra_mib(fwd_bwd(f, x, t, w), x, w)
+            except torch.OutOfMemoryError:
+                ms = mib = None
+            x.grad = w.grad = None
+            torch.cuda.empty_cache()
+            point.append({"shape": shape, "method": name, "ms": ms, "extra_mib": mib,
+                          "vs_gemms": None if ms is None else ms / floor_ms})
+        del x, t, w
+        torch.cuda.empty_cache()
+        results += point
+        print(" | ".join([shape, f"gemms {floor_ms:.2f} ms"] + [
+            f"{r['method']} " + ("OOM" if r["ms"] is None else f"{r['vs_gemms']:.3f}x "
+                                 f"{r['extra_mib']:.0f} MiB") for r in point[1:]]), flush=True)
+        write_report(args.out, {"meta": meta, "results": results}, grid_markdown(meta, results))
+    print(grid_markdown(meta, results))
+
+
+def grid_verdict(results: list[dict]) -> list[str]:
+    """The issue's targets, each with what the grid measured (a peer that does not fit loses)."""
+    at = {(r["shape"], r["method"]): r for r in results}
+    shapes = [s for s in dict.fromkeys(r["shape"] for r in results) if (s, "flce") in at]
+    flce = [at[s, "flce"] for s in shapes if at[s, "flce"]["ms"] is not None]
+    if not flce:
+        return ["no grid point measured flce"]
+    ratios = [r["vs_gemms"] for r in flce]
+    lines = [f"- flce ≤ 1.05× the bare GEMMs at every point: {sum(x <= 1.05 for x in ratios)} of "
+             f"{len(ratios)} (worst {max(ratios):.3f}×); geometric mean "
+             f"{math.exp(statistics.fmean(map(math.log, ratios))):.3f}× (target ≤ 1.03×)"]
+
+    def beats(ours, peer, key):
+        pairs = [(at[s, ours], at.get((s, peer))) for s in shapes if (s, ours) in at]
+        pairs = [(a, b) for a, b in pairs if b is not None and a[key] is not None]
+        wins = [a for a, b in pairs if b[key] is None or a[key] <= b[key]]
+        return len(wins), len(pairs)
+
+    for peer in ("unfused_compile", "liger", "cce"):
+        won, n = beats("flce", peer, "ms")
+        if n:
+            lines.append(f"- flce faster than {peer}: {won} of {n} points")
+    won, n = beats("flce", "unfused_compile", "extra_mib")
+    ratio = [at[s, "flce"]["extra_mib"] / at[s, "unfused_compile"]["extra_mib"] for s in shapes
+             if at[s, "flce"]["extra_mib"] and (s, "unfused_compile") in at
+             and at[s, "unfused_compile"]["extra_mib"]]
+    if n:
+        lines.append(f"- flce's extra memory ≤ torch.compile's: {won} of {n} points" +
+                     (f"; median ratio {statistics.median(ratio):.2f} (target ≤ 0.5)" if ratio else ""))
+    for key, what in (("extra_mib", "memory ≤"), ("ms", "time ≤")):
+        won, n = beats("flce_lean", "liger", key)
+        if n:
+            lines.append(f"- flce_lean {what} Liger's: {won} of {n} points")
+    return lines
+
+
+def grid_markdown(meta, results):
+    names = [m for m in ("bare_gemms", *GRID_METHODS) if any(r["method"] == m for r in results)]
+    at = {(r["shape"], r["method"]): r for r in results}
+    cell = lambda r: ("-" if r is None else "OOM" if r["ms"] is None else
+                      f"{r['ms']:.2f} ({r['tflops']:.0f} TFLOP/s)" if r["method"] == "bare_gemms"
+                      else f"{r['vs_gemms']:.3f}× / {r['extra_mib']:.0f}")
+    lines = [*warning_lines(meta),
+             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
+             f"{meta['dtype']} · {meta['date']} · git {meta['git']}",
+             f"Command: `{meta['command']}`", "",
+             "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
+             "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory).", "",
+             *grid_verdict(results), "",
+             "| N×H×V | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        lines.append(f"| {shape} | " + " | ".join(cell(at.get((shape, n))) for n in names) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _method_cell(name, r):

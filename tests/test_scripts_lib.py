@@ -6,6 +6,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from scripts import bench_attention, bench_flce, bench_peers
 from scripts.lib import report
@@ -129,3 +130,41 @@ def test_benchmark_reports_name_the_commit_and_flag_a_dirty_tree(render):
     dirty, clean = render(DIRTY), render(CLEAN)
     assert dirty.startswith("**DIRTY TREE: not reproducible from a commit** (git abc1234+dirty")
     assert "DIRTY" not in clean and "git abc1234" in clean
+
+
+def test_flce_grid_floor_in_row_blocks_equals_the_whole_gemms():
+    """The grid's floor runs the GEMMs in row blocks where the logits would not fit: the same
+    three products (dW summed over the blocks), so the same work is timed."""
+    torch.manual_seed(0)
+    x, w = torch.randn(37, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+    whole_run, (logits, dx, dw) = bench_flce.gemm_floor(x, w)
+    whole_run()
+    block_run, (block, bdx, bdw) = bench_flce.gemm_floor(x, w, max_logits_bytes=5 * 11 * 8)
+    block_run()
+    assert block.shape == (5, 11)
+    torch.testing.assert_close(bdx, logits @ w)
+    torch.testing.assert_close(bdw, logits.t() @ x)
+    torch.testing.assert_close(dx, bdx)
+
+
+def test_flce_grid_verdict_counts_each_target():
+    def r(shape, method, ms, mib, floor=10.0):
+        return {"shape": shape, "method": method, "ms": ms, "extra_mib": mib,
+                "vs_gemms": None if ms is None else ms / floor, "tflops": 1.0}
+    results = [r("a", "bare_gemms", 10.0, None), r("a", "flce", 10.4, 100),
+               r("a", "flce_lean", 11.0, 50), r("a", "unfused_compile", 11.0, 400),
+               r("a", "liger", 12.0, 60), r("a", "cce", None, None),
+               r("b", "bare_gemms", 10.0, None), r("b", "flce", 10.8, 300),
+               r("b", "flce_lean", 13.0, 80), r("b", "unfused_compile", 10.5, 200),
+               r("b", "liger", 12.0, 70), r("b", "cce", 10.0, 10)]
+    text = "\n".join(bench_flce.grid_verdict(results))
+    assert "1 of 2 (worst 1.080×)" in text
+    assert f"geometric mean {(1.04 * 1.08) ** 0.5:.3f}×" in text
+    assert "faster than unfused_compile: 1 of 2" in text
+    assert "faster than cce: 1 of 2" in text  # a peer that does not fit loses that point
+    assert "≤ torch.compile's: 1 of 2 points; median ratio 0.88" in text
+    assert "flce_lean memory ≤ Liger's: 1 of 2" in text and "flce_lean time ≤ Liger's: 1 of 2" in text
+    meta = {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
+            "command": "c", **CLEAN}
+    table = bench_flce.grid_markdown(meta, results)
+    assert "| b | 10.00 (1 TFLOP/s) | 1.080× / 300 |" in table and "| OOM |" in table
