@@ -102,7 +102,7 @@ def fused_linear_cross_entropy(
 ) -> Tensor:
     """cross_entropy(softcap(logit_scale * (x @ weight.T + bias)), target) without the logits.
 
-    See README.md for the exact loss; `normalizer` (tensor or number) replaces the divisor of
+    See docs/loss.md for the exact loss; `normalizer` (tensor or number) replaces the divisor of
     "mean"/"sum" (e.g. the global count of non-ignored tokens across micro-batches and ranks).
     `memory_lean=True` accumulates dW in the weight dtype over small chunks: the peak memory of
     Liger-Kernel (gradients + a logits buffer the size of x) and its bf16 accumulation error.

@@ -1,5 +1,5 @@
 """benchmarks/: README.md indexes every result kept there and in archive/, and every result path
-the README and the benchmarks' own READMEs cite exists (a result moved to archive/ takes its
+the README, docs/ and the benchmarks' own READMEs cite exists (a result moved to archive/ takes its
 citations with it)."""
 
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
-CITING = [REPO / "README.md", *BENCHMARKS.rglob("README.md"), *(REPO / "flce").glob("*.py"),
+CITING = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *BENCHMARKS.rglob("README.md"), *(REPO / "flce").glob("*.py"),
           *(REPO / "models").glob("*.py"), *(REPO / "scripts").glob("*.py")]
 # A result file, or a folder of them (`benchmarks/x/`); output paths in usage examples
 # (`--out benchmarks/train_h200`) have no suffix and are not results.

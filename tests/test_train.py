@@ -418,10 +418,10 @@ def test_torchrun_launch_exits_0_after_a_clean_stop(start_training, sig, to_ever
     assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
 
 
-def test_the_readmes_own_data_and_tokenizer_example_runs(tmp_path, monkeypatch, capsys):
-    """README's "Your own data and tokenizer", verbatim: its train_tokenizer.py on a .jsonl,
+def test_the_docs_own_data_and_tokenizer_example_runs(tmp_path, monkeypatch, capsys):
+    """docs/data.md's "Your own data and tokenizer", verbatim: its train_tokenizer.py on a .jsonl,
     then its train.py command (shortened here), which finds the bos/eos and says so."""
-    section = (ROOT / "README.md").read_text().split("### Your own data and tokenizer")[1]
+    section = (ROOT / "docs/data.md").read_text().split("### Your own data and tokenizer")[1]
     script = section.split("```python\n")[1].split("```")[0]
     command = section.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
     argv = shlex.split(next(line for line in command.splitlines() if " train.py " in line))

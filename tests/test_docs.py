@@ -1,0 +1,81 @@
+"""README.md and docs/: every relative link (and #anchor) resolves inside the repository, and the
+README's two set-up commands stay true: the test command is the one CI runs verbatim, the training
+command names a config that loads."""
+
+import re
+from pathlib import Path
+
+from components.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks/README.md"]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def without_code(text: str) -> str:
+    """Fenced blocks and inline code hold example text, not links."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped, spaces to hyphens, -1, -2... for
+    repeats."""
+    seen: dict[str, int] = {}
+    ids = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", without_code(page.read_text()), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        ids.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return ids
+
+
+def test_the_docs_pages_exist():
+    assert len(PAGES) > 3  # docs/*.md found: the link check and tests/test_benchmarks.py read them
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(without_code(page.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(REPO)}: ({target})"
+            if not resolved.is_relative_to(REPO) or not resolved.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                broken.append(f"{where}: no heading #{anchor}")
+    assert broken == []
+
+
+def test_the_anchor_rule_matches_githubs():
+    page = REPO / "docs/performance.md"
+    assert {"the-loss-alone-one-h200", "the-fastest-recipe-float8-against-torchtitan",
+            "two-h200s"} <= anchors(page)
+
+
+def readme_setup_commands() -> list[str]:
+    section = (REPO / "README.md").read_text().split("## Set-up on a fresh machine: two commands")[1]
+    section = section.split("\n## ")[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)]
+
+
+def test_the_readmes_test_command_is_what_ci_runs():
+    train_command, test_command, fast_subset = readme_setup_commands()
+    ci = (REPO / ".ci/run").read_text().splitlines()
+    assert test_command in ci, f"README's test command {test_command!r} is not a line of .ci/run"
+    assert fast_subset == 'python3 -m pytest -q -m "not slow"'
+    assert 'markers = ["slow:' in (REPO / "pyproject.toml").read_text()
+
+
+def test_the_readmes_training_command_loads_its_config(monkeypatch):
+    train_command = readme_setup_commands()[0]
+    install, run = train_command.split(" && ")
+    assert install == "pip install torch==2.13.0 -e ."
+    argv = run.split()
+    assert argv[:2] == ["python3", "train.py"]
+    monkeypatch.chdir(REPO)  # the README runs it from the repository root
+    config = load_config(argv[2:])
+    assert config.data.source == "stdlib"  # the embedded, offline default
