@@ -93,9 +93,9 @@ def _interrupted(error: BaseException | None) -> bool:
         seen.add(id(error))
         if isinstance(error, KeyboardInterrupt):
             return True
-        failures = getattr(error, "failures", None)
-        if isinstance(failures, dict) and any(_interrupted(f) for f in failures.values()
-                                              if isinstance(f, BaseException)):
+        failures = getattr(error, "failures", None)  # rank -> (exception, stack summary)
+        if isinstance(failures, dict) and any(
+                _interrupted(f[0] if isinstance(f, tuple) else f) for f in failures.values()):
             return True
         error = error.__cause__ or error.__context__
     return False

@@ -301,6 +301,10 @@ def test_ctrl_c_inside_a_save_aborts_instead_of_reporting_a_failed_write(tmp_pat
         raise RuntimeError("unexpected pos 704 vs 598")
 
     run = BASE + ["--training.steps", "3", "--checkpoint.interval", "2"]
+    with monkeypatch.context() as patch:  # inside DCP's writer: DCP wraps it per rank
+        patch.setattr(torch.distributed.checkpoint.filesystem, "_write_item", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            train.main(run + ["--job.dump_folder", str(tmp_path / "dcp")])
     monkeypatch.setattr(checkpoint.dcp, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.main(run + ["--job.dump_folder", str(tmp_path / "a")])
@@ -308,3 +312,4 @@ def test_ctrl_c_inside_a_save_aborts_instead_of_reporting_a_failed_write(tmp_pat
     with pytest.raises(RuntimeError, match=r"\[checkpoint\] writing .*step-2 failed .*GiB free"):
         train.main(run + ["--job.dump_folder", str(tmp_path / "b")])
     assert not list_checkpoints(tmp_path / "a" / "checkpoint")
+    assert not list_checkpoints(tmp_path / "dcp" / "checkpoint")
