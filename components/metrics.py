@@ -14,11 +14,14 @@ import json
 import math
 import sys
 import time
+import typing
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from components.config import WandbMode
 
 GIB = 2**30
 
@@ -33,7 +36,7 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     "B200": 2.25e15,
 }
 
-WANDB_MODES = ("offline", "online", "disabled")
+WANDB_MODES = typing.get_args(WandbMode)
 
 # Keys printed on the stdout line, in order: (metric key, label, format). Every other key still
 # goes to metrics.jsonl, wandb and TensorBoard.

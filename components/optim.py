@@ -2,11 +2,14 @@
 
 import functools
 import math
+import typing
 
 import torch
 
-IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
-DECAY_TYPES = ("cosine", "linear", "wsd")
+from components.config import DecayType, OptimizerImplementation
+
+IMPLEMENTATIONS = typing.get_args(OptimizerImplementation)
+DECAY_TYPES = typing.get_args(DecayType)
 DEFAULT_WSD_DECAY_RATIO = 0.1
 
 

@@ -149,3 +149,62 @@ def test_checkpoint_enable_takes_torchtitan_v01s_name_too(tmp_path):
     # a checkpoint's config.toml written under the old name: no change to report
     saved = to_toml(cfg).replace("enable = true", "enable_checkpoint = true")
     assert config_changes(saved, cfg) == []
+
+
+def test_choices_come_from_the_literal_types():
+    """A key with a Literal type accepts exactly its values; a bad one is named with all of them."""
+    import dataclasses
+    import typing
+
+    from components import config
+    for name, section in [("loss", config.Loss), ("model", config.Model), ("checkpoint", config.Checkpoint)]:
+        for f in dataclasses.fields(section):
+            annotation = typing.get_type_hints(section)[f.name]
+            if typing.get_origin(annotation) is not typing.Literal:
+                continue
+            for value in typing.get_args(annotation):
+                assert getattr(getattr(load_config([f"--{name}.{f.name}", value]), name), f.name) == value
+            with pytest.raises(ConfigError) as error:
+                load_config([f"--{name}.{f.name}", "bogus"])
+            assert str(error.value).startswith(f"[{name}] {f.name} = 'bogus': expected one of "
+                                               + ", ".join(map(repr, typing.get_args(annotation))))
+    with pytest.raises(ConfigError, match=r"\[loss\] impl = 'flcee': expected one of 'flce', "
+                                          r"'unfused', 'torch_chunked' \(did you mean 'flce'\?\)"):
+        load_config(["--loss.impl", "flcee"])
+    with pytest.raises(ConfigError, match=r"\[compile\] components: 'optimizer' is not one of 'model', 'loss'"):
+        load_config(["--compile.components", "model,optimizer"])
+
+
+def test_a_config_built_in_code_is_checked_too():
+    from components.config import JobConfig, MixtureSource, check_values
+    cfg = JobConfig()
+    cfg.training.device = "tpu"
+    with pytest.raises(ConfigError, match=r"\[training\] device = 'tpu': expected one of 'auto', 'cuda', 'cpu'"):
+        check_values(cfg)
+    cfg = JobConfig()
+    cfg.data.mixture = [MixtureSource("x", "heavy")]
+    with pytest.raises(ConfigError, match=r"\[\[data.mixture\]\] #1 weight: expected float"):
+        check_values(cfg)
+
+
+def test_modules_list_the_configs_choices():
+    """The modules that check a choice themselves take the list from the config's Literal; the
+    ones that cannot import it (models/ stands below components/) or keep their own order agree."""
+    import typing
+
+    from components import config, data_check, loss, metrics, optim, tokenizer
+    from models import sdpa
+    from parallelisms import activation_checkpoint, tp
+    from scripts import bench_train
+    args = typing.get_args
+    assert loss.IMPLS == args(config.LossImpl)
+    assert tokenizer.TOKENIZER_NAMES == args(config.TokenizerName)
+    assert optim.IMPLEMENTATIONS == args(config.OptimizerImplementation)
+    assert optim.DECAY_TYPES == args(config.DecayType)
+    assert metrics.WANDB_MODES == args(config.WandbMode)
+    assert data_check.ON_BAD_DOCUMENT == args(config.OnBadDocument)
+    assert tp.LOSS_PARALLEL == args(config.LossParallel)
+    assert activation_checkpoint.MODES == args(config.ACMode)
+    assert sorted(sdpa.BACKENDS) == sorted(args(config.SdpaBackend))
+    assert sorted(bench_train.AC_MODES) == sorted(args(config.ACMode))
+    assert set(bench_train.LOSS_IMPLS.values()) == set(args(config.LossImpl))
