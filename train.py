@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import os
 import signal
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
-from components.config import JobConfig, config_changes, load_config, to_toml
+from components.config import ConfigError, JobConfig, config_changes, load_config, to_toml, wants_help
+from components.config_docs import help_text
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
 from components.lock import dump_folder_lock
@@ -349,6 +351,12 @@ def log_summary(cfg: JobConfig, started: float, first_step: int, last_step: int,
 
 
 def main(argv=None) -> int:
+    """Train with the config that argv (default: the command line) gives; -h / --help prints
+    every config key. A bad config raises ConfigError (the command line shows it as one line)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(argv):
+        print(help_text(__doc__.split("\n", 1)[0]), end="", flush=True)
+        return 0
     cfg = load_config(argv)
     # From here on a stop signal is remembered: it takes effect after the first training step.
     with StopRequest(saves=cfg.checkpoint.enable) as stop:
@@ -510,5 +518,16 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     return exit_code
 
 
+def command_line() -> int:
+    """main() for `python3 train.py` / torchrun: a config error is one line on stderr (once per
+    node: every rank has the same command line) and exit status 2, without a traceback."""
+    try:
+        return main()
+    except ConfigError as e:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print("config error: " + " ".join(str(e).split()), file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
-    exit_process(main())  # everything is written and closed by now
+    exit_process(command_line())  # everything is written and closed by now

@@ -332,7 +332,7 @@ class Profiling:
 
 @dataclass
 class Float8:
-    """[quantize.linear.float8]: used when [model] converters lists "quantize.linear.float8"."""
+    """Float8 linear layers (torchao), used when [model] converters lists "quantize.linear.float8"."""
     recipe_name: Float8Recipe = "tensorwise"
     """torchao's recipe: "tensorwise" (one scale per tensor; the fastest), "rowwise", or "rowwise_with_gw_hp".
 
@@ -412,6 +412,17 @@ def _subsections(obj) -> list[str]:
 def _keys(obj) -> list[str]:
     return [f.name for f in dataclasses.fields(obj)
             if not dataclasses.is_dataclass(getattr(obj, f.name))]
+
+
+def sections(obj=None, where: str = "") -> list[tuple[str, Any]]:
+    """(dotted name, section) of every section that holds keys, nested ones included, in order:
+    ("job", Job(...)), ..., ("quantize.linear.float8", Float8(...)); of a default JobConfig
+    unless one is given."""
+    obj = JobConfig() if obj is None else obj
+    found = [(where, obj)] if where and _keys(obj) else []
+    for name in _subsections(obj):
+        found += sections(getattr(obj, name), f"{where}.{name}" if where else name)
+    return found
 
 
 def _section(cfg: "JobConfig", path: str):
@@ -571,12 +582,18 @@ def _check_mixture(data: Data) -> None:
         seen.add(item.source)
 
 
-def load_config(argv: Optional[list[str]] = None) -> JobConfig:
-    """`--config FILE` (optional) then `--section.key value` / `--section.key=value` overrides."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+HELP = ("-h", "--help")
+
+
+def _argv_pairs(argv: list[str]) -> list[tuple[str, Optional[str]]]:
+    """(name, value) of each `--name value` / `--name=value`; ("help", None) for -h / --help."""
     pairs, i = [], 0
     while i < len(argv):
         arg = argv[i]
+        if arg in HELP:
+            pairs.append(("help", None))
+            i += 1
+            continue
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: use --config FILE or --section.key value")
         name, eq, value = arg[2:].partition("=")
@@ -586,17 +603,35 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
             value, i = argv[i + 1], i + 1
         pairs.append((name, value))
         i += 1
+    return pairs
+
+
+def wants_help(argv: list[str]) -> bool:
+    """Whether argv asks for -h / --help in place of a key (a value "-h" is a value)."""
+    try:
+        return ("help", None) in _argv_pairs(argv)
+    except ConfigError:  # a malformed command line asking for help still gets it
+        return any(arg in HELP for arg in argv)
+
+
+def load_config(argv: Optional[list[str]] = None) -> JobConfig:
+    """`--config FILE` (optional) then `--section.key value` / `--section.key=value` overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs = _argv_pairs(argv)
+    if ("help", None) in pairs:  # train.py answers it before it gets here (config_docs)
+        raise ConfigError("-h / --help lists the config keys: python3 train.py --help")
     cfg = JobConfig()
     for name, value in pairs:
         if name == "config":
             path = Path(value)
             if not path.is_file():
                 raise ConfigError(f"--config {value}: no such file")
-            with open(path, "rb") as f:
-                try:
-                    data = tomllib.load(f)
-                except tomllib.TOMLDecodeError as e:
-                    raise ConfigError(f"{value}: invalid TOML: {e}") from None
+            try:
+                data = tomllib.loads(path.read_bytes().decode("utf-8"))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{value}: invalid TOML: {e}") from None
+            except OSError as e:
+                raise ConfigError(f"--config {value}: cannot read it: {e.strerror}") from None
             for section, values in data.items():
                 if not isinstance(values, dict):
                     raise ConfigError(f"{value}: top-level key {section!r} must be a [section]")
@@ -612,17 +647,17 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
     return cfg
 
 
-def _toml_value(v) -> str:
+def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if dataclasses.is_dataclass(v):
         v = dataclasses.asdict(v)
     if isinstance(v, dict):  # an inline table: what [[data.mixture]] tables read back as
-        return "{" + ", ".join(f"{key} = {_toml_value(x)}" for key, x in v.items()) + "}"
+        return "{" + ", ".join(f"{key} = {toml_value(x)}" for key, x in v.items()) + "}"
     return repr(v)
 
 
@@ -634,7 +669,7 @@ def to_toml(cfg: JobConfig) -> str:
         values = [(key, getattr(section, key)) for key in _keys(section)]
         if values:  # a section holding only subsections needs no header of its own
             out.append(f"[{where}]")
-            out.extend(f"{key} = {_toml_value(v)}" for key, v in values if v is not None)
+            out.extend(f"{key} = {toml_value(v)}" for key, v in values if v is not None)
             out.append("")
         for name in _subsections(section):
             add(getattr(section, name), f"{where}.{name}")
@@ -648,7 +683,7 @@ def config_changes(saved_toml: str, cfg: JobConfig) -> list[str]:
     """`[section] key: old -> new` for every key whose value differs between a saved config (the
     config.toml a run wrote) and cfg; "unset" stands for a key one side lacks."""
     old, new = _flat(tomllib.loads(saved_toml)), _flat(tomllib.loads(to_toml(cfg)))
-    show = lambda values, key: _toml_value(values[key]) if key in values else "unset"  # noqa: E731
+    show = lambda values, key: toml_value(values[key]) if key in values else "unset"  # noqa: E731
     return [f"[{section}] {key}: {show(old, (section, key))} -> {show(new, (section, key))}"
             for section, key in dict.fromkeys([*old, *new])
             if ((section, key) in old, old.get((section, key)))
