@@ -201,6 +201,7 @@ def test_modules_list_the_configs_choices():
     assert tokenizer.TOKENIZER_NAMES == args(config.TokenizerName)
     assert optim.IMPLEMENTATIONS == args(config.OptimizerImplementation)
     assert optim.DECAY_TYPES == args(config.DecayType)
+    assert tuple(optim.OPTIMIZERS) == args(config.OptimizerName)
     assert metrics.WANDB_MODES == args(config.WandbMode)
     assert data_check.ON_BAD_DOCUMENT == args(config.OnBadDocument)
     assert tp.LOSS_PARALLEL == args(config.LossParallel)
