@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
-from components.config import ConfigError, JobConfig, config_changes, load_config, to_toml, wants_help
+from components.config import (ConfigError, JobConfig, config_changes, load_config, to_toml,
+                               wants_help)
 from components.config_docs import help_text
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
@@ -405,8 +406,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.job.description:
         log(f"run: {cfg.job.description}")
-    log(f"model {cfg.model.name} {cfg.model.flavor}: {sum(p.numel() for p in params):,} parameters, loss "
-        f"{cfg.loss.impl}, world {world} (dp_replicate {dims.dp_replicate}, dp_shard "
+    log(f"model {cfg.model.name} {cfg.model.flavor}: {sum(p.numel() for p in params):,} "
+        f"parameters, loss {cfg.loss.impl}, world {world} (dp_replicate {dims.dp_replicate}, dp_shard "
         f"{dims.dp_shard}, tp {dims.tp}), device {device.type}")
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_schedule(optimizer, schedule, cfg.training.steps)
