@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import os
 import signal
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +23,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
-from components.config import JobConfig, config_changes, load_config, to_toml
+from components.config import (ConfigError, JobConfig, config_changes, load_config, to_toml,
+                               wants_help)
+from components.config_docs import help_text
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
 from components.lock import dump_folder_lock
@@ -74,7 +77,8 @@ def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]
 
 def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: ParallelDims):
     if cfg.model.flavor not in FLAVORS:
-        raise ValueError(f"[model] flavor = {cfg.model.flavor!r}: expected one of {list(FLAVORS)}")
+        raise ValueError(f"[model] flavor = {cfg.model.flavor!r}: expected one of the "
+                         f"{cfg.model.name} flavors {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
     args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
     check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
@@ -330,6 +334,8 @@ def log_summary(cfg: JobConfig, started: float, first_step: int, last_step: int,
         resumed = f" ({tokens_seen:,} since step 1)" if tokens_seen != tokens else ""
         log(f"{'done' if last_step == cfg.training.steps else 'stopped'}: {steps} of "
             f"{cfg.training.steps} in {wall}, {tokens:,} tokens{resumed}")
+    if cfg.job.description:
+        log(f"  run: {cfg.job.description}")
     at = lambda step_value: f"{step_value[1]:.4f} (step {step_value[0]})"  # noqa: E731
     results = [f"{what} {at(table[key])}" for what, table, key in (
         ("final loss", metrics.last, "loss"), ("validation loss", metrics.last, "val_loss"),
@@ -349,6 +355,12 @@ def log_summary(cfg: JobConfig, started: float, first_step: int, last_step: int,
 
 
 def main(argv=None) -> int:
+    """Train with the config that argv (default: the command line) gives; -h / --help prints
+    every config key. A bad config raises ConfigError (the command line shows it as one line)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(argv):
+        print(help_text(__doc__.split("\n", 1)[0]), end="", flush=True)
+        return 0
     cfg = load_config(argv)
     # From here on a stop signal is remembered: it takes effect after the first training step.
     with StopRequest(saves=cfg.checkpoint.enable) as stop:
@@ -383,28 +395,22 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                                 cfg.tokenizer.bos_token or None, cfg.tokenizer.eos_token or None,
                                 log=log)
     # Settings whose errors would otherwise show only after the model is built.
-    implementation = ("fused" if cfg.optimizer.implementation == "auto"  # fused (CPU and CUDA)
-                      else cfg.optimizer.implementation)  # can skip a non-finite step, no sync
-    check_optimizer_settings(cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2),
-                             cfg.optimizer.eps, cfg.optimizer.weight_decay, implementation)
-    warmup_steps, decay_ratio, schedule_note = fit_lr_schedule(
-        cfg.lr_scheduler.warmup_steps, cfg.training.steps, cfg.lr_scheduler.decay_type,
-        cfg.lr_scheduler.min_lr_ratio, cfg.lr_scheduler.decay_ratio)
+    check_optimizer_settings(cfg.optimizer)
+    schedule, schedule_note = fit_lr_schedule(cfg.lr_scheduler, cfg.training.steps)
     if schedule_note:
         log(schedule_note)
     if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:  # as ckpt.load() below
         step_to_load(cfg.checkpoint, dump / cfg.checkpoint.folder)
-    check_metrics_backends(cfg.metrics.enable_wandb, cfg.metrics.enable_tensorboard)
+    check_metrics_backends(cfg.metrics)
     model, args = build_model(cfg, tokenizer.vocab_size, device, dims)
     params = [p for p in model.parameters() if p.requires_grad]
-    log(f"model {cfg.model.flavor}: {sum(p.numel() for p in params):,} parameters, loss "
-        f"{cfg.loss.impl}, world {world} (dp_replicate {dims.dp_replicate}, dp_shard "
+    if cfg.job.description:
+        log(f"run: {cfg.job.description}")
+    log(f"model {cfg.model.name} {cfg.model.flavor}: {sum(p.numel() for p in params):,} "
+        f"parameters, loss {cfg.loss.impl}, world {world} (dp_replicate {dims.dp_replicate}, dp_shard "
         f"{dims.dp_shard}, tp {dims.tp}), device {device.type}")
-    optimizer = build_optimizer(model, cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2),
-                                cfg.optimizer.eps, cfg.optimizer.weight_decay, implementation)
-    scheduler = build_lr_schedule(optimizer, warmup_steps, cfg.training.steps,
-                                  cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_ratio,
-                                  decay_ratio)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_lr_schedule(optimizer, schedule, cfg.training.steps)
     data_kwargs = dict(source=cfg.data.source, tokenizer=tokenizer, seq_len=cfg.training.seq_len,
                        local_batch_size=cfg.training.local_batch_size,
                        dp_rank=dims.dp_rank(rank), dp_world=dims.dp, synthetic=cfg.data.synthetic,
@@ -446,10 +452,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     precompute_float8 = (FLOAT8 in cfg.model.converters
                          and cfg.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
 
-    metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics.enable_wandb,
-                            cfg.metrics.wandb_project, cfg.metrics.wandb_run_name or None,
-                            cfg.metrics.wandb_mode, cfg.metrics.enable_tensorboard, cfg.to_dict(),
-                            resumed=start_step > 1)
+    metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics, config=cfg.to_dict(),
+                            notes=cfg.job.description, resumed=start_step > 1)
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     bad_steps = BadSteps(device, start_step)
     # Test-only fault injection: a NaN loss at these steps (comma-separated), as a bad batch gives.
@@ -510,5 +514,16 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     return exit_code
 
 
+def command_line() -> int:
+    """main() for `python3 train.py` / torchrun: a config error is one line on stderr (once per
+    node: every rank has the same command line) and exit status 2, without a traceback."""
+    try:
+        return main()
+    except ConfigError as e:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print("config error: " + " ".join(str(e).split()), file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
-    exit_process(main())  # everything is written and closed by now
+    exit_process(command_line())  # everything is written and closed by now

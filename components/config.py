@@ -15,67 +15,141 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
+
+
+# The allowed values of the keys that take one of a few strings: each key's Literal type is the
+# only list of them; the checks, --help and docs/config.md read it, and so do the modules that
+# act on the value (typing.get_args).
+DeviceType = Literal["auto", "cuda", "cpu"]
+ParamDtype = Literal["bfloat16", "float32"]
+ReduceDtype = Literal["float32", "bfloat16"]
+NanPolicy = Literal["skip", "stop"]
+ModelName = Literal["llama"]
+SdpaBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]
+Converter = Literal["quantize.linear.float8"]
+OptimizerName = Literal["AdamW"]
+OptimizerImplementation = Literal["auto", "fused", "foreach", "for-loop"]
+DecayType = Literal["cosine", "linear", "wsd"]
+OnBadDocument = Literal["error", "skip"]
+TokenizerName = Literal["byte", "hf"]
+LossImpl = Literal["flce", "unfused", "torch_chunked"]
+LossFloat8 = Literal["none", "logits", "logits+dx"]
+LossParallel = Literal["sequence", "vocab"]
+ReshardAfterForward = Literal["default", "always", "never"]
+AsyncMode = Literal["disabled", "async"]
+WandbMode = Literal["offline", "online", "disabled"]
+ACMode = Literal["none", "full", "selective"]
+CompileComponent = Literal["model", "loss"]
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+
+# Each field's docstring (the string literal below it) is its documentation: the first line is
+# the one-line summary `--help` shows, the rest goes to docs/config.md too.
 
 
 @dataclass
 class Job:
+    """Where the run writes, and what it is."""
     dump_folder: str = "./outputs/debug"
+    """The run's folder: metrics.jsonl, config.toml, checkpoints, traces.
+
+    A second run into the same folder waits for the first (a lock file), and a fresh run sets an
+    earlier run's metrics.jsonl aside rather than appending to it."""
     description: str = ""
+    """A line about the run, shown in the start and summary lines and as the wandb run's notes."""
     print_config: bool = True
+    """Print the resolved config (as TOML) at the start."""
 
 
 @dataclass
 class Model:
-    name: str = "llama"
+    """The model and the transforms applied to it."""
+    name: ModelName = "llama"
+    """The model family (the one here: a Llama); [model] flavor picks its size."""
     flavor: str = "debug"
-    vocab_size: int = 0  # 0: the flavor's; may exceed the tokenizer's (padding rows)
-    sdpa_backend: str = "auto"  # CUDA attention kernel: auto | cudnn | flash | efficient | math
-    # Transforms of the built model, in order; the one known: "quantize.linear.float8" (float8
-    # linear layers through torchao, configured in [quantize.linear.float8]).
-    converters: list[str] = field(default_factory=list)
+    """The size: a key of models/args.py FLAVORS (debug, llama_1b, llama_8b, ...)."""
+    vocab_size: int = 0
+    """Rows of the embedding and output layers; 0: the flavor's.
+
+    May exceed the tokenizer's vocabulary (padding rows, never a target); must not be smaller."""
+    sdpa_backend: SdpaBackend = "auto"
+    """The CUDA attention kernel; "auto" keeps PyTorch's choice (models/sdpa.py)."""
+    converters: list[Converter] = field(default_factory=list)
+    """Transforms of the built model, in order: "quantize.linear.float8" (float8 linear layers).
+
+    float8 goes through torchao and is configured in [quantize.linear.float8]."""
 
 
 @dataclass
 class Training:
+    """Batch, steps, precision, device, and what happens on a non-finite step."""
     local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
     seq_len: int = 256
+    """Tokens per sequence (at most the flavor's max_seq_len)."""
     steps: int = 100
+    """Optimizer steps of the whole run (a resumed run continues up to it)."""
     gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
     max_norm: float = 1.0
-    mixed_precision_param: str = "bfloat16"  # used on CUDA; the CPU trains in float32
-    mixed_precision_reduce: str = "float32"  # FSDP gradient reduce-scatter dtype (CUDA)
-    device: str = "auto"  # "auto": CUDA when available, else the CPU (gloo); or "cuda" / "cpu"
+    """Gradient clipping: the total gradient norm's limit; 0 or less: no clipping."""
+    mixed_precision_param: ParamDtype = "bfloat16"
+    """The dtype FSDP computes in on CUDA (the CPU trains in float32)."""
+    mixed_precision_reduce: ReduceDtype = "float32"
+    """The dtype of FSDP's gradient reduce-scatter on CUDA."""
+    device: DeviceType = "auto"
+    """"auto": CUDA when torch sees a GPU, else the CPU (gloo); "cuda" fails without one."""
     seed: int = 0
+    """Seeds the weights' initialisation (and the order token shards are read in)."""
     deterministic: bool = False
-    nan_policy: str = "skip"  # "skip": skip the optimizer step with a warning; "stop": exit
-    max_bad_steps: int = 5  # consecutive non-finite steps that stop the run under "skip"
+    """torch.use_deterministic_algorithms: reproducible kernels where PyTorch has them (slower)."""
+    nan_policy: NanPolicy = "skip"
+    """A step with a non-finite loss or gradient norm: "skip" its update, with a warning, or "stop".
+
+    Either way no weights are updated from it and no checkpoint is written after it."""
+    max_bad_steps: int = 5
+    """Under nan_policy "skip": this many non-finite steps in a row stop the run."""
 
 
 @dataclass
 class Optimizer:
-    name: str = "AdamW"
+    """AdamW, with weight decay on matrices only."""
+    name: OptimizerName = "AdamW"
+    """The optimizer (torch.optim's AdamW; 2-D and larger parameters decay, others do not)."""
     lr: float = 3e-4
+    """The peak learning rate (after warmup)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
+    """AdamW's epsilon."""
     weight_decay: float = 0.1
-    implementation: str = "auto"  # "fused" | "foreach" | "for-loop" | "auto"
+    """Decoupled weight decay of the matrices (embeddings and linear weights)."""
+    implementation: OptimizerImplementation = "auto"
+    """torch's AdamW kernel: "auto" is "fused", which skips a non-finite step without a host sync."""
 
 
 @dataclass
 class LRScheduler:
+    """Linear warmup, then a decay to min_lr_ratio x lr at the last step."""
     warmup_steps: int = 10
-    decay_type: str = "cosine"  # "cosine" | "linear" | "wsd"
+    """Steps of linear warmup (a run too short for them warms up over all but its last step)."""
+    decay_type: DecayType = "cosine"
+    """The decay after warmup; "wsd": constant, then a linear decay over the last decay_ratio."""
     min_lr_ratio: float = 0.1
-    decay_ratio: Optional[float] = None  # wsd: the fraction of steps spent decaying
+    """The learning rate at the last step, as a fraction of lr."""
+    decay_ratio: Optional[float] = None
+    """wsd only: the fraction of the steps spent decaying; unset: 0.1."""
 
 
 @dataclass
 class MixtureSource:
     """One [[data.mixture]] table: a token shard folder and its weight."""
     source: str = ""
+    """A token shard folder made by scripts.prepare_data."""
     weight: float = 1.0
+    """Its share of the windows (relative: the weights need not sum to 1)."""
 
     @classmethod
     def parse(cls, where: str, text: str) -> "MixtureSource":
@@ -91,136 +165,205 @@ class MixtureSource:
 
 @dataclass
 class Data:
-    # "stdlib" (embedded, offline), a local .jsonl/.json/.parquet/.txt file or folder of them, a hub
-    # name, or a token shard folder made by scripts.prepare_data (read in a seeded shuffled order)
+    """The training text: where it comes from and how it is read."""
     source: str = "stdlib"
-    # Token shard folders mixed by weight (each one's share of the windows; they need not sum to
-    # 1), in place of source. TOML: one [[data.mixture]] table per folder, with source and weight;
-    # command line: --data.mixture "shards/web:0.7,shards/code:0.3" ("" for none).
+    """"stdlib", a .jsonl/.json/.parquet/.txt file or folder, a hub dataset, or a token shard folder.
+
+    "stdlib" is the Python standard library's source code: offline, for smoke runs. A token
+    shard folder (made by scripts.prepare_data) is read in a seeded shuffled order."""
     mixture: list[MixtureSource] = field(default_factory=list)
+    """Token shard folders mixed by weight, in place of source.
+
+    TOML: one [[data.mixture]] table per folder, with source and weight; the command line:
+    --data.mixture "shards/web:0.7,shards/code:0.3" ("" for none)."""
     text_field: str = "text"
+    """The field of a JSON / parquet record that holds the text."""
     streaming: bool = False
-    synthetic: bool = False  # random tokens, for throughput runs
-    # text sources: every n-th document is held out for validation (token shards hold theirs out
-    # when they are prepared: prepare_data.py --val-every)
+    """Stream a hub dataset instead of downloading it whole."""
+    synthetic: bool = False
+    """Random tokens instead of text, for throughput runs."""
     val_every: int = 100
-    # text sources: tokenizer processes per rank, running ahead of training; 0 tokenizes on the
-    # training thread (fine for the byte tokenizer; a 32k BPE tokenizes ~0.5M tokens/s per core)
+    """Text sources: every n-th document is held out for validation.
+
+    Token shards hold theirs out when they are prepared (scripts.prepare_data --val-every)."""
     num_workers: int = 2
+    """Text sources: tokenizer processes per rank, running ahead of training; 0: the training thread.
+
+    0 is fine for the byte tokenizer; a 32k BPE tokenizes ~0.5M tokens/s per core."""
     cache_dir: str = "~/.cache/flce-recipes"
-    # A document of a local .jsonl/.json/.txt file that is not UTF-8, not a JSON object or has no
-    # text: "error" stops before training and names it (file, line); "skip" leaves it out, with
-    # a warning naming it and a count
-    on_bad_document: str = "error"
+    """Where hub datasets are cached."""
+    on_bad_document: OnBadDocument = "error"
+    """A local document that is not UTF-8, not a JSON object or has no text: stop ("error") or "skip" it.
+
+    "error" stops before training and names it (file, line); "skip" leaves it out, with a
+    warning naming it and a count."""
 
 
 @dataclass
 class Tokenizer:
-    name: str = "byte"  # "byte" (built in) | "hf" (a tokenizer.json)
+    """Text to token ids."""
+    name: TokenizerName = "byte"
+    """"byte" (built in: 256 bytes + 3 special ids) or "hf" (a Hugging Face tokenizer.json)."""
     path: str = ""
+    """"hf": the tokenizer.json file, or a folder holding one."""
     bos_token: str = ""
+    """The beginning-of-document token; "": the tokenizer's own (a known name, if any)."""
     eos_token: str = ""
+    """The end-of-document token; "": the tokenizer's own (a known name, if any)."""
 
 
 @dataclass
 class Loss:
-    impl: str = "flce"  # "flce" | "unfused" | "torch_chunked"
+    """The cross-entropy over the output layer: fused (FLCE) or not."""
+    impl: LossImpl = "flce"
+    """"flce" (fused linear cross-entropy), "unfused" (logits, then cross-entropy) or "torch_chunked"."""
     label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy."""
     z_loss: float = 0.0
-    softcap: float = 0.0  # 0: none
+    """The z-loss weight (log-sum-exp squared)."""
+    softcap: float = 0.0
+    """Logit soft-capping, softcap x tanh(logit / softcap); 0: none."""
     logit_scale: float = 1.0
-    chunk_size: int = 0  # tokens per chunk; 0: automatic
+    """A factor on the logits before the softmax."""
+    chunk_size: int = 0
+    """Tokens per chunk of the fused loss; 0: automatic."""
     memory_lean: bool = False
-    # the loss's GEMMs in float8 (e4m3, rowwise scales; impl "flce" only): "none" | "logits" |
-    # "logits+dx"; softmax statistics and gradients stay fp32, dW stays bf16 (flce/float8.py)
-    float8: str = "none"
-    parallel: str = "sequence"  # under tensor parallelism: "sequence" | "vocab"
+    """flce: accumulate dW in the weight dtype over small chunks (less memory; bf16 accumulation error).
+
+    Liger-Kernel's peak memory (gradients + a logits buffer the size of the hidden states)."""
+    float8: LossFloat8 = "none"
+    """flce: the loss's GEMMs in float8 (e4m3, rowwise scales): "logits", or "logits+dx" too.
+
+    Softmax statistics and gradients stay fp32 and dW stays bf16 (flce/float8.py)."""
+    parallel: LossParallel = "sequence"
+    """Under tensor parallelism: shard the loss over the sequence or over the vocabulary."""
 
 
 @dataclass
 class Parallelism:
+    """How the ranks split the work: FSDP (sharded / replicated) and tensor parallelism."""
     data_parallel_replicate_degree: int = 1
-    data_parallel_shard_degree: int = -1  # -1: whatever the other degrees leave
+    """Replicas (DDP-like; HSDP when sharded too)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shards; -1: whatever the other degrees leave of the world size."""
     tensor_parallel_degree: int = 1
-    # "default" (every block but the last; none when dp_shard is 1) | "always" | "never" (ZeRO-2)
-    fsdp_reshard_after_forward: str = "default"
+    """Tensor-parallel ranks (with sequence parallelism)."""
+    fsdp_reshard_after_forward: ReshardAfterForward = "default"
+    """Free gathered weights after forward: "default" (all blocks but the last), "always", "never" (ZeRO-2).
+
+    "default" reshards none when data_parallel_shard_degree is 1."""
 
 
 @dataclass
 class Checkpoint:
-    enable: bool = False  # also read as enable_checkpoint, torchtitan v0.1's name
+    """Saving and resuming: <dump_folder>/<folder>/step-<N>/."""
+    enable: bool = False
+    """Save checkpoints and resume from the latest one (also read as torchtitan v0.1's enable_checkpoint)."""
     folder: str = "checkpoint"
+    """The checkpoints' folder, under the dump folder."""
     interval: int = 500
-    keep_latest_k: int = 0  # 0: keep all
-    load_step: int = -1  # -1: the latest
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 0
+    """Keep this many newest checkpoints, deleting older ones; 0: keep all."""
+    load_step: int = -1
+    """The step to resume from; -1: the latest."""
     initial_load_path: str = ""
-    async_mode: str = "disabled"  # "disabled" | "async"
+    """Weights to start from when there is no checkpoint to resume: a step folder or a Hugging Face model folder."""
+    async_mode: AsyncMode = "disabled"
+    """"async": training goes on while a save is written (its collectives in a gloo group of their own)."""
 
 
 @dataclass
 class Metrics:
+    """Where the metrics go: stdout and metrics.jsonl always, wandb and TensorBoard on request."""
     log_freq: int = 10
+    """Log every this many steps (the only steps where the host waits for the device)."""
     enable_wandb: bool = False
+    """Log to Weights & Biases too (needs wandb installed)."""
     wandb_project: str = "flce"
+    """The wandb project."""
     wandb_run_name: str = ""
-    wandb_mode: str = "offline"
+    """The wandb run's name; "": wandb's."""
+    wandb_mode: WandbMode = "offline"
+    """"offline" writes locally (upload later with `wandb sync`); "online" talks to the server."""
     enable_tensorboard: bool = False
+    """Write TensorBoard events to <dump_folder>/tb (needs tensorboard installed)."""
 
 
 @dataclass
 class Validation:
+    """The loss (and bits per byte) on held-out data."""
     enable: bool = False
+    """Evaluate during training."""
     freq: int = 50
+    """Evaluate every this many steps (and at the last step)."""
     steps: int = 10
+    """Batches per evaluation (the same ones each time, so the numbers compare)."""
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # "none" | "full" | "selective"
-    selective_ac_option: str = "2"  # selective: checkpoint every n-th block
+    """Recompute activations in the backward pass instead of keeping them."""
+    mode: ACMode = "none"
+    """"full": every block; "selective": every selective_ac_option-th block."""
+    selective_ac_option: str = "2"
+    """selective: checkpoint every n-th block (a positive integer, as a string)."""
 
 
 @dataclass
 class Compile:
+    """torch.compile."""
     enable: bool = False
-    components: list[str] = field(default_factory=lambda: ["model"])
+    """Compile the listed components."""
+    components: list[CompileComponent] = field(default_factory=lambda: ["model"])
+    """What to compile: "model" (each block) and / or "loss" (matters for the unfused loss)."""
 
 
 @dataclass
 class Profiling:
+    """torch.profiler traces, one per rank per profiled step."""
     enable_profiling: bool = False
+    """Record traces."""
     save_traces_folder: str = "profile_traces"
+    """The traces' folder, under the dump folder (step-<N>/rank-<r>.json, for Perfetto)."""
     profile_freq: int = 10
+    """Profile one step every this many steps."""
 
 
 @dataclass
 class Float8:
-    """[quantize.linear.float8]: used when [model] converters lists "quantize.linear.float8"."""
-    # "tensorwise" (one scale per tensor; the fastest) | "rowwise" (one per row) |
-    # "rowwise_with_gw_hp" (rowwise, with the weight gradient's GEMM in high precision)
-    recipe_name: str = "tensorwise"
-    # Linear layers left in high precision: a layer is skipped when any entry is a substring of
-    # its name (e.g. "layers.0.", "wk"). "output" always stays: the loss reads its weight
-    # directly, it never runs as a linear layer. Layers with a dimension that is not a multiple
-    # of 16 are skipped too (fp8 GEMMs need it), and named in the log.
+    """Float8 linear layers (torchao), used when [model] converters lists "quantize.linear.float8"."""
+    recipe_name: Float8Recipe = "tensorwise"
+    """torchao's recipe: "tensorwise" (one scale per tensor; the fastest), "rowwise", or "rowwise_with_gw_hp".
+
+    "rowwise_with_gw_hp": rowwise, with the weight gradient's GEMM in high precision."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    # FSDP all-gathers the weights cast to float8 (half the bytes of bf16); tensorwise only.
+    """Linear layers left in high precision: those whose name contains any entry (e.g. "layers.0.", "wk").
+
+    "output" always stays: the loss reads its weight directly, it never runs as a linear layer.
+    Layers with a dimension that is not a multiple of 16 are skipped too (fp8 GEMMs need it),
+    and named in the log."""
     enable_fsdp_float8_all_gather: bool = False
-    # With the float8 all-gather: every weight's scale from one all-reduce after the optimizer
-    # step instead of one small all-reduce per weight at each all-gather.
+    """FSDP all-gathers the weights cast to float8 (half the bytes of bf16); tensorwise only."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
-    # Emulate the float8 GEMMs in high precision (same rounding): for tests on the CPU or on GPUs
-    # without fp8 (compute capability < 8.9). Slow; not for training.
+    """With the float8 all-gather: every weight's scale from one all-reduce after the optimizer step.
+
+    Instead of one small all-reduce per weight at each all-gather."""
     emulate: bool = False
+    """Emulate the float8 GEMMs in high precision (same rounding), for tests without fp8; slow.
+
+    For the CPU or GPUs without fp8 (compute capability < 8.9); not for training."""
 
 
 @dataclass
 class QuantizeLinear:
+    """[quantize.linear]: quantized linear layers."""
     float8: Float8 = field(default_factory=Float8)
 
 
 @dataclass
 class Quantize:
+    """[quantize]: quantization of the model."""
     linear: QuantizeLinear = field(default_factory=QuantizeLinear)
 
 
@@ -251,11 +394,14 @@ class ConfigError(ValueError):
     pass
 
 
-def _suggest(name: str, valid) -> str:
+def _suggest(name: Any, valid, otherwise: Optional[str] = None) -> str:
+    """" (did you mean 'x'?)" for the closest valid name; else otherwise, or the list of them."""
     if not valid:
         return ""
-    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else f" (valid: {', '.join(valid)})"
+    close = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (valid: {', '.join(map(str, valid))})" if otherwise is None else otherwise
 
 
 def _subsections(obj) -> list[str]:
@@ -266,6 +412,17 @@ def _subsections(obj) -> list[str]:
 def _keys(obj) -> list[str]:
     return [f.name for f in dataclasses.fields(obj)
             if not dataclasses.is_dataclass(getattr(obj, f.name))]
+
+
+def sections(obj=None, where: str = "") -> list[tuple[str, Any]]:
+    """(dotted name, section) of every section that holds keys, nested ones included, in order:
+    ("job", Job(...)), ..., ("quantize.linear.float8", Float8(...)); of a default JobConfig
+    unless one is given."""
+    obj = JobConfig() if obj is None else obj
+    found = [(where, obj)] if where and _keys(obj) else []
+    for name in _subsections(obj):
+        found += sections(getattr(obj, name), f"{where}.{name}" if where else name)
+    return found
 
 
 def _section(cfg: "JobConfig", path: str):
@@ -299,10 +456,20 @@ def _coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
         if dataclasses.is_dataclass(inner):  # "[data] mixture" -> "[[data.mixture]] #1"
             section, _, key = where.removeprefix("[").partition("] ")
             return [_coerce(f"[[{section}.{key}]] #{i}", v, inner, from_text) for i, v in enumerate(value, 1)]
-        return [_coerce(where, v, inner, from_text) for v in value]
+        return [_coerce(f"{where}:", v, inner, from_text) for v in value]
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            # where is "[section] key", or "[section] key:" for an item of a list
+            what = f"{where} {value!r} is not" if where.endswith(":") else f"{where} = {value!r}: expected"
+            raise ConfigError(f"{what} one of {', '.join(map(repr, allowed))}"
+                              + _suggest(value, allowed, ""))
+        return value
     if dataclasses.is_dataclass(annotation):  # a table in an array of tables: [[data.mixture]]
         if from_text:
             return annotation.parse(where, value)
+        if isinstance(value, annotation):  # built in code: check its values the same way
+            value = dataclasses.asdict(value)
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
         item, hints = annotation(), typing.get_type_hints(annotation)
@@ -311,6 +478,7 @@ def _coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
                 raise ConfigError(f"{where}: unknown key {key!r}" + _suggest(key, list(hints)))
             setattr(item, key, _coerce(f"{where} {key}", v, hints[key], from_text))
         return item
+    where = where.removesuffix(":")  # an item of a list is named by the list
     if from_text:
         try:
             if annotation is bool:
@@ -357,28 +525,6 @@ def _set_table(cfg: "JobConfig", where: str, table: dict) -> None:
             _set(section, where, key, value, from_text=False)
 
 
-CHOICES = {
-    ("training", "nan_policy"): ("skip", "stop"),
-    ("training", "mixed_precision_param"): ("bfloat16", "float32"),
-    ("training", "mixed_precision_reduce"): ("float32", "bfloat16"),
-    ("training", "device"): ("auto", "cuda", "cpu"),
-    ("loss", "impl"): ("flce", "unfused", "torch_chunked"),
-    ("loss", "float8"): ("none", "logits", "logits+dx"),
-    ("loss", "parallel"): ("sequence", "vocab"),
-    ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
-    ("lr_scheduler", "decay_type"): ("cosine", "linear", "wsd"),
-    ("optimizer", "name"): ("AdamW",),
-    ("model", "name"): ("llama",),
-    ("model", "sdpa_backend"): ("auto", "cudnn", "flash", "efficient", "math"),
-    ("optimizer", "implementation"): ("auto", "fused", "foreach", "for-loop"),
-    ("tokenizer", "name"): ("byte", "hf"),
-    ("data", "on_bad_document"): ("error", "skip"),
-    ("checkpoint", "async_mode"): ("disabled", "async"),
-    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
-    ("metrics", "wandb_mode"): ("offline", "online", "disabled"),
-    ("quantize.linear.float8", "recipe_name"): ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
-}
-CONVERTERS = ("quantize.linear.float8",)
 POSITIVE = [("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
             ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
             ("checkpoint", "interval"), ("validation", "freq"), ("validation", "steps"),
@@ -386,13 +532,9 @@ POSITIVE = [("training", "local_batch_size"), ("training", "seq_len"), ("trainin
 
 
 def check_values(cfg: JobConfig) -> None:
-    for (section, key), valid in CHOICES.items():
-        value = getattr(_section(cfg, section), key)
-        if value not in valid:
-            raise ConfigError(f"[{section}] {key} = {value!r}: expected one of {valid}")
-    for component in cfg.compile.components:
-        if component not in ("model", "loss"):
-            raise ConfigError(f"[compile] components: {component!r} is not one of 'model', 'loss'")
+    """Every value against its field's type (a JobConfig built or changed in code has not been
+    through the parser), then what types cannot express: ranges, and keys that must agree."""
+    _check_types(cfg, "")
     for section, key in POSITIVE:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
@@ -401,9 +543,6 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError(f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
     _check_mixture(cfg.data)
     for name in cfg.model.converters:
-        if name not in CONVERTERS:
-            raise ConfigError(f"[model] converters: {name!r} is not a known converter"
-                              + _suggest(name, CONVERTERS))
         if cfg.model.converters.count(name) > 1:
             raise ConfigError(f"[model] converters lists {name!r} twice")
     float8 = cfg.quantize.linear.float8
@@ -415,6 +554,14 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp needs "
                           "enable_fsdp_float8_all_gather = true (it precomputes that all-gather's "
                           "scales)")
+
+
+def _check_types(section, where: str) -> None:
+    hints = typing.get_type_hints(type(section))
+    for name in _keys(section):
+        _coerce(f"[{where}] {name}", getattr(section, name), hints[name], from_text=False)
+    for name in _subsections(section):
+        _check_types(getattr(section, name), f"{where}.{name}" if where else name)
 
 
 def _check_mixture(data: Data) -> None:
@@ -435,12 +582,18 @@ def _check_mixture(data: Data) -> None:
         seen.add(item.source)
 
 
-def load_config(argv: Optional[list[str]] = None) -> JobConfig:
-    """`--config FILE` (optional) then `--section.key value` / `--section.key=value` overrides."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+HELP = ("-h", "--help")
+
+
+def _argv_pairs(argv: list[str]) -> list[tuple[str, Optional[str]]]:
+    """(name, value) of each `--name value` / `--name=value`; ("help", None) for -h / --help."""
     pairs, i = [], 0
     while i < len(argv):
         arg = argv[i]
+        if arg in HELP:
+            pairs.append(("help", None))
+            i += 1
+            continue
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: use --config FILE or --section.key value")
         name, eq, value = arg[2:].partition("=")
@@ -450,17 +603,35 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
             value, i = argv[i + 1], i + 1
         pairs.append((name, value))
         i += 1
+    return pairs
+
+
+def wants_help(argv: list[str]) -> bool:
+    """Whether argv asks for -h / --help in place of a key (a value "-h" is a value)."""
+    try:
+        return ("help", None) in _argv_pairs(argv)
+    except ConfigError:  # a malformed command line asking for help still gets it
+        return any(arg in HELP for arg in argv)
+
+
+def load_config(argv: Optional[list[str]] = None) -> JobConfig:
+    """`--config FILE` (optional) then `--section.key value` / `--section.key=value` overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs = _argv_pairs(argv)
+    if ("help", None) in pairs:  # train.py answers it before it gets here (config_docs)
+        raise ConfigError("-h / --help lists the config keys: python3 train.py --help")
     cfg = JobConfig()
     for name, value in pairs:
         if name == "config":
             path = Path(value)
             if not path.is_file():
                 raise ConfigError(f"--config {value}: no such file")
-            with open(path, "rb") as f:
-                try:
-                    data = tomllib.load(f)
-                except tomllib.TOMLDecodeError as e:
-                    raise ConfigError(f"{value}: invalid TOML: {e}") from None
+            try:
+                data = tomllib.loads(path.read_bytes().decode("utf-8"))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{value}: invalid TOML: {e}") from None
+            except OSError as e:
+                raise ConfigError(f"--config {value}: cannot read it: {e.strerror}") from None
             for section, values in data.items():
                 if not isinstance(values, dict):
                     raise ConfigError(f"{value}: top-level key {section!r} must be a [section]")
@@ -476,17 +647,17 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
     return cfg
 
 
-def _toml_value(v) -> str:
+def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if dataclasses.is_dataclass(v):
         v = dataclasses.asdict(v)
     if isinstance(v, dict):  # an inline table: what [[data.mixture]] tables read back as
-        return "{" + ", ".join(f"{key} = {_toml_value(x)}" for key, x in v.items()) + "}"
+        return "{" + ", ".join(f"{key} = {toml_value(x)}" for key, x in v.items()) + "}"
     return repr(v)
 
 
@@ -498,7 +669,7 @@ def to_toml(cfg: JobConfig) -> str:
         values = [(key, getattr(section, key)) for key in _keys(section)]
         if values:  # a section holding only subsections needs no header of its own
             out.append(f"[{where}]")
-            out.extend(f"{key} = {_toml_value(v)}" for key, v in values if v is not None)
+            out.extend(f"{key} = {toml_value(v)}" for key, v in values if v is not None)
             out.append("")
         for name in _subsections(section):
             add(getattr(section, name), f"{where}.{name}")
@@ -512,7 +683,7 @@ def config_changes(saved_toml: str, cfg: JobConfig) -> list[str]:
     """`[section] key: old -> new` for every key whose value differs between a saved config (the
     config.toml a run wrote) and cfg; "unset" stands for a key one side lacks."""
     old, new = _flat(tomllib.loads(saved_toml)), _flat(tomllib.loads(to_toml(cfg)))
-    show = lambda values, key: _toml_value(values[key]) if key in values else "unset"  # noqa: E731
+    show = lambda values, key: toml_value(values[key]) if key in values else "unset"  # noqa: E731
     return [f"[{section}] {key}: {show(old, (section, key))} -> {show(new, (section, key))}"
             for section, key in dict.fromkeys([*old, *new])
             if ((section, key) in old, old.get((section, key)))

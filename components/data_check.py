@@ -16,15 +16,18 @@ import json
 import logging
 import os
 import tempfile
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from filelock import FileLock  # a dependency of datasets
 
+from components.config import OnBadDocument
+
 logger = logging.getLogger(__name__)
 
-ON_BAD_DOCUMENT = ("error", "skip")
+ON_BAD_DOCUMENT = typing.get_args(OnBadDocument)
 CHECKED_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text"}
 NAMED = 10  # bad documents named one by one (per file in the cache, per source in warnings)
 _CHECK_VERSION = 1  # part of the cache key: bump when what counts as bad changes

@@ -6,16 +6,17 @@ curves of runs that differ only in `impl` are comparable.
 """
 
 import dataclasses
+import typing
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 from torch import Tensor, nn
 
 import flce
-from components.config import Loss
+from components.config import Loss, LossImpl
 
 IGNORE_INDEX = -100
-IMPLS = ("flce", "unfused", "torch_chunked")
+IMPLS = typing.get_args(LossImpl)
 
 
 class TrainingLoss(nn.Module):

@@ -14,11 +14,14 @@ import json
 import math
 import sys
 import time
+import typing
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from components.config import Metrics, WandbMode
 
 GIB = 2**30
 
@@ -33,7 +36,7 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     "B200": 2.25e15,
 }
 
-WANDB_MODES = ("offline", "online", "disabled")
+WANDB_MODES = typing.get_args(WandbMode)
 
 # Keys printed on the stdout line, in order: (metric key, label, format). Every other key still
 # goes to metrics.jsonl, wandb and TensorBoard.
@@ -186,12 +189,12 @@ def _import_summary_writer():
     return SummaryWriter
 
 
-def check_metrics_backends(wandb_enable: bool, tensorboard_enable: bool) -> None:
+def check_metrics_backends(cfg: Metrics) -> None:
     """An ImportError naming the key when an enabled backend is not installed (the trainer asks
     before it builds the model; MetricsLogger would say the same later)."""
-    if wandb_enable:
+    if cfg.enable_wandb:
         _import_wandb()
-    if tensorboard_enable:
+    if cfg.enable_tensorboard:
         _import_summary_writer()
 
 
@@ -204,15 +207,16 @@ class MetricsLogger:
     the two runs' lines never mix (and nothing is lost). Non-finite values are written as null
     there, to keep each line valid JSON; stdout, wandb and TensorBoard get them as they are.
     `last` and `lowest` hold each metric's latest and lowest (step, value), for the summary.
+    cfg is the [metrics] section; config (the whole resolved config, a dict) and notes ([job]
+    description) go to wandb with the run.
     """
 
     def __init__(self, dump_folder: str | Path, rank: int, total_steps: int,
-                 wandb_enable: bool = False, wandb_project: str = "flce",
-                 wandb_run_name: str | None = None, wandb_mode: str = "offline",
-                 tensorboard_enable: bool = False, config: dict | None = None,
+                 cfg: Metrics | None = None, config: dict | None = None, notes: str = "",
                  resumed: bool = False) -> None:
-        if wandb_mode not in WANDB_MODES:
-            raise ValueError(f"[metrics] wandb_mode={wandb_mode!r}: expected one of "
+        cfg = Metrics() if cfg is None else cfg
+        if cfg.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"[metrics] wandb_mode={cfg.wandb_mode!r}: expected one of "
                              f"{', '.join(WANDB_MODES)}")
         self.dump_folder = Path(dump_folder)
         self.rank = rank
@@ -235,10 +239,9 @@ class MetricsLogger:
             self._set_aside_earlier_run()
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         try:
-            if wandb_enable:
-                self._wandb_run = self._start_wandb(wandb_project, wandb_run_name or None,
-                                                    wandb_mode, config)
-            if tensorboard_enable:
+            if cfg.enable_wandb:
+                self._wandb_run = self._start_wandb(cfg, config, notes)
+            if cfg.enable_tensorboard:
                 self._tensorboard = self._start_tensorboard()
         except BaseException:
             self.close()  # whatever did start
@@ -257,14 +260,15 @@ class MetricsLogger:
         print(f"{self.jsonl_path} held an earlier run's metrics: renamed it {aside.name}; this "
               "fresh run starts a new file", flush=True)
 
-    def _start_wandb(self, project: str, run_name: str | None, mode: str, config: dict | None):
+    def _start_wandb(self, cfg: Metrics, config: dict | None, notes: str):
         wandb = _import_wandb()
         # mode is passed explicitly (it outranks a WANDB_MODE in the environment), so nothing
         # talks to the network unless the caller asked for "online". console="off": wandb would
         # otherwise wrap sys.stdout/stderr of the whole trainer to mirror them.
         settings = wandb.Settings(silent=True, console="off")
-        run = wandb.init(mode=mode, dir=str(self.dump_folder), project=project, name=run_name,
-                         config=config, settings=settings)
+        run = wandb.init(mode=cfg.wandb_mode, dir=str(self.dump_folder), project=cfg.wandb_project,
+                         name=cfg.wandb_run_name or None, notes=notes or None, config=config,
+                         settings=settings)
         self.wandb_dir = Path(run.dir).parent  # run.dir is the run folder's files/
         return run
 

@@ -1,12 +1,16 @@
 """AdamW with weight decay on matrices only, and the warmup-then-decay learning-rate schedule."""
 
+import dataclasses
 import functools
 import math
+import typing
 
 import torch
 
-IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
-DECAY_TYPES = ("cosine", "linear", "wsd")
+from components.config import DecayType, LRScheduler, Optimizer, OptimizerImplementation
+
+IMPLEMENTATIONS = typing.get_args(OptimizerImplementation)
+DECAY_TYPES = typing.get_args(DecayType)
 DEFAULT_WSD_DECAY_RATIO = 0.1
 
 
@@ -22,54 +26,54 @@ def _check_range(name: str, value: float, low: float, high: float = math.inf,
         raise ValueError(f"{name}={value!r}: must be a finite number in {interval}")
 
 
-def check_optimizer_settings(lr: float, betas: tuple[float, float], eps: float,
-                             weight_decay: float, implementation: str) -> None:
+# [optimizer] name -> the class (config.OptimizerName lists the names)
+OPTIMIZERS = {"AdamW": torch.optim.AdamW}
+
+
+def check_optimizer_settings(cfg: Optimizer) -> None:
     """Raise a ValueError naming the [optimizer] key of the first bad setting (no model needed:
     the trainer checks them before it builds one)."""
-    _check_range("[optimizer] lr", lr, 0.0, low_open=True)
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas={betas!r}: expected ([optimizer] beta1, [optimizer] beta2)")
-    _check_range("[optimizer] beta1", betas[0], 0.0, 1.0, high_open=True)
-    _check_range("[optimizer] beta2", betas[1], 0.0, 1.0, high_open=True)
-    _check_range("[optimizer] eps", eps, 0.0, low_open=True)
-    _check_range("[optimizer] weight_decay", weight_decay, 0.0)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"[optimizer] implementation={implementation!r}: expected one of "
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(f"[optimizer] name={cfg.name!r}: expected one of {', '.join(OPTIMIZERS)}")
+    _check_range("[optimizer] lr", cfg.lr, 0.0, low_open=True)
+    _check_range("[optimizer] beta1", cfg.beta1, 0.0, 1.0, high_open=True)
+    _check_range("[optimizer] beta2", cfg.beta2, 0.0, 1.0, high_open=True)
+    _check_range("[optimizer] eps", cfg.eps, 0.0, low_open=True)
+    _check_range("[optimizer] weight_decay", cfg.weight_decay, 0.0)
+    if cfg.implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"[optimizer] implementation={cfg.implementation!r}: expected one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.95),
-                    eps: float = 1e-8, weight_decay: float = 0.1,
-                    implementation: str = "auto") -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters, in two groups.
+def build_optimizer(model: torch.nn.Module, cfg: Optimizer) -> torch.optim.AdamW:
+    """[optimizer] name (AdamW) over the model's trainable parameters, in two groups.
 
     Group 0 (weight_decay): parameters with 2 or more dims (linear weights, embeddings).
     Group 1 (no decay): 1-D parameters (norm scales, biases); decaying them pulls norm gains
     towards zero, which only hurts. An empty group is left out.
 
-    implementation: "fused" (one kernel for all parameters), "foreach" (batched per-op kernels),
-    "for-loop" (one parameter at a time; slowest, smallest peak memory) or "auto" (fused when
-    every parameter is on CUDA, foreach otherwise).
+    implementation: "fused" (one kernel for all parameters; torch has it for the CPU and CUDA,
+    and it skips a step with non-finite gradients on the device, without a host sync: the
+    trainer relies on that), "foreach" (batched per-op kernels), "for-loop" (one parameter at a
+    time; slowest, smallest peak memory) or "auto" (fused).
 
-    Parameters may be DTensors (FSDP2, tensor parallel): only `.ndim` and `.device` are read,
-    which give the global rank and the local device for a DTensor.
+    Parameters may be DTensors (FSDP2, tensor parallel): only `.ndim` is read, which gives the
+    global rank for a DTensor.
     """
-    check_optimizer_settings(lr, betas, eps, weight_decay, implementation)
+    check_optimizer_settings(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"build_optimizer: {type(model).__name__} has no parameters with "
                          "requires_grad=True to optimize")
     decayed = [p for p in params if p.ndim >= 2]
     not_decayed = [p for p in params if p.ndim < 2]
-    groups = [{"params": decayed, "weight_decay": weight_decay},
+    groups = [{"params": decayed, "weight_decay": cfg.weight_decay},
               {"params": not_decayed, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-
-    if implementation == "auto":
-        implementation = "fused" if all(p.device.type == "cuda" for p in params) else "foreach"
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps,
-                             fused=implementation == "fused",
-                             foreach=implementation == "foreach")
+    implementation = "fused" if cfg.implementation == "auto" else cfg.implementation
+    return OPTIMIZERS[cfg.name](groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                fused=implementation == "fused",
+                                foreach=implementation == "foreach")
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, decay_type: str = "cosine",
@@ -111,9 +115,9 @@ def _lambda_for_scheduler(last_epoch: int, **schedule) -> float:
     return lr_multiplier(last_epoch + 1, **schedule)
 
 
-def _check_schedule(warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float,
-                    decay_ratio: float | None) -> None:
+def _check_schedule(cfg: LRScheduler, total_steps: int) -> None:
     """The schedule's settings, each on its own (whether they fit together is checked apart)."""
+    warmup_steps, decay_type, decay_ratio = cfg.warmup_steps, cfg.decay_type, cfg.decay_ratio
     if decay_type not in DECAY_TYPES:
         raise ValueError(f"[lr_scheduler] decay_type={decay_type!r}: expected one of "
                          f"{', '.join(DECAY_TYPES)}")
@@ -125,7 +129,7 @@ def _check_schedule(warmup_steps: int, total_steps: int, decay_type: str, min_lr
         raise ValueError(f"[training] steps={total_steps}: must be >= 1")
     if warmup_steps < 0:
         raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps}: must be >= 0")
-    _check_range("[lr_scheduler] min_lr_ratio", min_lr_ratio, 0.0, 1.0)
+    _check_range("[lr_scheduler] min_lr_ratio", cfg.min_lr_ratio, 0.0, 1.0)
     if decay_type == "wsd":
         if decay_ratio is not None:
             _check_range("[lr_scheduler] decay_ratio", decay_ratio, 0.0, 1.0, low_open=True)
@@ -134,24 +138,24 @@ def _check_schedule(warmup_steps: int, total_steps: int, decay_type: str, min_lr
                          f"decay_type='wsd', not {decay_type!r}: leave it unset")
 
 
-def fit_lr_schedule(warmup_steps: int, total_steps: int, decay_type: str = "cosine",
-                    min_lr_ratio: float = 0.1, decay_ratio: float | None = None
-                    ) -> tuple[int, float | None, str | None]:
+def fit_lr_schedule(cfg: LRScheduler, total_steps: int) -> tuple[LRScheduler, str | None]:
     """Fit the warmup (and wsd's decay) into a run too short for them, e.g. a smoke run of
-    `--training.steps 20` under a config with 20 warmup steps: (warmup_steps, decay_ratio, a
-    one-line warning or None when they already fit), for build_lr_schedule.
+    `--training.steps 20` under a config with 20 warmup steps: ([lr_scheduler] with the fitted
+    warmup_steps and decay_ratio, a one-line warning or None when they already fit), for
+    build_lr_schedule.
 
     As torchtitan 0.2 does, the warmup is clamped and then wsd's decay shortened to the steps
     left; unlike it, the warmup ends one step before the run does (torchtitan's can take the
     whole run), so the last step still lands on min_lr_ratio, as in every schedule here.
     Settings that are wrong in themselves raise, naming the key."""
-    _check_schedule(warmup_steps, total_steps, decay_type, min_lr_ratio, decay_ratio)
+    _check_schedule(cfg, total_steps)
+    warmup_steps, decay_ratio = cfg.warmup_steps, cfg.decay_ratio
     notes = []
     if warmup_steps >= total_steps:
         notes.append(f"[lr_scheduler] warmup_steps = {warmup_steps} does not fit in [training] "
                      f"steps = {total_steps}: warming up over {total_steps - 1} step(s)")
         warmup_steps = total_steps - 1
-    if decay_type == "wsd":
+    if cfg.decay_type == "wsd":
         decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
         if warmup_steps + decay_steps > total_steps:
             decay_steps = total_steps - warmup_steps
@@ -159,14 +163,12 @@ def fit_lr_schedule(warmup_steps: int, total_steps: int, decay_type: str = "cosi
             notes.append(f"the wsd decay ([lr_scheduler] decay_ratio = {ratio}) takes the last "
                          f"{decay_steps} step(s)")
             decay_ratio = decay_steps / total_steps
-    if not notes:
-        return warmup_steps, decay_ratio, None
-    return warmup_steps, decay_ratio, "warning: " + "; ".join(notes) + " (a short run)"
+    fitted = dataclasses.replace(cfg, warmup_steps=warmup_steps, decay_ratio=decay_ratio)
+    return fitted, ("warning: " + "; ".join(notes) + " (a short run)" if notes else None)
 
 
-def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                      decay_type: str = "cosine", min_lr_ratio: float = 0.1,
-                      decay_ratio: float | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int
+                      ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR following lr_multiplier; call scheduler.step() once after each optimizer.step().
 
     Right after construction the optimizer's lr is already the one for step 1 (lr/warmup_steps).
@@ -177,11 +179,12 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total
     an error rather than being silently ignored. A warmup (and decay) that does not fit in
     total_steps is an error here: fit_lr_schedule() fits them first.
     """
-    _check_schedule(warmup_steps, total_steps, decay_type, min_lr_ratio, decay_ratio)
+    _check_schedule(cfg, total_steps)
+    warmup_steps, decay_ratio = cfg.warmup_steps, cfg.decay_ratio
     if warmup_steps >= total_steps:
         raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps} must be smaller than "
                          f"[training] steps={total_steps}, to leave at least one step of decay")
-    if decay_type == "wsd":
+    if cfg.decay_type == "wsd":
         decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
         if warmup_steps + decay_steps > total_steps:
             raise ValueError(
@@ -189,8 +192,8 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total
                 f"({decay_steps} steps from [lr_scheduler] decay_ratio={decay_ratio}) exceed "
                 f"[training] steps={total_steps}: lower one of them")
     schedule = functools.partial(_lambda_for_scheduler, warmup_steps=warmup_steps,
-                                 total_steps=total_steps, decay_type=decay_type,
-                                 min_lr_ratio=min_lr_ratio, decay_ratio=decay_ratio)
+                                 total_steps=total_steps, decay_type=cfg.decay_type,
+                                 min_lr_ratio=cfg.min_lr_ratio, decay_ratio=decay_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 

@@ -4,6 +4,7 @@ Each also says how many UTF-8 bytes every id stands for (`byte_lengths()`), for 
 """
 
 import functools
+import typing
 import hashlib
 import json
 import re
@@ -12,7 +13,9 @@ from typing import Iterable, Protocol
 
 import tokenizers
 
-TOKENIZER_NAMES = ("byte", "hf")
+from components.config import TokenizerName
+
+TOKENIZER_NAMES = typing.get_args(TokenizerName)
 
 # Tried in order when the caller names no token. "<|endoftext|>" is in both lists because GPT-2 style
 # tokenizers use that one token to mark both ends of a document.

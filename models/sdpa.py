@@ -11,13 +11,15 @@ falling back to the math kernel.
 
 import torch
 
-BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 _SWITCHES = {
     "cudnn": torch.backends.cuda.enable_cudnn_sdp,
     "flash": torch.backends.cuda.enable_flash_sdp,
     "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
     "math": torch.backends.cuda.enable_math_sdp,
 }
+# models imports nothing from components: components.config's SdpaBackend lists the same names
+# (tests/test_config.py checks that they agree).
+BACKENDS = ("auto", *_SWITCHES)
 
 
 def set_sdpa_backend(name: str, device: torch.device) -> None:

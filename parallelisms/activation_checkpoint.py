@@ -1,9 +1,13 @@
 """Activation checkpointing of transformer blocks: none, full, or every k-th block."""
 
+import typing
+
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-MODES = ("none", "full", "selective")
+from components.config import ACMode
+
+MODES = typing.get_args(ACMode)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: str = "2") -> int:

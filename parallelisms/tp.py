@@ -11,6 +11,8 @@ shared input of wq/wk/wv (and of w1/w3) is cast to float8 once, before its all-g
 sequence is all-gathered in float8. Rowwise-scaled float8 layers use the plain styles (their
 all-gathers stay in high precision) and cast inside the layer."""
 
+import typing
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
@@ -18,12 +20,13 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
+from components.config import LossParallel
 from components.float8 import is_float8_tensorwise
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss
 from models.args import LlamaArgs
 from models.llama import TransformerBlock
 
-LOSS_PARALLEL = ("sequence", "vocab")
+LOSS_PARALLEL = typing.get_args(LossParallel)
 
 
 def check_tp_degree(args: LlamaArgs, flavor: str, tp: int, seq_len: int) -> None:

@@ -149,3 +149,147 @@ def test_checkpoint_enable_takes_torchtitan_v01s_name_too(tmp_path):
     # a checkpoint's config.toml written under the old name: no change to report
     saved = to_toml(cfg).replace("enable = true", "enable_checkpoint = true")
     assert config_changes(saved, cfg) == []
+
+
+def test_choices_come_from_the_literal_types():
+    """A key with a Literal type accepts exactly its values; a bad one is named with all of them."""
+    import dataclasses
+    import typing
+
+    from components import config
+    for name, section in [("loss", config.Loss), ("model", config.Model), ("checkpoint", config.Checkpoint)]:
+        for f in dataclasses.fields(section):
+            annotation = typing.get_type_hints(section)[f.name]
+            if typing.get_origin(annotation) is not typing.Literal:
+                continue
+            for value in typing.get_args(annotation):
+                assert getattr(getattr(load_config([f"--{name}.{f.name}", value]), name), f.name) == value
+            with pytest.raises(ConfigError) as error:
+                load_config([f"--{name}.{f.name}", "bogus"])
+            assert str(error.value).startswith(f"[{name}] {f.name} = 'bogus': expected one of "
+                                               + ", ".join(map(repr, typing.get_args(annotation))))
+    with pytest.raises(ConfigError, match=r"\[loss\] impl = 'flcee': expected one of 'flce', "
+                                          r"'unfused', 'torch_chunked' \(did you mean 'flce'\?\)"):
+        load_config(["--loss.impl", "flcee"])
+    with pytest.raises(ConfigError, match=r"\[compile\] components: 'optimizer' is not one of 'model', 'loss'"):
+        load_config(["--compile.components", "model,optimizer"])
+
+
+def test_a_config_built_in_code_is_checked_too():
+    from components.config import JobConfig, MixtureSource, check_values
+    cfg = JobConfig()
+    cfg.training.device = "tpu"
+    with pytest.raises(ConfigError, match=r"\[training\] device = 'tpu': expected one of 'auto', 'cuda', 'cpu'"):
+        check_values(cfg)
+    cfg = JobConfig()
+    cfg.data.mixture = [MixtureSource("x", "heavy")]
+    with pytest.raises(ConfigError, match=r"\[\[data.mixture\]\] #1 weight: expected float"):
+        check_values(cfg)
+
+
+def test_modules_list_the_configs_choices():
+    """The modules that check a choice themselves take the list from the config's Literal; the
+    ones that cannot import it (models/ stands below components/) or keep their own order agree."""
+    import typing
+
+    from components import config, data_check, loss, metrics, optim, tokenizer
+    from models import sdpa
+    from parallelisms import activation_checkpoint, tp
+    from scripts import bench_train
+    args = typing.get_args
+    assert loss.IMPLS == args(config.LossImpl)
+    assert tokenizer.TOKENIZER_NAMES == args(config.TokenizerName)
+    assert optim.IMPLEMENTATIONS == args(config.OptimizerImplementation)
+    assert optim.DECAY_TYPES == args(config.DecayType)
+    assert tuple(optim.OPTIMIZERS) == args(config.OptimizerName)
+    assert metrics.WANDB_MODES == args(config.WandbMode)
+    assert data_check.ON_BAD_DOCUMENT == args(config.OnBadDocument)
+    assert tp.LOSS_PARALLEL == args(config.LossParallel)
+    assert activation_checkpoint.MODES == args(config.ACMode)
+    assert sorted(sdpa.BACKENDS) == sorted(args(config.SdpaBackend))
+    assert sorted(bench_train.AC_MODES) == sorted(args(config.ACMode))
+    assert set(bench_train.LOSS_IMPLS.values()) == set(args(config.LossImpl))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train_py(*argv):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_help_lists_every_key_with_its_choices():
+    """`python3 train.py --help` prints usage and each section's keys (type, default, allowed
+    values, doc) and exits 0; it used to fail with "--help needs a value"."""
+    result = _train_py("--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("usage: python3 train.py") and result.stderr == ""
+    loss = out[out.index("\n[loss]"):]
+    assert 'impl = "flce"    ("flce" | "unfused" | "torch_chunked")\n      "flce" (fused' in loss
+    assert '[quantize.linear.float8]' in out and 'recipe_name = "tensorwise"' in out
+    from components.config import sections
+    for path, section in sections():
+        assert f"\n[{path}]" in out
+        for key in vars(section):
+            assert f"\n  {key} = " in out, (path, key)
+
+
+def test_help_in_process_and_as_a_value(capsys):
+    import train
+    assert train.main(["--config", "nope.toml", "-h"]) == 0
+    assert "[training]" in capsys.readouterr().out
+    # "-h" as a key's value is a value
+    assert load_config(["--job.description", "-h"]).job.description == "-h"
+    with pytest.raises(ConfigError, match="python3 train.py --help"):
+        load_config(["--help"])
+
+
+def test_a_config_error_is_one_line_and_exit_status_2():
+    result = _train_py("--training.stepz", "3")
+    assert result.returncode == 2
+    assert result.stderr == "config error: unknown config key [training] stepz (did you mean 'steps'?)\n"
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "/nonexistent.toml"], "config error: --config /nonexistent.toml: no such file"),
+    (["--training.steps"], "config error: --training.steps needs a value"),
+    (["--loss.impl", "fused"], "config error: [loss] impl = 'fused': expected one of 'flce', 'unfused', "
+                               "'torch_chunked' (did you mean 'unfused'?)"),
+    (["--config", "{bad}"], "config error: {bad}: invalid TOML: Expected ']' at the end of a table "
+                            "declaration (at line 1, column 10)"),
+])
+def test_config_errors_from_the_command_line(tmp_path, monkeypatch, capsys, argv, message):
+    """train.main() raises ConfigError (tests and other callers catch it); the command line
+    turns it into one stderr line and exit status 2."""
+    import train
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nsteps = 3\n")
+    argv = [a.format(bad=bad) for a in argv]
+    with pytest.raises(ConfigError):
+        train.main(argv)
+    monkeypatch.setattr("sys.argv", ["train.py", *argv])
+    assert train.command_line() == 2
+    out = capsys.readouterr()
+    assert out.err == message.format(bad=bad) + "\n" and out.out == ""
+
+
+def test_docs_config_md_is_current():
+    """docs/config.md is generated from the config's dataclasses; a changed key, type, default
+    or doc must come with the regenerated file."""
+    from components.config_docs import reference_markdown
+    current = (ROOT / "docs/config.md").read_text() if (ROOT / "docs/config.md").is_file() else ""
+    assert current == reference_markdown(), (
+        "docs/config.md is stale: regenerate it with `python3 -m scripts.config_reference > docs/config.md`")
+
+
+def test_every_key_has_a_doc():
+    from components.config_docs import field_docs
+    from components.config import sections
+    for path, section in sections():
+        missing = [key for key in vars(section) if key not in field_docs(type(section))]
+        assert not missing, f"[{path}] {missing}: give each a docstring (the string below the field)"

@@ -69,7 +69,7 @@ def test_float8_section_parses_overrides_and_round_trips(tmp_path):
 
 @pytest.mark.parametrize("argv,match", [
     (["--model.converters", "float8"],
-     r"\[model\] converters: 'float8' is not a known converter \(valid: quantize.linear.float8\)"),
+     r"\[model\] converters: 'float8' is not one of 'quantize.linear.float8'"),
     (["--model.converters", "quantize.linear.float8,quantize.linear.float8"], r"twice"),
     (["--quantize.linear.float8.recipe_name", "blockwise"],
      r"\[quantize.linear.float8\] recipe_name = 'blockwise': expected one of"),

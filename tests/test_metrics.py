@@ -10,6 +10,7 @@ import pytest
 import torch
 import wandb
 
+from components.config import Metrics
 from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, peak_flops,
                                 peak_flops_for_name)
 
@@ -67,8 +68,8 @@ def test_summary_values_are_the_last_and_lowest(tmp_path):
 
 def test_only_rank_zero_writes(tmp_path, capsys):
     folder = tmp_path / "run"
-    logger = MetricsLogger(folder, rank=1, total_steps=10, wandb_enable=True,
-                           tensorboard_enable=True)
+    logger = MetricsLogger(folder, rank=1, total_steps=10,
+                           cfg=Metrics(enable_wandb=True, enable_tensorboard=True))
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert not folder.exists()
@@ -96,14 +97,15 @@ def test_bad_values_and_names_are_errors(tmp_path):
         with pytest.raises(ValueError, match="metric 'step'"):
             logger.log(1, {"step": 1})
     with pytest.raises(ValueError, match=r"\[metrics\] wandb_mode='cloud'"):
-        MetricsLogger(tmp_path, rank=0, total_steps=10, wandb_mode="cloud")
+        MetricsLogger(tmp_path, rank=0, total_steps=10, cfg=Metrics(wandb_mode="cloud"))
 
 
 def test_wandb_run_is_offline_and_under_dump_folder(tmp_path, monkeypatch):
     # The logger's explicit mode must win over an environment asking for online.
     monkeypatch.setenv("WANDB_MODE", "online")
-    with MetricsLogger(tmp_path, rank=0, total_steps=10, wandb_enable=True,
-                       wandb_run_name="test-run", config={"lr": 3e-4}) as logger:
+    with MetricsLogger(tmp_path, rank=0, total_steps=10,
+                       cfg=Metrics(enable_wandb=True, wandb_run_name="test-run"),
+                       config={"lr": 3e-4}, notes="a run's [job] description") as logger:
         logger.log(1, {"loss": 2.5, "tokens_per_second": 12345.5})
     # run.finish() returns before wandb-core has written the run file out: close() waits for it
     # (a trainer that leaves through os._exit gets no teardown at exit).
@@ -113,18 +115,19 @@ def test_wandb_run_is_offline_and_under_dump_folder(tmp_path, monkeypatch):
     (run_file,) = runs[0].glob("run-*.wandb")
     history = run_file.read_bytes()  # protobuf records: keys and JSON values appear verbatim
     assert b"tokens_per_second" in history and b"12345.5" in history
+    assert b"a run's [job] description" in history  # the run's notes
 
 
 def test_wandb_missing_is_an_import_error_with_a_hint(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like
     with pytest.raises(ImportError, match=r"\[metrics\] enable_wandb.*pip install wandb"):
-        MetricsLogger(tmp_path, rank=0, total_steps=10, wandb_enable=True)
+        MetricsLogger(tmp_path, rank=0, total_steps=10, cfg=Metrics(enable_wandb=True))
 
 
 def test_tensorboard_event_file_holds_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with MetricsLogger(tmp_path, rank=0, total_steps=10, tensorboard_enable=True) as logger:
+    with MetricsLogger(tmp_path, rank=0, total_steps=10, cfg=Metrics(enable_tensorboard=True)) as logger:
         logger.log(1, {"loss": 2.5, "lr": 1e-4})
         logger.log(2, {"loss": 2.0, "lr": 2e-4})
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
@@ -176,7 +179,7 @@ def test_validation_line_and_bits_per_byte(tmp_path, capsys):
     assert bits_per_byte(2.0 * 100, 400) == pytest.approx(2.0 / (4 * math.log(2)))
     with pytest.raises(ValueError, match="0 bytes"):
         bits_per_byte(1.0, 0)
-    with MetricsLogger(tmp_path, rank=0, total_steps=100, tensorboard_enable=True) as logger:
+    with MetricsLogger(tmp_path, rank=0, total_steps=100, cfg=Metrics(enable_tensorboard=True)) as logger:
         logger.log(50, {"val_loss": 2.5, "val_bpb": 0.90123})
     assert capsys.readouterr().out.splitlines()[-1] == \
         "step 50/100 | val_loss 2.5000 | val_bpb 0.9012"

@@ -6,10 +6,21 @@ import math
 import pytest
 import torch
 
+from components.config import LRScheduler, Optimizer
 from components.optim import (build_lr_schedule, build_optimizer, fit_lr_schedule,
                               hyperparameters, lr_multiplier, restore_hyperparameters)
 
 LR = 1e-3
+
+
+def adamw(model: torch.nn.Module, **settings) -> torch.optim.AdamW:
+    """build_optimizer with [optimizer] settings (lr: LR unless given)."""
+    return build_optimizer(model, Optimizer(**({"lr": LR} | settings)))
+
+
+def schedule(optimizer, total_steps: int, **settings):
+    """build_lr_schedule with [lr_scheduler] settings."""
+    return build_lr_schedule(optimizer, LRScheduler(**settings), total_steps)
 
 
 class TinyModel(torch.nn.Module):
@@ -32,8 +43,8 @@ def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Non
 
 def _lrs_seen_by_steps(warmup: int, total: int, **kwargs) -> list[float]:
     """lr of each optimizer.step(), 1..total, through the real LambdaLR."""
-    optimizer = build_optimizer(TinyModel(), lr=LR)
-    scheduler = build_lr_schedule(optimizer, warmup, total, **kwargs)
+    optimizer = adamw(TinyModel())
+    scheduler = schedule(optimizer, total, warmup_steps=warmup, **kwargs)
     lrs = []
     for _ in range(total):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -46,7 +57,7 @@ def _lrs_seen_by_steps(warmup: int, total: int, **kwargs) -> list[float]:
 
 def test_weight_decay_only_on_matrices():
     model = TinyModel()
-    optimizer = build_optimizer(model, lr=LR, weight_decay=0.05)
+    optimizer = adamw(model, weight_decay=0.05)
     decayed, not_decayed = optimizer.param_groups
     assert decayed["weight_decay"] == 0.05 and not_decayed["weight_decay"] == 0.0
     ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
@@ -56,15 +67,15 @@ def test_weight_decay_only_on_matrices():
 
 
 def test_frozen_parameters_and_empty_groups_are_left_out():
-    optimizer = build_optimizer(torch.nn.Linear(3, 3, bias=False), lr=LR)
+    optimizer = adamw(torch.nn.Linear(3, 3, bias=False))
     assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["weight_decay"] == 0.1
     model = TinyModel()
-    all_params = {id(p) for g in build_optimizer(model, lr=LR).param_groups for p in g["params"]}
+    all_params = {id(p) for g in adamw(model).param_groups for p in g["params"]}
     assert id(model.frozen) not in all_params
 
 
 @pytest.mark.parametrize("implementation,fused,foreach", [
-    ("auto", False, True),  # CPU parameters: auto picks foreach
+    ("auto", True, False),  # fused, also on the CPU: it skips non-finite steps without a sync
     ("foreach", False, True),
     ("for-loop", False, False),
     ("fused", True, False),  # torch has a fused AdamW for CPU too
@@ -72,7 +83,7 @@ def test_frozen_parameters_and_empty_groups_are_left_out():
 def test_implementation_and_one_step_changes_every_parameter(implementation, fused, foreach):
     torch.manual_seed(0)
     model = TinyModel()
-    optimizer = build_optimizer(model, lr=LR, implementation=implementation)
+    optimizer = adamw(model, implementation=implementation)
     assert optimizer.defaults["fused"] == fused and optimizer.defaults["foreach"] == foreach
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     _train_step(model, optimizer)
@@ -83,15 +94,15 @@ def test_implementation_and_one_step_changes_every_parameter(implementation, fus
 def test_state_dict_round_trip_continues_identically():
     torch.manual_seed(0)
     model = TinyModel()
-    optimizer = build_optimizer(model, lr=LR)
-    scheduler = build_lr_schedule(optimizer, warmup_steps=2, total_steps=10)
+    optimizer = adamw(model)
+    scheduler = schedule(optimizer, 10, warmup_steps=2)
     for _ in range(3):
         _train_step(model, optimizer)
         scheduler.step()
 
     resumed_model = copy.deepcopy(model)
-    resumed_optimizer = build_optimizer(resumed_model, lr=LR)
-    resumed_scheduler = build_lr_schedule(resumed_optimizer, warmup_steps=2, total_steps=10)
+    resumed_optimizer = adamw(resumed_model)
+    resumed_scheduler = schedule(resumed_optimizer, 10, warmup_steps=2)
     resumed_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     resumed_scheduler.load_state_dict(copy.deepcopy(scheduler.state_dict()))
     assert resumed_scheduler.last_epoch == 3
@@ -112,18 +123,17 @@ def test_resumed_state_keeps_the_new_configs_hyperparameters():
     the moment estimates and step counts."""
     torch.manual_seed(0)
     model = TinyModel()
-    optimizer = build_optimizer(model, lr=LR)
-    scheduler = build_lr_schedule(optimizer, warmup_steps=2, total_steps=10)
+    optimizer = adamw(model)
+    scheduler = schedule(optimizer, 10, warmup_steps=2)
     for _ in range(3):
         _train_step(model, optimizer)
         scheduler.step()
     saved = copy.deepcopy(optimizer.state_dict())
 
     new_lr = 1e-5
-    resumed = build_optimizer(model, lr=new_lr, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01,
-                              implementation="for-loop")
-    resumed_scheduler = build_lr_schedule(resumed, warmup_steps=2, total_steps=10,
-                                          decay_type="linear")
+    resumed = adamw(model, lr=new_lr, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.01,
+                    implementation="for-loop")
+    resumed_scheduler = schedule(resumed, 10, warmup_steps=2, decay_type="linear")
     configured = hyperparameters(resumed)
     resumed.load_state_dict(copy.deepcopy(saved))
     resumed_scheduler.load_state_dict(copy.deepcopy(scheduler.state_dict()))
@@ -152,21 +162,21 @@ def test_resumed_state_keeps_the_new_configs_hyperparameters():
     (dict(lr=0.0), r"\[optimizer\] lr=0.0"),
     (dict(lr=-1e-3), r"\[optimizer\] lr"),
     (dict(lr=float("nan")), r"\[optimizer\] lr"),
-    (dict(lr=LR, betas=(1.0, 0.95)), r"\[optimizer\] beta1"),
-    (dict(lr=LR, betas=(0.9, -0.1)), r"\[optimizer\] beta2"),
+    (dict(lr=LR, beta1=1.0), r"\[optimizer\] beta1"),
+    (dict(lr=LR, beta2=-0.1), r"\[optimizer\] beta2"),
     (dict(lr=LR, eps=0.0), r"\[optimizer\] eps"),
     (dict(lr=LR, weight_decay=-0.1), r"\[optimizer\] weight_decay"),
     (dict(lr=LR, implementation="apex"), r"\[optimizer\] implementation='apex'.*fused"),
 ])
 def test_optimizer_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        build_optimizer(TinyModel(), **kwargs)
+        adamw(TinyModel(), **kwargs)
 
 
 def test_no_trainable_parameters_is_an_error():
     model = torch.nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no parameters with requires_grad=True"):
-        build_optimizer(model, lr=LR)
+        adamw(model)
 
 
 # --- schedule --------------------------------------------------------------------------------
@@ -239,9 +249,9 @@ def test_min_lr_holds_after_total_steps_and_without_warmup():
 ])
 def test_schedule_errors(kwargs, error, match):
     arguments = dict(warmup_steps=2, total_steps=10) | kwargs
-    optimizer = build_optimizer(TinyModel(), lr=LR)
+    optimizer = adamw(TinyModel())
     with pytest.raises(error, match=match):
-        build_lr_schedule(optimizer, **arguments)
+        schedule(optimizer, **arguments)
 
 
 @pytest.mark.parametrize("decay_type", ["cosine", "linear", "wsd"])
@@ -249,7 +259,8 @@ def test_schedule_errors(kwargs, error, match):
 def test_a_warmup_too_long_for_the_run_is_fitted_into_it(decay_type, warmup, total):
     """As torchtitan 0.2 clamps its warmup (and wsd decay) to the run, with one warning line;
     here the warmup ends a step before the run, so the last step still lands on min_lr."""
-    fitted, decay_ratio, warning = fit_lr_schedule(warmup, total, decay_type, 0.1)
+    fitted_cfg, warning = fit_lr_schedule(LRScheduler(warmup, decay_type, 0.1), total)
+    fitted, decay_ratio = fitted_cfg.warmup_steps, fitted_cfg.decay_ratio
     assert fitted == min(warmup, total - 1)
     wsd_decay = max(1, round(0.1 * total))  # wsd's default decay_ratio 0.1, at least a step
     fits = warmup < total and (decay_type != "wsd" or warmup + wsd_decay <= total)
@@ -264,7 +275,8 @@ def test_a_warmup_too_long_for_the_run_is_fitted_into_it(decay_type, warmup, tot
 
 
 def test_wsd_decay_is_shortened_to_the_steps_left():
-    warmup, decay_ratio, warning = fit_lr_schedule(6, 10, "wsd", 0.0, decay_ratio=0.5)
+    fitted, warning = fit_lr_schedule(LRScheduler(6, "wsd", 0.0, decay_ratio=0.5), 10)
+    warmup, decay_ratio = fitted.warmup_steps, fitted.decay_ratio
     assert (warmup, decay_ratio) == (6, 0.4)
     assert warning.endswith("the wsd decay ([lr_scheduler] decay_ratio = 0.5) takes the last "
                             "4 step(s) (a short run)")
@@ -282,4 +294,6 @@ def test_wsd_decay_is_shortened_to_the_steps_left():
 ])
 def test_fitting_still_rejects_wrong_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        fit_lr_schedule(**(dict(warmup_steps=2, total_steps=10) | kwargs))
+        arguments = dict(warmup_steps=2, total_steps=10) | kwargs
+        total_steps = arguments.pop("total_steps")
+        fit_lr_schedule(LRScheduler(**arguments), total_steps)

@@ -157,7 +157,8 @@ def test_a_missing_metrics_backend_is_named_before_the_model_is_built(tmp_path, 
 def test_the_run_ends_with_a_summary_and_logs_each_save(tmp_path, capsys):
     code, dump, _ = run(tmp_path, "sum", "--training.steps", "4", "--validation.enable", "true",
                         "--validation.freq", "2", "--validation.steps", "1",
-                        "--checkpoint.enable", "true", "--checkpoint.interval", "2")
+                        "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+                        "--job.description", "lr sweep, run 3")
     assert code == 0
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -168,6 +169,8 @@ def test_the_run_ends_with_a_summary_and_logs_each_save(tmp_path, capsys):
                          r"\d+\.\d s$", out, re.M), out
     summary = out[out.index("\ndone: "):].splitlines()[1:]
     assert re.fullmatch(r"done: steps 1-4 of 4 in 0:\d\d:\d\d, 1,024 tokens", summary[0])
+    assert summary.pop(1) == "  run: lr sweep, run 3"  # [job] description, at the start too
+    assert re.search(r"^run: lr sweep, run 3\nmodel llama debug: [\d,]+ parameters", out, re.M)
     assert summary[1] == (f"  final loss {rows[-2]['loss']:.4f} (step 4), validation loss "
                           f"{val[4]:.4f} (step 4), best {val[best]:.4f} (step {best})")
     assert summary[2:] == [f"  metrics: {dump}/metrics.jsonl",
