@@ -25,7 +25,7 @@ DeviceType = Literal["auto", "cuda", "cpu"]
 ParamDtype = Literal["bfloat16", "float32"]
 ReduceDtype = Literal["float32", "bfloat16"]
 NanPolicy = Literal["skip", "stop"]
-ModelName = Literal["llama"]
+ModelName = Literal["llama3", "llama"]  # torchtitan v0.2 names the family llama3
 SdpaBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]
 Converter = Literal["quantize.linear.float8"]
 OptimizerName = Literal["AdamW"]
@@ -64,8 +64,9 @@ class Job:
 @dataclass
 class Model:
     """The model and the transforms applied to it."""
-    name: ModelName = "llama"
-    """The model family (the one here: a Llama); [model] flavor picks its size."""
+    name: ModelName = "llama3"
+    """The model family: Llama 3 ("llama3", torchtitan's name; "llama" is the same model);
+    [model] flavor picks its size."""
     flavor: str = "debug"
     """The size: a key of models/args.py FLAVORS (debug, llama_1b, llama_8b, ...)."""
     vocab_size: int = 0

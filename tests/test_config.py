@@ -293,3 +293,11 @@ def test_every_key_has_a_doc():
     for path, section in sections():
         missing = [key for key in vars(section) if key not in field_docs(type(section))]
         assert not missing, f"[{path}] {missing}: give each a docstring (the string below the field)"
+
+
+def test_model_name_takes_torchtitans_llama3():
+    """torchtitan v0.2 configs say [model] name = "llama3"; "llama" names the same model."""
+    assert load_config([]).model.name == "llama3"
+    assert load_config(["--model.name", "llama"]).model.name == "llama"
+    with pytest.raises(ConfigError, match=r"\[model\] name = 'llama4'"):
+        load_config(["--model.name", "llama4"])

@@ -170,7 +170,7 @@ def test_the_run_ends_with_a_summary_and_logs_each_save(tmp_path, capsys):
     summary = out[out.index("\ndone: "):].splitlines()[1:]
     assert re.fullmatch(r"done: steps 1-4 of 4 in 0:\d\d:\d\d, 1,024 tokens", summary[0])
     assert summary.pop(1) == "  run: lr sweep, run 3"  # [job] description, at the start too
-    assert re.search(r"^run: lr sweep, run 3\nmodel llama debug: [\d,]+ parameters", out, re.M)
+    assert re.search(r"^run: lr sweep, run 3\nmodel llama3 debug: [\d,]+ parameters", out, re.M)
     assert summary[1] == (f"  final loss {rows[-2]['loss']:.4f} (step 4), validation loss "
                           f"{val[4]:.4f} (step 4), best {val[best]:.4f} (step {best})")
     assert summary[2:] == [f"  metrics: {dump}/metrics.jsonl",
