@@ -245,10 +245,12 @@ def report(meta: dict, result: dict, args) -> str:
                   "| library | tokenize s | tokens | token bytes on disk | read tokens/s | layout-independent |",
                   "|---|---|---|---|---|---|"]
         for name, r in result["libraries"].items():
+            if "error" in r:
+                lines.append(f"| {name} | failed: {r['error']} | | | | |")
+                continue
             size = f"{r['bytes_on_disk'] / 2**20:.1f} MiB" if "bytes_on_disk" in r else "-"
             lines.append(f"| {name} | {r.get('prepare_s', float('nan')):.1f} | {r.get('tokens', 0):,} | {size} | "
-                         f"{r.get('read_tokens_per_s', float('nan')):,.0f} | {r.get('layout_independent', '-')} |"
-                         + (f" {r['error']}" if "error" in r else ""))
+                         f"{r.get('read_tokens_per_s', float('nan')):,.0f} | {r.get('layout_independent', '-')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -306,7 +308,8 @@ def _datasets_arrow(work, files, tokenizer_path, tokenizer, workers, args) -> di
     order = np.random.default_rng(0).integers(0, max(1, values.size - args.seq_len - 1), 10**6)
     tokens, count, start = 0, 0, time.perf_counter()
     while time.perf_counter() - start < args.seconds / 2:
-        window = values[order[count]:order[count] + args.seq_len + 1].astype(np.int64)
+        at = order[count % order.size]
+        window = values[at:at + args.seq_len + 1].astype(np.int64)
         tokens += window.size
         count += 1
     result["read_tokens_per_s"] = tokens / (time.perf_counter() - start)
@@ -344,7 +347,10 @@ def _litdata(work, files, tokenizer_path, tokenizer, workers, args) -> dict:
     next(iterator)
     tokens, start = 0, time.perf_counter()
     while time.perf_counter() - start < args.seconds / 2:
-        tokens += next(iterator).numel()
+        try:
+            tokens += next(iterator).numel()
+        except StopIteration:  # an epoch read: the next one, as a training run would
+            iterator = iter(dataset)
     result["read_tokens_per_s"] = tokens / (time.perf_counter() - start)
     windows = {}
     for world in (1, 2):
