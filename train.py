@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
-from components.config import (ConfigError, JobConfig, config_changes, load_config, to_toml,
-                               wants_help)
+from components.config import (ConfigError, JobConfig, config_changes, config_checks,
+                               is_config_error, load_config, to_toml, wants_help)
 from components.config_docs import help_text
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
@@ -36,7 +36,7 @@ from components.optim import (build_lr_schedule, build_optimizer, check_optimize
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
 from components.profiling import maybe_profile
 from components.tokenizer import build_tokenizer
-from models import FLAVORS, Llama, flops_per_token
+from models import FLAVORS, Llama, LlamaArgs, flops_per_token
 from models.hf import load_hf_weights
 from models.sdpa import set_sdpa_backend
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -58,7 +58,7 @@ def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]
     process gets a (single-rank) process group: FSDP then handles bf16 parameters uniformly.
     device_type is [training] device: "auto" takes CUDA when there is one."""
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("[training] device = \"cuda\", but torch sees no CUDA device")
+        raise ConfigError("[training] device = \"cuda\", but torch sees no CUDA device")
     cuda = device_type != "cpu" and torch.cuda.is_available()
     if "RANK" in os.environ:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -75,21 +75,28 @@ def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]
     return 0, 1, torch.device("cpu")
 
 
-def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: ParallelDims):
+def model_args(cfg: JobConfig, vocab_floor: int, dims: ParallelDims) -> LlamaArgs:
+    """The flavor's shape with [model] vocab_size, checked against the tokenizer, seq_len and
+    the TP degree."""
     if cfg.model.flavor not in FLAVORS:
-        raise ValueError(f"[model] flavor = {cfg.model.flavor!r}: expected one of the "
-                         f"{cfg.model.name} flavors {list(FLAVORS)}")
+        raise ConfigError(f"[model] flavor = {cfg.model.flavor!r}: expected one of the "
+                          f"{cfg.model.name} flavors {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
     args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
     check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
     if cfg.training.seq_len > args.max_seq_len:
-        raise ValueError(f"[training] seq_len = {cfg.training.seq_len} exceeds the "
-                         f"{cfg.model.flavor} flavor's max_seq_len {args.max_seq_len}")
+        raise ConfigError(f"[training] seq_len = {cfg.training.seq_len} exceeds the "
+                          f"{cfg.model.flavor} flavor's max_seq_len {args.max_seq_len}")
     if args.vocab_size < vocab_floor:
         whose = "" if cfg.model.vocab_size else f" (the {cfg.model.flavor} flavor's)"
-        raise ValueError(f"[model] vocab_size {args.vocab_size}{whose} is smaller than the "
-                         f"tokenizer's {vocab_floor} ids: set --model.vocab_size {vocab_floor} "
-                         "or more")
+        raise ConfigError(f"[model] vocab_size {args.vocab_size}{whose} is smaller than the "
+                          f"tokenizer's {vocab_floor} ids: set --model.vocab_size {vocab_floor} "
+                          "or more")
+    return args
+
+
+def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: ParallelDims):
+    args = model_args(cfg, vocab_floor, dims)
     set_sdpa_backend(cfg.model.sdpa_backend, device)  # before compile traces the attention
     with torch.device("meta"):
         model = ModelWithLoss(Llama(args, seq_len=cfg.training.seq_len), TrainingLoss(cfg.loss))
@@ -380,9 +387,10 @@ def main(argv=None) -> int:
 
 def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: StopRequest) -> int:
     started = time.monotonic()
-    dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
-                                cfg.parallelism.data_parallel_shard_degree,
-                                cfg.parallelism.tensor_parallel_degree, world)
+    with config_checks():
+        dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
+                                    cfg.parallelism.data_parallel_shard_degree,
+                                    cfg.parallelism.tensor_parallel_degree, world)
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     dump = Path(cfg.job.dump_folder)
     if rank == 0:
@@ -391,17 +399,18 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
         if cfg.job.print_config:
             print(to_toml(cfg), flush=True)
 
-    tokenizer = build_tokenizer(cfg.tokenizer.name, cfg.tokenizer.path or None,
-                                cfg.tokenizer.bos_token or None, cfg.tokenizer.eos_token or None,
-                                log=log)
-    # Settings whose errors would otherwise show only after the model is built.
-    check_optimizer_settings(cfg.optimizer)
-    schedule, schedule_note = fit_lr_schedule(cfg.lr_scheduler, cfg.training.steps)
+    with config_checks():  # what would otherwise fail only after the model is built
+        tokenizer = build_tokenizer(cfg.tokenizer.name, cfg.tokenizer.path or None,
+                                    cfg.tokenizer.bos_token or None,
+                                    cfg.tokenizer.eos_token or None, log=log)
+        check_optimizer_settings(cfg.optimizer)
+        schedule, schedule_note = fit_lr_schedule(cfg.lr_scheduler, cfg.training.steps)
+        if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:  # as ckpt.load() below
+            step_to_load(cfg.checkpoint, dump / cfg.checkpoint.folder)
+        check_metrics_backends(cfg.metrics)
+        model_args(cfg, tokenizer.vocab_size, dims)
     if schedule_note:
         log(schedule_note)
-    if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:  # as ckpt.load() below
-        step_to_load(cfg.checkpoint, dump / cfg.checkpoint.folder)
-    check_metrics_backends(cfg.metrics)
     model, args = build_model(cfg, tokenizer.vocab_size, device, dims)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.job.description:
@@ -519,7 +528,9 @@ def command_line() -> int:
     node: every rank has the same command line) and exit status 2, without a traceback."""
     try:
         return main()
-    except ConfigError as e:
+    except Exception as e:
+        if not is_config_error(e):
+            raise
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print("config error: " + " ".join(str(e).split()), file=sys.stderr, flush=True)
         return 2

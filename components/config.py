@@ -6,6 +6,7 @@ Key names follow torchtitan v0.2 where one exists. An unknown section or key, or
 wrong type, is an error that names it (and suggests the closest valid name); nothing is ignored.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -393,6 +394,22 @@ class JobConfig:
 
 class ConfigError(ValueError):
     pass
+
+
+@contextlib.contextmanager
+def config_checks():
+    """The errors raised inside are the config's fault (a missing tokenizer file, a flavor too
+    small for the tokenizer, a warmup longer than ...): they keep their types for callers, and
+    the command line shows them as one line (exit 2) like a ConfigError."""
+    try:
+        yield
+    except (ValueError, OSError, ImportError) as e:
+        e.from_config = True
+        raise
+
+
+def is_config_error(error: BaseException) -> bool:
+    return isinstance(error, ConfigError) or getattr(error, "from_config", False)
 
 
 def _suggest(name: Any, valid, otherwise: Optional[str] = None) -> str:

@@ -301,3 +301,30 @@ def test_model_name_takes_torchtitans_llama3():
     assert load_config(["--model.name", "llama"]).model.name == "llama"
     with pytest.raises(ConfigError, match=r"\[model\] name = 'llama4'"):
         load_config(["--model.name", "llama4"])
+
+
+@pytest.mark.parametrize("argv,error,message", [
+    (["--model.flavor", "llama_2b"], ConfigError,
+     "config error: [model] flavor = 'llama_2b': expected one of the llama3 flavors"),
+    (["--model.vocab_size", "100"], ConfigError,
+     "config error: [model] vocab_size 100 is smaller than the tokenizer's 259 ids"),
+    (["--tokenizer.name", "hf", "--tokenizer.path", "{tmp}/missing.json"], FileNotFoundError,
+     "config error: tokenizer file not found: {tmp}/missing.json"),
+    (["--parallelism.tensor_parallel_degree", "3"], ValueError,
+     "config error: world size 1 is not divisible"),
+])
+def test_settings_checked_before_the_model_is_built_are_config_errors(tmp_path, monkeypatch,
+                                                                      capsys, argv, error,
+                                                                      message):
+    """Found after the config loads (they need the tokenizer or the world size), still the
+    config's fault: one stderr line and exit status 2, no traceback; callers of main() get the
+    exception's own type."""
+    import train
+    argv = [a.format(tmp=tmp_path) for a in argv] + [
+        "--job.dump_folder", str(tmp_path / "run"), "--job.print_config", "false"]
+    with pytest.raises(error):
+        train.main(argv)
+    monkeypatch.setattr("sys.argv", ["train.py", *argv])
+    assert train.command_line() == 2
+    out = capsys.readouterr()
+    assert out.err.startswith(message.format(tmp=tmp_path)) and out.err.count("\n") == 1, out.err
