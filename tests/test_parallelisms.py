@@ -223,10 +223,10 @@ def test_train_refuses_tp_degree_before_building(tmp_path):
                           "--job.dump_folder", str(tmp_path), "--training.seq_len", "63",
                           "--parallelism.tensor_parallel_degree", "2"],
                          cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
-    assert run.returncode == 1
-    line = ("ValueError: [parallelism] tensor_parallel_degree = 2 does not divide [training] "
-            "seq_len = 63: sequence parallelism cuts every sequence into 2 equal pieces")
-    # each rank that gets there says it (torchrun may SIGTERM the other once one has failed)
+    assert run.returncode == 1  # torchrun's status when a trainer exits 2 (a config error)
+    line = ("config error: [parallelism] tensor_parallel_degree = 2 does not divide [training] "
+            "seq_len = 63: sequence parallelism cuts every sequence into 2 equal pieces\n")
+    # local rank 0 says it, in one line (torchrun may SIGTERM the other once one has failed)
     assert line in run.stderr, run.stderr[-3000:]
     assert "SIGABRT" not in run.stderr and "Signal 6 " not in run.stderr
     assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "metrics.jsonl").exists()

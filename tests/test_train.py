@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import train
+from components.config import ConfigError
 from components.optim import lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,7 +299,7 @@ def test_device_and_attention_choices_fail_clearly(tmp_path):
     set_sdpa_backend("auto", torch.device("cpu"))
     assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match=r"\[training\] device = \"cuda\""):
+        with pytest.raises(ConfigError, match=r"\[training\] device = \"cuda\""):
             train.main(SMALL + ["--training.device", "cuda", "--job.dump_folder", str(tmp_path)])
 
 
