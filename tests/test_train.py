@@ -339,12 +339,12 @@ def start_training(tmp_path):
     stderr to <name>.out. Whatever still runs at the end of the test is killed."""
     started = []
 
-    def start(name, command, env=None):
+    def start(name, command, env=None, extra=()):
         dump = tmp_path / name
         with open(tmp_path / f"{name}.out", "w") as out:
             proc = subprocess.Popen(
                 [*command, *OVERRIDES, "--training.steps", "100000", "--job.dump_folder", str(dump),
-                 "--checkpoint.enable", "true", "--checkpoint.interval", "100000"],
+                 "--checkpoint.enable", "true", "--checkpoint.interval", "100000", *extra],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         started.append(proc)
@@ -392,7 +392,10 @@ def test_ctrl_c_saves_and_exits_cleanly(start_training):
 
 @pytest.mark.slow
 def test_second_ctrl_c_aborts_at_once(start_training):
-    proc, dump, output = start_training("int2", PYTHON_TRAIN)
+    # Steps of ~0.5 s: the second Ctrl-C lands while the step the first one let finish still
+    # runs (with 25 ms steps it sometimes came after the save and the exit had begun).
+    proc, dump, output = start_training("int2", PYTHON_TRAIN, extra=[
+        "--training.seq_len", "256", "--training.local_batch_size", "24"])
     wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
     done = len(logged_steps(dump))
     wait_until(lambda: len(logged_steps(dump)) > done, proc, output)  # a new step has begun
