@@ -389,8 +389,9 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
         from tqdm import tqdm
 
         # In a log file (not a terminal) a line every 30 s rather than a redraw every 0.1 s.
-        bar = tqdm(total=sum(u.size for u in todo) or None, unit="B",  # None: streamed, size unknown unit_scale=True, unit_divisor=1024,
-                   desc="tokenizing", dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
+        bar = tqdm(total=sum(u.size for u in todo) or None,  # None: streamed, size unknown
+                   unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing",
+                   dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
     started = time.time()
     with ProcessPoolExecutor(min(workers, len(todo)), mp_context=context) as pool:
         pending = {pool.submit(prepare_unit, u) for u in todo}

@@ -4,6 +4,7 @@ refused; bad documents named or skipped; Hugging Face datasets read whole or str
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,3 +205,12 @@ def test_sources_that_are_not_there_are_named(tmp_path, capsys):
         assert prepare("--source", source, "--tokenizer", "byte", "--out", tmp_path / "out",
                        "--no-progress") == 1
         assert message in capsys.readouterr().err
+
+
+def test_the_progress_bar_counts_bytes_in_binary_units(tmp_path, rng, capsys):
+    """The bar's unit_scale/unit_divisor once sat inside a comment: it counted raw bytes."""
+    write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 80))
+    assert prepare_data.main(["--source", str(tmp_path / "a.jsonl"), "--tokenizer", "byte",
+                              "--out", str(tmp_path / "shards"), "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"tokenizing: 100%\|\S+\| \d+(\.\d+)?[kM]/\d+(\.\d+)?[kM] ", err), err
