@@ -420,16 +420,12 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
         f"{dims.dp_shard}, tp {dims.tp}), device {device.type}")
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_schedule(optimizer, schedule, cfg.training.steps)
-    data_kwargs = dict(source=cfg.data.source, tokenizer=tokenizer, seq_len=cfg.training.seq_len,
-                       local_batch_size=cfg.training.local_batch_size,
-                       dp_rank=dims.dp_rank(rank), dp_world=dims.dp, synthetic=cfg.data.synthetic,
-                       seed=cfg.training.seed, max_token_id=args.vocab_size,
-                       streaming=cfg.data.streaming, text_field=cfg.data.text_field,
-                       val_every=cfg.data.val_every, cache_dir=cfg.data.cache_dir,
-                       on_bad_document=cfg.data.on_bad_document, num_workers=cfg.data.num_workers,
-                       mixture=[(m.source, m.weight) for m in cfg.data.mixture])
-    train_batches = build_data(split="train", **data_kwargs)
-    val_batches = build_data(split="validation", **data_kwargs) if cfg.validation.enable else None
+    data_kwargs = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len,
+                       local_batch_size=cfg.training.local_batch_size, dp_rank=dims.dp_rank(rank),
+                       dp_world=dims.dp, seed=cfg.training.seed, max_token_id=args.vocab_size)
+    train_batches = build_data(cfg.data, split="train", **data_kwargs)
+    val_batches = (build_data(cfg.data, split="validation", **data_kwargs)
+                   if cfg.validation.enable else None)
     log(train_batches.describe())
     train_iter = iter(train_batches)
     # Every evaluation scores the same held-out batches, so validation losses are comparable.

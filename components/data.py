@@ -24,6 +24,7 @@ import datasets
 import numpy as np
 import torch
 
+from components.config import Data
 from components.data_check import MissingTextField, check_files
 from components.document_tokens import Framed, TokenizerPool, frame_inline
 from components.prefetch import Prefetched
@@ -458,34 +459,34 @@ class Batches:
             self.windows.close()
 
 
-def build_data(*, source: str, split: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-               dp_rank: int = 0, dp_world: int = 1, synthetic: bool = False, seed: int = 0,
-               max_token_id: int | None = None, streaming: bool = False, text_field: str = "text",
-               val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
-               on_bad_document: str = "error", mixture: list[tuple[str, float]] | None = None,
-               num_workers: int = 0) -> Batches | Prefetched:
-    """Synthetic tokens; token shards (source a folder made by scripts.prepare_data, or a
-    mixture of such folders: (folder, weight) pairs); or text documents, tokenized by num_workers
-    worker processes (0: by the loading thread; validation always is, it reads little). Shards
-    and text are made ahead by a background thread (components/prefetch.py)."""
-    if synthetic:
+def build_data(data: Data, *, split: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
+               dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
+               max_token_id: int | None = None) -> Batches | Prefetched:
+    """The batches of one split of the [data] section's source: synthetic tokens; token shards
+    (a folder made by scripts.prepare_data, or a [[data.mixture]] of such folders); or text
+    documents, tokenized by data.num_workers worker processes (0: by the loading thread;
+    validation always is, it reads little). Shards and text are made ahead by a background
+    thread (components/prefetch.py)."""
+    if data.synthetic:
         vocab_size = max_token_id if max_token_id is not None else tokenizer.vocab_size
         # Validation gets its own stream so it never scores the windows it trained on.
         split_seed = seed if split == "train" else seed + 1
         windows = SyntheticTokens(vocab_size, seq_len, split_seed, dp_rank, dp_world, local_batch_size)
         return Batches(windows, local_batch_size)
-    if mixture or is_shard_folder(source):
-        for folder, _ in mixture or []:
-            if not is_shard_folder(folder):
-                raise ValueError(f"[[data.mixture]] source {folder!r}: not a token shard folder (a mixture "
-                                 f"mixes folders made by scripts.prepare_data)")
+    if data.mixture or is_shard_folder(data.source):
+        for part in data.mixture:
+            if not is_shard_folder(part.source):
+                raise ValueError(f"[[data.mixture]] source {part.source!r}: not a token shard folder (a "
+                                 f"mixture mixes folders made by scripts.prepare_data)")
+        sources = [(m.source, m.weight) for m in data.mixture] or [(data.source, 1.0)]
         return Prefetched(build_shard_batches(
-            sources=mixture or [(source, 1.0)], split=split, tokenizer=tokenizer, seq_len=seq_len,
+            sources=sources, split=split, tokenizer=tokenizer, seq_len=seq_len,
             local_batch_size=local_batch_size, seed=seed, dp_rank=dp_rank, dp_world=dp_world,
             max_token_id=max_token_id))
-    documents = load_documents(source, split, text_field=text_field, streaming=streaming,
-                               val_every=val_every, cache_dir=cache_dir, on_bad_document=on_bad_document)
+    documents = load_documents(data.source, split, text_field=data.text_field, streaming=data.streaming,
+                               val_every=data.val_every, cache_dir=data.cache_dir,
+                               on_bad_document=data.on_bad_document)
     windows = TokenWindows(documents, tokenizer, seq_len, dp_rank=dp_rank, dp_world=dp_world,
-                           max_token_id=max_token_id, text_field=text_field,
-                           num_workers=num_workers if split == "train" else 0)
+                           max_token_id=max_token_id, text_field=data.text_field,
+                           num_workers=data.num_workers if split == "train" else 0)
     return Prefetched(Batches(windows, local_batch_size))

@@ -33,6 +33,7 @@ if not __package__:  # run as a file: the repository root (components) is not im
 
 import numpy as np  # noqa: E402
 
+from components.config import Data, MixtureSource  # noqa: E402
 from components.data import build_data, embedded_corpus  # noqa: E402
 from components.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
 from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402
@@ -172,17 +173,18 @@ def main(argv=None) -> int:
     result["prepare"] = {"workers": args.prepare_workers, "seconds": seconds, "tokens": total,
                          "tokens_per_s": total / seconds}
 
-    def shard_loader(**kwargs):
-        options = dict(source=str(shards), split="train", tokenizer=tokenizer, seq_len=args.seq_len,
-                       local_batch_size=args.batch, **kwargs)
-        return build_data(**options)
+    def shard_loader(mixture=(), **kwargs):
+        data = Data(source=str(shards), mixture=[MixtureSource(str(shards), w) for w in mixture])
+        return build_data(data, split="train", tokenizer=tokenizer, seq_len=args.seq_len,
+                          local_batch_size=args.batch, **kwargs)
 
     def text_loader(workers: int):
-        return build_data(source=str(files[0]), split="train", tokenizer=tokenizer, seq_len=args.seq_len,
-                          local_batch_size=args.batch, num_workers=workers, cache_dir=work / "cache")
+        data = Data(source=str(files[0]), num_workers=workers, cache_dir=str(work / "cache"))
+        return build_data(data, split="train", tokenizer=tokenizer, seq_len=args.seq_len,
+                          local_batch_size=args.batch)
 
     loaders = {"shards": lambda: shard_loader(),
-               "shards, mixture of 2": lambda: shard_loader(mixture=[(str(shards), 0.7), (str(shards), 0.3)]),
+               "shards, mixture of 2": lambda: shard_loader(mixture=(0.7, 0.3)),
                "shards, rank 3 of 8": lambda: shard_loader(dp_rank=3, dp_world=8)}
     workers = [int(w) for w in args.workers.split(",")]
     loaders.update({f"text, num_workers={w}": (lambda w=w: text_loader(w)) for w in workers})

@@ -84,13 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         if seq_len > loaded.model.rope_cache.shape[0]:
             raise ValueError(f"--seq-len {seq_len} exceeds the model's {loaded.args.max_seq_len}")
         source = opts.source or cfg.data.source
-        batches = build_data(source=source, split=opts.split, tokenizer=loaded.tokenizer,
-                             seq_len=seq_len, local_batch_size=batch_size,
-                             max_token_id=loaded.args.vocab_size, streaming=cfg.data.streaming,
-                             text_field=cfg.data.text_field,
-                             val_every=opts.val_every or cfg.data.val_every,
-                             cache_dir=opts.cache_dir or cfg.data.cache_dir,
-                             on_bad_document=cfg.data.on_bad_document)
+        data = dataclasses.replace(  # the run's data, or --source alone (not the run's mixture)
+            cfg.data, source=source, mixture=[] if opts.source else cfg.data.mixture,
+            synthetic=False, val_every=opts.val_every or cfg.data.val_every,
+            cache_dir=opts.cache_dir or cfg.data.cache_dir)
+        batches = build_data(data, split=opts.split, tokenizer=loaded.tokenizer, seq_len=seq_len,
+                             local_batch_size=batch_size, max_token_id=loaded.args.vocab_size)
         impl = opts.loss_impl if opts.loss_impl != "auto" else (
             "flce" if device.type == "cuda" else "unfused")
         loss = TrainingLoss(dataclasses.replace(cfg.loss, impl=impl, float8="none"))

@@ -21,6 +21,7 @@ import torch
 from components import data, data_check
 from components.data import (STDLIB_CORPUS_BYTES, Batches, MissingTextField, SyntheticTokens, TokenWindows,
                              build_data, embedded_corpus, load_documents)
+from components.config import Data
 from components.data_check import BadDocumentError
 from components.tokenizer import ByteTokenizer
 
@@ -230,15 +231,16 @@ def test_stdlib_corpus_builds_offline_once_and_yields_windows(tmp_path):
     assert sorted(p.name for p in (tmp_path / "a").iterdir() if p.is_file()) == [path.name]  # no temp file
 
     seq_len = 32
-    batches = build_data(source="stdlib", split="train", tokenizer=BYTE, seq_len=seq_len, local_batch_size=3,
-                         max_token_id=BYTE.vocab_size, cache_dir=tmp_path / "a")
+    stdlib = Data(source="stdlib", cache_dir=str(tmp_path / "a"), num_workers=0)
+    batches = build_data(stdlib, split="train", tokenizer=BYTE, seq_len=seq_len, local_batch_size=3,
+                         max_token_id=BYTE.vocab_size)
     inputs, labels = next(batches)
     assert inputs.shape == labels.shape == (3, seq_len)
     expected = framed([r["text"] for i, r in enumerate(rows[:100]) if i % 100])[:3 * (seq_len + 1)]
     assert torch.cat([inputs, labels[:, -1:]], dim=1).flatten().tolist() == expected
 
-    validation = build_data(source="stdlib", split="validation", tokenizer=BYTE, seq_len=seq_len,
-                            local_batch_size=2, cache_dir=tmp_path / "a")
+    validation = build_data(stdlib, split="validation", tokenizer=BYTE, seq_len=seq_len,
+                            local_batch_size=2)
     assert next(validation)[0].tolist()[0][:seq_len] == framed([rows[0]["text"]])[:seq_len]
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import train
+from components.config import Data
 from components.data import build_data
 from components.tokenizer import HFTokenizer
 
@@ -67,9 +68,9 @@ def run(tmp_path_factory):
 
 
 def validation_batches(run):
-    batches = build_data(source=str(run["corpus"]), split="validation", tokenizer=run["tokenizer"],
-                         seq_len=SEQ_LEN, local_batch_size=BATCH, max_token_id=512, val_every=4,
-                         cache_dir=run["cache"])
+    data = Data(source=str(run["corpus"]), val_every=4, cache_dir=str(run["cache"]))
+    batches = build_data(data, split="validation", tokenizer=run["tokenizer"], seq_len=SEQ_LEN,
+                         local_batch_size=BATCH, max_token_id=512)
     return [next(batches) for _ in range(VAL_STEPS)]
 
 

@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import train  # noqa: E402
+from components.config import Data  # noqa: E402
 from components.data import build_data  # noqa: E402
 from components.tokenizer import ByteTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
@@ -229,8 +230,8 @@ def hf_folder(tmp_path_factory):
     theirs = hf_model(seed=3)
     folder = save(theirs, tmp_path_factory.mktemp("hf") / "model", shard="400KB")
     # the trainer's first global batch: synthetic windows 0..3
-    inputs, labels = next(build_data(source="stdlib", split="train", tokenizer=ByteTokenizer(),
-                                     seq_len=SEQ_LEN, local_batch_size=4, synthetic=True, seed=0,
+    inputs, labels = next(build_data(Data(synthetic=True), split="train", tokenizer=ByteTokenizer(),
+                                     seq_len=SEQ_LEN, local_batch_size=4, seed=0,
                                      max_token_id=VOCAB))
     with torch.no_grad():
         logits = theirs(input_ids=inputs).logits

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import train
+from components.config import Data, MixtureSource
 from components.data import build_data
 from components.shard_batches import MIXTURE_BLOCK, Mixture, ShardBatches, _keys, permute
 from components.shards import ShardFormatError, TokenShards, read_index
@@ -167,8 +168,8 @@ def test_validation_split_is_held_out_and_read_the_same_way_for_any_seed(tmp_pat
     assert len(train_docs) + len(validation_docs) == len(texts)
 
     def first_batches(split, seed):
-        data = build_data(source=str(tmp_path / "s"), split=split, tokenizer=tokenizer, seq_len=16,
-                          local_batch_size=4, seed=seed)
+        data = build_data(Data(source=str(tmp_path / "s")), split=split, tokenizer=tokenizer,
+                          seq_len=16, local_batch_size=4, seed=seed)
         return [windows_of(*next(data)) for _ in range(3)]
 
     validation_stream = np.concatenate([np.load(tmp_path / "s" / s["file"]) for s in
@@ -186,20 +187,22 @@ def test_folders_that_cannot_be_read_are_named(tmp_path, rng):
     with pytest.raises(ShardFormatError, match="fewer than one window of seq_len \\+ 1 = 71"):
         batches([folder], 70, 1)
     with pytest.raises(ShardFormatError, match="no validation documents"):
-        build_data(source=str(folder), split="validation", tokenizer=BYTE, seq_len=8, local_batch_size=1)
+        build_data(Data(source=str(folder)), split="validation", tokenizer=BYTE, seq_len=8,
+                   local_batch_size=1)
     with pytest.raises(ShardFormatError, match="out of range for the model's vocab size 10"):
-        build_data(source=str(folder), split="train", tokenizer=BYTE, seq_len=8, local_batch_size=1,
-                   max_token_id=10)
+        build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
+                   local_batch_size=1, max_token_id=10)
     shard = folder / "train" / "00001-00000.tokens.npy"
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(ShardFormatError, match="00001-00000.tokens.npy: .* bytes, expected .*truncated"):
         TokenShards(folder)
     (folder / "index.json").rename(folder / "prepare.json")
     with pytest.raises(ShardFormatError, match="unfinished token shards"):
-        build_data(source=str(folder), split="train", tokenizer=BYTE, seq_len=8, local_batch_size=1)
+        build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
+                   local_batch_size=1)
     with pytest.raises(ValueError, match="not a token shard folder"):
-        build_data(source="stdlib", mixture=[(str(tmp_path), 1.0)], split="train", tokenizer=BYTE,
-                   seq_len=8, local_batch_size=1)
+        build_data(Data(mixture=[MixtureSource(str(tmp_path), 1.0)]), split="train",
+                   tokenizer=BYTE, seq_len=8, local_batch_size=1)
 
 
 # ---- end to end through train.py ------------------------------------------------------------
