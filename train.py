@@ -496,6 +496,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 if too_many_bad_steps(counts, step, cfg):
                     exit_code = 1
                     break
+                ckpt.raise_if_async_save_failed(device)
             if save_step or (stopping and cfg.checkpoint.enable):
                 ckpt.save(step, tokens_seen)
                 meter.reset()

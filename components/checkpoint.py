@@ -245,6 +245,26 @@ class Checkpointer:
             pending, self._pending = self._pending, None
             pending.result()
 
+    def raise_if_async_save_failed(self, device: torch.device) -> None:
+        """Stop the run as soon as an async save has failed, not at the next save (hours later,
+        training on without a checkpoint). Every rank calls it at the same steps: the ranks
+        agree in one all-reduce (a rank's own save may have succeeded: rank 0 alone commits)."""
+        if self.cfg.async_mode != "async":
+            return
+        pending = self._pending
+        failed = pending is not None and pending.done() and pending.exception() is not None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor(float(failed), device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            anywhere = bool(flag.item())
+        else:
+            anywhere = failed
+        if failed:
+            self.wait()  # raises the save's own error
+        if anywhere:
+            raise RuntimeError("[checkpoint] an asynchronous save failed on another rank (its log "
+                               "says why); the checkpoints committed before it are intact")
+
     def _commit(self, tmp: Path, final: Path, step: int, how: str, started: float) -> None:
         """Every rank's files are on disk once DCP's save returns: rank 0 renames them into place
         (the one atomic step), says so, and prunes."""

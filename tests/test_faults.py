@@ -85,3 +85,23 @@ def test_a_fault_loses_nothing(tmp_path, straight, async_mode, fault, extra, com
     assert abs(resumed[-1]["loss"] - metric_rows(straight)[-1]["loss"]) <= 1e-6
     assert sorted(list_checkpoints(dump / "checkpoint"))[-1] == 6
     assert not list((dump / "checkpoint").glob("*.pruned"))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_failed_async_save_stops_the_run_at_the_next_log_step(tmp_path, nproc):
+    """The disk fills during step 10's async save: the run stops with the save's error within a
+    few steps, not at step 20's save (training on, for an interval, without a checkpoint); with
+    2 gloo processes the ranks agree on it at the same step."""
+    dump = tmp_path / "run"
+    run = ARGS + ["--checkpoint.async_mode", "async", "--training.steps", "30",
+                  "--checkpoint.interval", "10", "--job.dump_folder", str(dump)]
+    launch = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run([*launch, str(ROOT / "train.py"), *run], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300, preexec_fn=_disk_of_1_mb)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"[checkpoint] writing {dump / 'checkpoint' / 'step-10'} failed" in proc.stderr
+    last = metric_rows(dump)[-1]["step"]
+    assert 10 <= last < 20, f"stopped after step {last}"
+    assert list_checkpoints(dump / "checkpoint") == {}
