@@ -12,7 +12,6 @@ metrics, validation).
 import dataclasses
 import datetime
 import os
-import signal
 import sys
 import time
 from collections import defaultdict
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from components.bad_steps import BadSteps, too_many_bad_steps
 from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
 from components.config import (ConfigError, JobConfig, config_changes, config_checks,
                                is_config_error, load_config, to_toml, wants_help)
@@ -35,6 +35,7 @@ from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_m
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
 from components.profiling import maybe_profile
+from components.stop_request import StopRequest
 from components.tokenizer import build_tokenizer
 from models import FLAVORS, Llama, LlamaArgs, flops_per_token
 from models.hf import load_hf_weights
@@ -219,101 +220,6 @@ def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: 
     return loss_sum, norm, bad
 
 
-class BadSteps:
-    """Steps with a non-finite loss or gradient norm, counted on the device: update() runs every
-    step without a host sync, read() only on log steps, where the loop syncs anyway. Counts since
-    the last read(): bad steps, the longest run of consecutive ones (a run that goes on across a
-    read counts whole) and the first one's step; and bad steps since the start of this process.
-    The ranks' counts are combined (max), so every rank takes the same decision."""
-
-    def __init__(self, device, start_step: int):
-        zero = lambda: torch.zeros((), dtype=torch.long, device=device)  # noqa: E731
-        self.run, self.longest_run, self.since_read, self.first, self.total = (
-            zero(), zero(), zero(), zero(), zero())
-        self.read_after = start_step - 1  # the host's step of the last read
-
-    def update(self, bad: torch.Tensor, step: int) -> None:
-        self.run = (self.run + 1) * bad
-        self.longest_run = torch.maximum(self.longest_run, self.run)
-        self.since_read = self.since_read + bad
-        self.first = torch.where(bad & (self.first == 0), step, self.first)
-        self.total = self.total + bad
-
-    def read(self, step: int) -> dict:
-        values = torch.stack([self.since_read, self.longest_run, self.first, self.total])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        values = values.tolist()
-        self.since_read = torch.zeros_like(self.since_read)
-        self.first = torch.zeros_like(self.first)
-        self.longest_run = self.run.clone()
-        counts = dict(zip(("since_read", "longest_run", "first", "total"), values))
-        first_step = self.read_after + 1
-        counts["steps"] = f"{first_step}-{step}" if step > first_step else str(step)
-        self.read_after = step
-        return counts
-
-
-def too_many_bad_steps(bad: dict, step: int, cfg: JobConfig) -> bool:
-    """[training] nan_policy: "stop" after any non-finite step, "skip" once max_bad_steps came in
-    a row. Non-finite steps never update the weights, so no checkpoint holds a NaN; the run stops
-    at the first log step after them (checkpoint steps are log steps) without saving there."""
-    if not bad["since_read"]:
-        return False
-    policy, limit = cfg.training.nan_policy, cfg.training.max_bad_steps
-    what = (f"{bad['since_read']} of steps {bad['steps']} had a non-finite loss or gradient norm "
-            f"(the first: step {bad['first']})")
-    if policy == "stop" or bad["longest_run"] >= limit:
-        log(f"stopping at step {step} without saving: {what} ([training] nan_policy = {policy!r}"
-            + (")" if policy == "stop" else f", {bad['longest_run']} in a row, max_bad_steps = "
-               f"{limit})"))
-        return True
-    log(f"warning: {what}; their optimizer steps were skipped ({bad['total']} in this run)")
-    return False
-
-
-class StopRequest:
-    """SIGTERM / SIGUSR1 (what SLURM sends before a time limit) and a first SIGINT (Ctrl-C) ask
-    for a save and a clean exit; a second SIGINT aborts at once (KeyboardInterrupt). Ranks agree
-    on when to stop at log steps (one all-reduce there, no extra host sync). A context manager:
-    the previous handlers come back on exit."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self, saves: bool = True):
-        self.signal_name = None
-        self.saves = saves
-        self._sigint_seen = False
-        self._previous = {}
-
-    def __enter__(self) -> "StopRequest":
-        self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for sig, handler in self._previous.items():
-            if handler is not None:  # None: a handler not set from Python, cannot be restored
-                signal.signal(sig, handler)
-
-    def _handler(self, signum, frame):
-        if signum == signal.SIGINT:
-            if self._sigint_seen:
-                raise KeyboardInterrupt
-            self._sigint_seen = True
-            if int(os.environ.get("RANK", "0")) == 0:  # os.write: print() is unsafe in a handler
-                os.write(2, ("\nSIGINT: " + ("saving and stopping" if self.saves else "stopping")
-                             + " after this step (several processes: at the next log step); "
-                             "Ctrl-C again aborts at once\n").encode())
-        self.signal_name = signal.Signals(signum).name
-
-    def agreed(self, device) -> bool:
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.signal_name is not None
-        flag = torch.tensor(float(self.signal_name is not None), device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
 def log_resume(path: Path, cfg: JobConfig) -> None:
     """Say where the run resumes from and how its config differs from the one that wrote the
     checkpoint (this run's values are used)."""
@@ -493,7 +399,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                                    "grad_norm": norm.item(), "lr": lr, **meter.read(),
                                    "bad_steps": counts["total"],
                                    "skipped_steps_since_last_log": counts["since_read"]})
-                if too_many_bad_steps(counts, step, cfg):
+                if too_many_bad_steps(counts, step, cfg.training, log):
                     exit_code = 1
                     break
                 ckpt.raise_if_async_save_failed(device)
