@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import re
 import sys
 import tomllib
 import types
@@ -669,7 +670,11 @@ def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        # a TOML basic string holds no control character but tab: a multi-line description
+        # would make config.toml unreadable (resume, export_hf and evaluate read it back)
+        v = v.replace("\\", "\\\\").replace('"', '\\"')
+        return '"' + re.sub(r"[\x00-\x08\x0a-\x1f\x7f]",
+                            lambda m: f"\\u{ord(m.group()):04x}", v) + '"'
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if dataclasses.is_dataclass(v):

@@ -44,6 +44,17 @@ def test_resolved_config_round_trips(tmp_path):
     assert tomllib.loads(path.read_text())["training"]["steps"] == 3
 
 
+
+def test_control_characters_in_strings_round_trip(tmp_path):
+    # e.g. --job.description "$(git log -1)": a raw newline made config.toml invalid TOML, so
+    # resuming (config_changes), export_hf and evaluate failed on the run's checkpoints
+    description = "subject\n\nbody\r\n\x1b[0m\x7f\ttab \"q\" back\\slash é"
+    cfg = load_config(["--job.description", description])
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(["--config", str(path)]).job.description == description
+    assert config_changes(to_toml(cfg), cfg) == []
+
 @pytest.mark.parametrize("argv,match", [
     (["--training.step", "3"], r"unknown config key \[training\] step \(did you mean 'steps'\?\)"),
     (["--trainig.steps", "3"], r"unknown config section \[trainig\] \(did you mean 'training'\?\)"),
