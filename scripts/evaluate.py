@@ -8,14 +8,16 @@
 --checkpoint: a DCP step folder, the folder of a run's step-<N> folders (the latest), or a
 Hugging Face folder. The data comes through the trainer's own pipeline (components/data.py
 build_data): by default the run's [data] source and its held-out validation split, cut into
-windows of the run's seq_len, as many batches as its validation scored: at a step where the run
-validated, the numbers are its val_loss and val_bpb. --source takes any source the trainer
+windows of the run's seq_len, as many batches as its validation scored on each of its
+data-parallel ranks' shares: at a step where the run validated, the numbers are its val_loss and
+val_bpb. --source takes any source the trainer
 takes. Loss and bits per byte are train.py's evaluate(): the plain
 cross-entropy, and bpb = summed losses (nats) / (ln 2 x the UTF-8 bytes of the target tokens).
 """
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -32,6 +34,13 @@ import train  # noqa: E402
 from components.config import JobConfig  # noqa: E402
 from components.data import build_data  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
+
+
+def data_parallel_ranks(folder: Path, cfg: JobConfig) -> int:
+    """The run's data-parallel degree: its ranks (a rank-<r>.pt each in the checkpoint) over
+    its tensor-parallel degree (those ranks read the same batches)."""
+    world = len(list(folder.glob("rank-*.pt"))) or 1
+    return max(world // cfg.parallelism.tensor_parallel_degree, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="batches to evaluate (default: the run's [validation] steps, 20 for "
                              "a Hugging Face folder)")
     parser.add_argument("--batch-size", type=int, default=0,
-                        help="windows per batch (default: the run's [training] local_batch_size, "
-                             "8 for a Hugging Face folder)")
+                        help="windows per batch, one share of the data (default: the run's "
+                             "[training] local_batch_size on each of its data-parallel ranks' "
+                             "shares, 8 for a Hugging Face folder)")
     parser.add_argument("--seq-len", type=int, default=0,
                         help="tokens per window (default: the run's [training] seq_len, 2048 "
                              "for a Hugging Face folder)")
@@ -88,8 +98,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg.data, source=source, mixture=[] if opts.source else cfg.data.mixture,
             synthetic=False, val_every=opts.val_every or cfg.data.val_every,
             cache_dir=opts.cache_dir or cfg.data.cache_dir)
-        batches = build_data(data, split=opts.split, tokenizer=loaded.tokenizer, seq_len=seq_len,
-                             local_batch_size=batch_size, max_token_id=loaded.args.vocab_size)
+        # a run on several data-parallel ranks validated each rank's share of the documents
+        # (components/data.py): score every share, as many batches each, as the run did
+        dp = 1 if opts.batch_size or not run else data_parallel_ranks(loaded.folder, cfg)
+        shares = [build_data(data, split=opts.split, tokenizer=loaded.tokenizer, seq_len=seq_len,
+                             local_batch_size=batch_size, dp_rank=r, dp_world=dp,
+                             max_token_id=loaded.args.vocab_size) for r in range(dp)]
+        batches = itertools.chain.from_iterable(itertools.islice(b, steps) for b in shares)
         impl = opts.loss_impl if opts.loss_impl != "auto" else (
             "flce" if device.type == "cuda" else "unfused")
         loss = TrainingLoss(dataclasses.replace(cfg.loss, impl=impl, float8="none"))
@@ -97,15 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         lengths = loaded.tokenizer.byte_lengths()
         token_bytes = torch.tensor(lengths + [0] * (loaded.args.vocab_size - len(lengths)))
         start = time.perf_counter()
-        metrics = train.evaluate(model, batches, steps, device, token_bytes)
+        metrics = train.evaluate(model, batches, steps * dp, device, token_bytes)
         seconds = time.perf_counter() - start
     except (FileNotFoundError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 1
-    tokens = steps * batch_size * seq_len
-    wrapped = batches.state_dict().get("epoch", 0) > 0
+    tokens = steps * dp * batch_size * seq_len
+    wrapped = any(b.state_dict().get("epoch", 0) > 0 for b in shares)
+    ranks = f" on each of the run's {dp} data-parallel ranks" if dp > 1 else ""
     print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-          + f" | {steps} batches x {batch_size} x {seq_len} tokens of {source} "
+          + f" | {steps} batches x {batch_size} x {seq_len} tokens{ranks} of {source} "
             f"({opts.split}) | {loaded.folder} | {seconds:.1f} s")
     if wrapped:
         print(f"evaluate: note: the {opts.split} split holds fewer tokens than {tokens:,}: it was "

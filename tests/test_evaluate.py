@@ -10,7 +10,10 @@ evaluate.py reproduces both from the checkpoint and from its exported Hugging Fa
 import importlib
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,30 @@ def test_evaluate_script_reproduces_the_runs_validation(run, tmp_path, capsys):
     capsys.readouterr()
     assert evaluate.main(["--checkpoint", str(tmp_path / "hf")]) == 1
     assert "Hugging Face folder: pass --source" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_evaluate_reproduces_a_two_rank_runs_validation(tmp_path, capsys):
+    """Each data-parallel rank validates its own share of the documents: evaluating rank 0's
+    share alone gave other numbers than the run logged."""
+    dump = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", "2", str(ROOT / "train.py"), "--config",
+                    str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+                    "--training.seq_len", "64", "--training.local_batch_size", "2",
+                    "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+                    "--loss.impl", "unfused", "--data.num_workers", "0",
+                    "--validation.enable", "true", "--validation.freq", "2",
+                    "--validation.steps", "2", "--checkpoint.enable", "true",
+                    "--checkpoint.interval", "2", "--job.print_config", "false",
+                    "--job.dump_folder", str(dump)],
+                   check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    (val,) = [r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())
+              if "val_loss" in r]
+    out = tmp_path / "eval.json"
+    assert load_script("evaluate").main(["--checkpoint", str(dump / "checkpoint"), "--json",
+                                         str(out)]) == 0
+    record = json.loads(out.read_text())
+    for key in ("val_loss", "val_bpb"):
+        assert record[key] == pytest.approx(val[key], abs=1e-6)
+    assert record["tokens"] == 2 * 2 * 2 * 64
