@@ -231,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         folder = checkpoints.resolve(opts.checkpoint)
+        out = Path(opts.out).resolve()
+        if out == folder.resolve() or out in folder.resolve().parents:
+            # --overwrite would replace it: the run's checkpoints (or whole dump folder) gone
+            raise ValueError(f"--out {opts.out} holds the checkpoint being exported "
+                             f"({folder}): write the folder elsewhere")
         cfg = checkpoints.run_config(folder) if folder.is_dir() else None
         if opts.flavor:
             args = FLAVORS[opts.flavor]

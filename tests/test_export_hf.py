@@ -364,6 +364,18 @@ def test_a_checkpoint_without_config_toml_needs_the_flavor(tmp_path, capsys):
     assert "no config.toml" in err and "pass --flavor" in err
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_overwrite_never_replaces_the_checkpoint_being_exported(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    dcp.save({"model": _trainer_state(_model(DEBUG))}, checkpoint_id=step, no_dist=True)
+    for out in (tmp_path / "run", step.parent, step):  # the dump folder, the checkpoints, it
+        assert export_hf.main(["--checkpoint", str(step.parent), "--out", str(out),
+                               "--flavor", "debug", "--overwrite"]) == 1
+        assert "holds the checkpoint being exported" in capsys.readouterr().err
+        assert (step / ".metadata").is_file()
+
 def test_shard_size_parsing():
     assert export_hf.parse_size("5GB") == 5 * 10**9
     assert export_hf.parse_size("2GiB") == 2 * 2**30
