@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 ON_BAD_DOCUMENT = typing.get_args(OnBadDocument)
 CHECKED_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text"}
 NAMED = 10  # bad documents named one by one (per file in the cache, per source in warnings)
-_CHECK_VERSION = 1  # part of the cache key: bump when what counts as bad changes
+_CHECK_VERSION = 2  # part of the cache key: bump when what counts as bad changes
 _BOM = b"\xef\xbb\xbf"
 _warned: set[str] = set()  # files whose skipped documents this process has already reported
 
@@ -263,6 +263,11 @@ def _document_problem(document, text_field: str) -> str | None:
         return problem
     if not isinstance(document[text_field], str):
         return f"field {text_field!r} holds a JSON {_json_type(document[text_field])}, not text"
+    try:  # valid JSON may escape half a surrogate pair, which no UTF-8 reader or tokenizer takes
+        document[text_field].encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"field {text_field!r} holds a lone surrogate (\\u{ord(e.object[e.start]):04x} at "
+                f"character {e.start}), not UTF-8 text")
     return None
 
 

@@ -377,6 +377,19 @@ def test_bad_documents_are_named_or_skipped(tmp_path, rng, caplog, streaming):
     assert documents_read(validation, 1)[0] == texts[0]
 
 
+def test_an_escaped_lone_surrogate_is_a_named_bad_document(tmp_path):
+    """'\\ud83d' alone is valid JSON but no text: the check passed it, then pyarrow failed the whole
+    file with a DatasetGenerationError naming neither file nor line."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "held out"}\n{"text": "a"}\n{"text": "cut \\ud83d emoji"}\n{"text": "b"}\n')
+    load = functools.partial(load_documents, str(path), "train", val_every=1000,
+                             cache_dir=tmp_path / "cache")
+    with pytest.raises(BadDocumentError, match=rf"^{re.escape(str(path))}: line 3: field 'text' holds a lone "
+                                               r"surrogate \(\\ud83d at character 4\), not UTF-8 text; 1 bad"):
+        load()
+    assert [d["text"] for d in load(on_bad_document="skip")] == ["a", "b"]
+
+
 def test_checked_files_are_read_once_until_they_change(tmp_path, rng, monkeypatch):
     path, texts, _ = bad_jsonl(tmp_path, rng)
     load = functools.partial(load_documents, str(path), "train", val_every=1000, cache_dir=tmp_path / "cache",
