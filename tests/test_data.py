@@ -450,6 +450,17 @@ def test_a_source_without_documents_is_named(tmp_path, name, content, why):
         load_documents(str(path), "train", cache_dir=tmp_path / "cache", on_bad_document="skip")
 
 
+def test_a_source_of_one_document_says_it_is_held_out(tmp_path):
+    """The train split was empty and TokenWindows said 'there are only 0 (for a held-out validation
+    split, a smaller [data] val_every holds out more)': the wrong split and advice."""
+    path = write_jsonl(tmp_path / "one.jsonl", ["the only document"])
+    with pytest.raises(ValueError, match=r"one\.jsonl: no training documents: it has one, and document 0 "
+                                         r"always goes to the held-out validation split"):
+        load_documents(str(path), "train", cache_dir=tmp_path / "cache")
+    validation = load_documents(str(path), "validation", cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in validation] == ["the only document"]
+
+
 def test_an_empty_file_among_others_is_a_warning(tmp_path, caplog):
     folder = tmp_path / "corpus"
     folder.mkdir()
