@@ -247,7 +247,8 @@ def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:
         where, why = f"line {e.lineno}", _invalid_json(e)
     else:
         for i, document in enumerate(documents):
-            line = (json.dumps(document, ensure_ascii=False) + "\n").encode()
+            # surrogatepass: a lone surrogate is a bad document, named below, not an encoding error here
+            line = (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
             yield line, f"element [{i}] of the array", _document_problem(document, text_field)
         return
     raise BadDocumentError(f"{path}: {where}: {why}; a JSON array is read as one piece, so nothing "

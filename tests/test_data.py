@@ -388,6 +388,14 @@ def test_an_escaped_lone_surrogate_is_a_named_bad_document(tmp_path):
                                                r"surrogate \(\\ud83d at character 4\), not UTF-8 text; 1 bad"):
         load()
     assert [d["text"] for d in load(on_bad_document="skip")] == ["a", "b"]
+    array = tmp_path / "docs.json"  # a JSON array: a bare UnicodeEncodeError while checking it
+    array.write_text('[{"text": "held out"}, {"text": "a"}, {"text": "cut \\ud83d emoji"}, {"text": "b"}]')
+    with pytest.raises(BadDocumentError, match=r"docs\.json: element \[2\] of the array: field 'text' holds "
+                                               r"a lone surrogate"):
+        load_documents(str(array), "train", val_every=1000, cache_dir=tmp_path / "cache")
+    skipped = load_documents(str(array), "train", val_every=1000, cache_dir=tmp_path / "cache",
+                             on_bad_document="skip")
+    assert [d["text"] for d in skipped] == ["a", "b"]
 
 
 def test_checked_files_are_read_once_until_they_change(tmp_path, rng, monkeypatch):
