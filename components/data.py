@@ -171,7 +171,11 @@ def _pick_split(splits, split: str, val_every: int, source: str) -> Documents:
     if "train" not in splits:
         raise ValueError(f"{source}: no 'train' split to hold validation documents out of "
                          f"(it has {', '.join(splits)})")
-    return _hold_out(splits["train"], val_every, validation=(split == "validation"))
+    documents = _hold_out(splits["train"], val_every, validation=(split == "validation"))
+    if split == "train" and isinstance(documents, datasets.Dataset) and not len(documents):
+        raise ValueError(f"{source}: no training documents: it has one, and document 0 always goes to "
+                         f"the held-out validation split (so does every [data] val_every-th)")
+    return documents
 
 
 def _is_held_out(_example: dict, index: int, val_every: int, validation: bool) -> bool:

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 ON_BAD_DOCUMENT = typing.get_args(OnBadDocument)
 CHECKED_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text"}
 NAMED = 10  # bad documents named one by one (per file in the cache, per source in warnings)
-_CHECK_VERSION = 1  # part of the cache key: bump when what counts as bad changes
+_CHECK_VERSION = 2  # part of the cache key: bump when what counts as bad changes
 _BOM = b"\xef\xbb\xbf"
 _warned: set[str] = set()  # files whose skipped documents this process has already reported
 
@@ -247,7 +247,8 @@ def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:
         where, why = f"line {e.lineno}", _invalid_json(e)
     else:
         for i, document in enumerate(documents):
-            line = (json.dumps(document, ensure_ascii=False) + "\n").encode()
+            # surrogatepass: a lone surrogate is a bad document, named below, not an encoding error here
+            line = (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
             yield line, f"element [{i}] of the array", _document_problem(document, text_field)
         return
     raise BadDocumentError(f"{path}: {where}: {why}; a JSON array is read as one piece, so nothing "
@@ -263,6 +264,11 @@ def _document_problem(document, text_field: str) -> str | None:
         return problem
     if not isinstance(document[text_field], str):
         return f"field {text_field!r} holds a JSON {_json_type(document[text_field])}, not text"
+    try:  # valid JSON may escape half a surrogate pair, which no UTF-8 reader or tokenizer takes
+        document[text_field].encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"field {text_field!r} holds a lone surrogate (\\u{ord(e.object[e.start]):04x} at "
+                f"character {e.start}), not UTF-8 text")
     return None
 
 

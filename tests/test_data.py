@@ -377,6 +377,27 @@ def test_bad_documents_are_named_or_skipped(tmp_path, rng, caplog, streaming):
     assert documents_read(validation, 1)[0] == texts[0]
 
 
+def test_an_escaped_lone_surrogate_is_a_named_bad_document(tmp_path):
+    """'\\ud83d' alone is valid JSON but no text: the check passed it, then pyarrow failed the whole
+    file with a DatasetGenerationError naming neither file nor line."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "held out"}\n{"text": "a"}\n{"text": "cut \\ud83d emoji"}\n{"text": "b"}\n')
+    load = functools.partial(load_documents, str(path), "train", val_every=1000,
+                             cache_dir=tmp_path / "cache")
+    with pytest.raises(BadDocumentError, match=rf"^{re.escape(str(path))}: line 3: field 'text' holds a lone "
+                                               r"surrogate \(\\ud83d at character 4\), not UTF-8 text; 1 bad"):
+        load()
+    assert [d["text"] for d in load(on_bad_document="skip")] == ["a", "b"]
+    array = tmp_path / "docs.json"  # a JSON array: a bare UnicodeEncodeError while checking it
+    array.write_text('[{"text": "held out"}, {"text": "a"}, {"text": "cut \\ud83d emoji"}, {"text": "b"}]')
+    with pytest.raises(BadDocumentError, match=r"docs\.json: element \[2\] of the array: field 'text' holds "
+                                               r"a lone surrogate"):
+        load_documents(str(array), "train", val_every=1000, cache_dir=tmp_path / "cache")
+    skipped = load_documents(str(array), "train", val_every=1000, cache_dir=tmp_path / "cache",
+                             on_bad_document="skip")
+    assert [d["text"] for d in skipped] == ["a", "b"]
+
+
 def test_checked_files_are_read_once_until_they_change(tmp_path, rng, monkeypatch):
     path, texts, _ = bad_jsonl(tmp_path, rng)
     load = functools.partial(load_documents, str(path), "train", val_every=1000, cache_dir=tmp_path / "cache",
@@ -435,6 +456,17 @@ def test_a_source_without_documents_is_named(tmp_path, name, content, why):
     path.write_bytes(content)
     with pytest.raises(ValueError, match=rf"^no documents in {re.escape(str(path))} \({why}\)$"):
         load_documents(str(path), "train", cache_dir=tmp_path / "cache", on_bad_document="skip")
+
+
+def test_a_source_of_one_document_says_it_is_held_out(tmp_path):
+    """The train split was empty and TokenWindows said 'there are only 0 (for a held-out validation
+    split, a smaller [data] val_every holds out more)': the wrong split and advice."""
+    path = write_jsonl(tmp_path / "one.jsonl", ["the only document"])
+    with pytest.raises(ValueError, match=r"one\.jsonl: no training documents: it has one, and document 0 "
+                                         r"always goes to the held-out validation split"):
+        load_documents(str(path), "train", cache_dir=tmp_path / "cache")
+    validation = load_documents(str(path), "validation", cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in validation] == ["the only document"]
 
 
 def test_an_empty_file_among_others_is_a_warning(tmp_path, caplog):

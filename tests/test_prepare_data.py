@@ -168,6 +168,20 @@ def test_bad_documents_are_named_or_skipped(tmp_path, rng, capsys):
     assert not index["splits"]["validation"]["shards"]
 
 
+def test_an_escaped_lone_surrogate_is_named_or_skipped(tmp_path, capsys):
+    """It is valid JSON, so it reached the tokenizer: a bare 'surrogates not allowed' (byte) or
+    TypeError traceback (tokenizers), naming no file or line."""
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n{"text": "cut \\ud83d emoji"}\n{"text": "b"}\n')
+    args = ["--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--workers", 1, "--val-every", 0,
+            "--no-progress"]
+    assert prepare(*args, "--out", tmp_path / "stop") == 1
+    err = capsys.readouterr().err
+    assert "a.jsonl: line 2: field 'text' holds a lone surrogate (\\ud83d at character 4)" in err
+    assert prepare(*args, "--out", tmp_path / "skip", "--on-bad-document", "skip") == 0
+    byte = ByteTokenizer()
+    assert shard_documents(tmp_path / "skip", "train") == [framed(byte, "a"), framed(byte, "b")]
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_hugging_face_dataset_gives_the_shards_of_its_files(tmp_path, rng, monkeypatch, streaming):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
