@@ -138,8 +138,17 @@ def hf_units(dataset, unit_bytes: int) -> list[Unit]:
 
 # ----------------------------------------------------------------------------- one unit (in a worker)
 
-# Set before the workers are forked: what every unit needs.
+# What every unit needs, set in each worker by _start_job (forked or spawned, as macOS does).
 _job: dict = {}
+
+
+def _start_job(job: dict) -> None:
+    _job.update(job)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (os.sched_getaffinity is Linux-only)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _documents(unit: Unit, text_field: str) -> Iterator[tuple[str | None, str, int, str | None]]:
@@ -382,8 +391,8 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
          progress_bar: bool) -> None:
     context = worker_context()
     progress, tokens = context.Value("q", 0), context.Value("q", 0)
-    _job.update(out=out, settings=settings, tokenizer=tokenizer, dataset=dataset, progress=progress,
-                progress_tokens=tokens)
+    job = dict(out=out, settings=settings, tokenizer=tokenizer, dataset=dataset, progress=progress,
+               progress_tokens=tokens)
     bar = None
     if progress_bar:
         from tqdm import tqdm
@@ -393,7 +402,8 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
                    unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing",
                    dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
     started = time.time()
-    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=context) as pool:
+    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=context, initializer=_start_job,
+                             initargs=(job,)) as pool:
         pending = {pool.submit(prepare_unit, u) for u in todo}
         try:
             while pending:

@@ -37,7 +37,7 @@ from components.config import Data, MixtureSource  # noqa: E402
 from components.data import build_data, embedded_corpus  # noqa: E402
 from components.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
 from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402
-                                      tokenizer_record)
+                                      tokenizer_record, usable_cpus)
 from components.shards import TokenShards  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from models import FLAVORS, flops_per_token  # noqa: E402
@@ -59,7 +59,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8, help="local batch size (default 8)")
     parser.add_argument("--workers", default="0,1,2", help="text loader num_workers to try (default 0,1,2)")
-    parser.add_argument("--prepare-workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--prepare-workers", type=int, default=usable_cpus())
     parser.add_argument("--seconds", type=float, default=8.0, help="per measurement (default 8)")
     parser.add_argument("--compare-libraries", action="store_true")
     parser.add_argument("--work-dir", help="keep the corpus and shards here (default: a temporary folder)")
@@ -78,7 +78,7 @@ def machine() -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    return {"cpu": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "load_average": os.getloadavg(),
+    return {"cpu": cpu, "cpus_usable": usable_cpus(), "load_average": os.getloadavg(),
             **versions, **provenance()}
 
 

@@ -18,7 +18,6 @@ is documented in components/shards.py; the trainer refuses shards of another tok
 """
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,8 @@ if not __package__:  # run as a file: the repository root (components) is not im
 
 from components.data_check import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
 from components.shard_prepare import (PrepareError, file_units, hf_units, listing, load_hf,  # noqa: E402
-                                      local_files, prepare, settings_for, tokenizer_record)
+                                      local_files, prepare, settings_for, tokenizer_record,
+                                      usable_cpus)
 from components.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 
@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--on-bad-document", choices=ON_BAD_DOCUMENT, default="error",
                         help="a document that is not UTF-8, not JSON or has no text: stop, naming it, "
                              "or skip it, counting it (default: error)")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+    parser.add_argument("--workers", type=int, default=usable_cpus(),
                         help="tokenizer processes (default: this machine's CPUs)")
     parser.add_argument("--unit-mb", type=float, default=256,
                         help="input per unit of work, in MiB: a unit is one shard per split, and what a "

@@ -3,6 +3,7 @@ hash; parallel and resumable after a kill with the same result; other tokenizers
 refused; bad documents named or skipped; Hugging Face datasets read whole or streamed."""
 
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -228,3 +229,21 @@ def test_the_progress_bar_counts_bytes_in_binary_units(tmp_path, rng, capsys):
                               "--out", str(tmp_path / "shards"), "--workers", "1"]) == 0
     err = capsys.readouterr().err
     assert re.search(r"tokenizing: 100%\|\S+\| \d+(\.\d+)?[kM]/\d+(\.\d+)?[kM] ", err), err
+
+
+def test_spawned_workers_make_the_same_shards(tmp_path, rng, monkeypatch):
+    """macOS (and Windows) start worker processes by spawning, not forking: the workers then get
+    the job (output folder, settings, tokenizer) through the pool's initializer, not a global set
+    before a fork (a KeyError in every worker before)."""
+    import components.shard_prepare as shard_prepare
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", random_texts(rng, 60))
+    args = ["--source", tmp_path / "corpus", "--tokenizer", "byte", "--workers", 2, *SMALL_UNITS]
+    assert prepare(*args, "--out", tmp_path / "forked") == 0
+    monkeypatch.setattr(shard_prepare, "worker_context",
+                        lambda: multiprocessing.get_context("spawn"))
+    assert prepare(*args, "--out", tmp_path / "spawned") == 0
+    files = sorted(p.relative_to(tmp_path / "forked") for p in (tmp_path / "forked").rglob("*.npy"))
+    assert files and files == sorted(p.relative_to(tmp_path / "spawned")
+                                     for p in (tmp_path / "spawned").rglob("*.npy"))
+    for name in files:
+        assert (tmp_path / "forked" / name).read_bytes() == (tmp_path / "spawned" / name).read_bytes()
