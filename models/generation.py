@@ -62,10 +62,11 @@ def generate(model: Llama, prompt: list[int], max_new_tokens: int, *, temperatur
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary "
                          f"0..{vocab - 1}")
-    total = len(prompt) + max_new_tokens
+    total = len(prompt) + max(max_new_tokens - 1, 0)  # the last new token is never fed back
     if total > model.rope_cache.shape[0]:
-        raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the "
-                         f"{model.rope_cache.shape[0]} positions this model was built for")
+        raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens need {total} "
+                         f"positions, more than the {model.rope_cache.shape[0]} this model was "
+                         "built for")
     weight = model.output.weight
     cache = KVCache(model.args, 1, total, weight.device, weight.dtype) if use_cache else None
     sequence = torch.tensor([prompt], device=weight.device)

@@ -110,10 +110,20 @@ def test_generation_stops_at_eos_keeps_to_the_tokenizer_and_is_seeded(rng):
     assert max(generate(model, prompt, 5, temperature=0, vocab_limit=259)) < 259
 
 
+def test_generation_fills_every_position_the_model_has():
+    """The last new token is never fed back: 20 prompt + 13 new tokens need 32 positions, all a
+    seq_len 32 model has (refused before as 33), and the cache agrees with recomputation."""
+    model = model_for(DEBUG, seq_len=32)
+    cached = generate(model, [1] * 20, 13, temperature=0)
+    assert len(cached) == 13 and cached == generate(model, [1] * 20, 13, temperature=0,
+                                                    use_cache=False)
+
+
 def test_generation_errors_name_the_problem():
     model = model_for(DEBUG, seq_len=32)
-    with pytest.raises(ValueError, match="20 prompt \\+ 13 new tokens exceed the 32 positions"):
-        generate(model, [1] * 20, 13)
+    with pytest.raises(ValueError, match="20 prompt \\+ 14 new tokens need 33 positions, more "
+                                         "than the 32"):
+        generate(model, [1] * 20, 14)
     with pytest.raises(ValueError, match="prompt token id 512 is outside"):
         generate(model, [1, 512], 1)
     with pytest.raises(ValueError, match="top_p=0"):
