@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import os
 import re
 import sys
 import tomllib
@@ -642,7 +643,7 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
     cfg = JobConfig()
     for name, value in pairs:
         if name == "config":
-            path = Path(value)
+            path = Path(value).expanduser()
             if not path.is_file():
                 raise ConfigError(f"--config {value}: no such file")
             try:
@@ -663,7 +664,22 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
             raise ConfigError(f"--{name}: expected --section.key" + _suggest(name, ["config"]))
         _set(_section(cfg, section), section, key, value, from_text=True)
     check_values(cfg)
+    _expand_home(cfg)
     return cfg
+
+
+# Keys that name a file or folder: a leading ~ is the home folder, as in a shell (TOML files and
+# `--key=~/x` arguments never see a shell's expansion).
+PATH_KEYS = (("job", "dump_folder"), ("checkpoint", "initial_load_path"), ("tokenizer", "path"),
+             ("data", "source"), ("data", "cache_dir"))
+
+
+def _expand_home(cfg: JobConfig) -> None:
+    for section, key in PATH_KEYS:
+        values = getattr(cfg, section)
+        setattr(values, key, os.path.expanduser(getattr(values, key)))
+    for part in cfg.data.mixture:
+        part.source = os.path.expanduser(part.source)
 
 
 def toml_value(v) -> str:

@@ -339,3 +339,16 @@ def test_settings_checked_before_the_model_is_built_are_config_errors(tmp_path, 
     assert train.command_line() == 2
     out = capsys.readouterr()
     assert out.err.startswith(message.format(tmp=tmp_path)) and out.err.count("\n") == 1, out.err
+
+
+def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
+    """TOML values and `--key=~/x` never pass through a shell: ~ was a folder named "~" in the
+    current directory (a dump folder there, an initial_load_path not found)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.toml").write_text('[job]\ndump_folder = "~/runs/a"\n')
+    cfg = load_config(["--config", "~/c.toml", "--checkpoint.initial_load_path=~/hf",
+                       "--tokenizer.path", "~/tok.json", "--data.cache_dir", "~/cache"])
+    assert cfg.job.dump_folder == str(tmp_path / "runs/a")
+    assert cfg.checkpoint.initial_load_path == str(tmp_path / "hf")
+    assert cfg.tokenizer.path == str(tmp_path / "tok.json")
+    assert cfg.data.cache_dir == str(tmp_path / "cache") and cfg.data.source == "stdlib"
