@@ -311,7 +311,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                                     cfg.tokenizer.eos_token or None, log=log)
         check_optimizer_settings(cfg.optimizer)
         schedule, schedule_note = fit_lr_schedule(cfg.lr_scheduler, cfg.training.steps)
-        if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:  # as ckpt.load() below
+        if cfg.checkpoint.enable:  # as ckpt.load() below
             step_to_load(cfg.checkpoint, dump / cfg.checkpoint.folder)
         check_metrics_backends(cfg.metrics)
         model_args(cfg, tokenizer.vocab_size, dims)

@@ -294,8 +294,11 @@ class Checkpointer:
 
     def load(self) -> Optional[TrainState]:
         """Resume from load_step (-1: the latest) if there is a checkpoint, else start from
-        initial_load_path's model weights if given. Returns the state to resume at, or None."""
-        found = list_checkpoints(self.folder)
+        initial_load_path's model weights if given. Returns the state to resume at, or None.
+        With [checkpoint] enable = false a run neither saves nor resumes: step folders an
+        earlier run left in the dump folder are not this run's (initial_load_path still
+        loads)."""
+        found = list_checkpoints(self.folder) if self.cfg.enable else {}
         resumed = None
         step = step_to_load(self.cfg, self.folder, found)
         if step is not None:

@@ -272,7 +272,9 @@ class Checkpoint:
     load_step: int = -1
     """The step to resume from; -1: the latest."""
     initial_load_path: str = ""
-    """Weights to start from when there is no checkpoint to resume: a step folder or a Hugging Face model folder."""
+    """Weights to start from when there is no checkpoint to resume: a step folder or a Hugging Face model folder.
+
+    Loaded with enable = false too (a run that saves nothing never resumes either)."""
     async_mode: AsyncMode = "disabled"
     """"async": training goes on while a save is written (its collectives in a gloo group of their own)."""
 

@@ -107,6 +107,13 @@ def test_initial_load_path_loads_weights_only(tmp_path):
                               "--checkpoint.initial_load_path", str(trained / "checkpoint/step-30"),
                               "--job.dump_folder", str(warm)]) == 0
     assert losses(warm)[1] < losses(fresh)[1] - 1.0
+    # enable = false in a dump folder that holds an earlier run's step-30: that run's checkpoint
+    # is not resumed (this run saves nothing), the weights come from initial_load_path.
+    assert train.main(BASE + ["--training.steps", "1", "--lr_scheduler.warmup_steps", "0",
+                              "--checkpoint.enable", "false",
+                              "--checkpoint.initial_load_path", str(trained / "checkpoint/step-30"),
+                              "--job.dump_folder", str(trained)]) == 0
+    assert losses(trained) == pytest.approx(losses(warm), abs=1e-6)
 
 
 def _spawn(dump: Path, *extra) -> subprocess.Popen:
