@@ -112,8 +112,9 @@ class ShardWriter:
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Documents, concatenated, and each one's length."""
         if tokens.size and int(tokens.max()) > np.iinfo(self.dtype).max:
-            raise ShardFormatError(f"token id {int(tokens.max())} does not fit the shards' {self.dtype} (the "
-                                   f"tokenizer's vocab size decides it): is the tokenizer's vocab size right?")
+            raise ShardFormatError(f"{self.tokens_path}: token id {int(tokens.max())} does not fit the shards' "
+                                   f"{self.dtype} (the tokenizer's vocab size decides it): is the tokenizer's "
+                                   "vocab size right?")
         self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._offsets.append(self._count + np.cumsum(lengths, dtype=np.int64))
         self._count += int(tokens.size)

@@ -270,3 +270,12 @@ def test_torchrun_gloo_two_processes_match_one_on_a_mixture(tmp_path, byte_shard
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     assert max(abs(one[s] - two[s]) for s in one) <= 1e-5
+
+
+def test_a_token_id_the_shard_dtype_cannot_hold_names_the_file(tmp_path):
+    from components.shards import ShardWriter
+    writer = ShardWriter(tmp_path / "train" / "00000-00000", np.dtype(np.uint16))
+    with pytest.raises(ShardFormatError, match=r"00000-00000.*: token id 70000 does not fit the "
+                                               r"shards' uint16"):
+        writer.add(np.array([1, 70000]), np.array([2]))
+    writer.abandon()
