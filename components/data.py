@@ -318,8 +318,14 @@ class TokenWindows:
             else:
                 # No set_epoch: in datasets 5 a nonzero epoch reorders the stream's file shards even
                 # without shuffle(), which would move documents between the train and validation splits.
+                stream = iter(self._stream)
+                skipped = sum(1 for _ in itertools.islice(stream, document))
+                if skipped < document:  # a stream's length is known only by reading it
+                    raise ValueError(f"data state points at document {document} of epoch {epoch}, but rank "
+                                     f"{self.dp_rank}'s share of the stream holds {skipped} documents (has the "
+                                     "source changed since the checkpoint?)")
                 count = document
-                for examples in _batched(itertools.islice(self._stream, document, None), DOCUMENTS_PER_TASK):
+                for examples in _batched(stream, DOCUMENTS_PER_TASK):
                     texts = [self._text_of(example, count + i) for i, example in enumerate(examples)]
                     yield (epoch, count), count, None, texts
                     count += len(examples)

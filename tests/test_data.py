@@ -543,3 +543,26 @@ def test_a_tokenizer_worker_that_dies_is_an_error_not_a_hang(rng, monkeypatch):
     finally:
         signal.alarm(0)
     windows.close()
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_state_past_the_end_of_the_documents_is_named(tmp_path, rng, streaming):
+    """A checkpoint's data state that points past this rank's documents (the source shrank) is an
+    error; a stream started a new epoch without a word. A state exactly at the end is the next
+    epoch's start."""
+    path = write_jsonl(tmp_path / "docs.jsonl", random_texts(rng, 12))
+    load = lambda streaming: load_documents(str(path), "train", streaming=streaming,  # noqa: E731
+                                            val_every=4, cache_dir=tmp_path / "cache")
+    share = len(load(False)) // 2  # rank 1 of 2 reads training documents 1, 3, 5, ...
+    documents = load(streaming)
+
+    def resumed(document: int) -> TokenWindows:
+        windows = TokenWindows(documents, BYTE, seq_len=4, dp_rank=1, dp_world=2)
+        windows.load_state_dict({"epoch": 0, "document": document, "token_offset": 0,
+                                 "dp_rank": 1, "dp_world": 2})
+        next(windows)
+        return windows
+
+    with pytest.raises(ValueError, match=rf"data state points at document {share + 1}\b"):
+        resumed(share + 1)
+    assert resumed(share).state_dict()["epoch"] == 1
