@@ -110,7 +110,8 @@ def gemm_floor(x, w, max_logits_bytes=None):
     """The three GEMMs of the loss (logits, dx, dW) at full size, or in row blocks whose logits
     take at most max_logits_bytes (dW summed in place over the blocks)."""
     N, V = x.shape[0], w.shape[0]
-    rows = N if max_logits_bytes is None else max(1, min(N, max_logits_bytes // (V * x.element_size())))
+    rows = N if max_logits_bytes is None else max(
+        1, min(N, max_logits_bytes // (V * x.element_size())))
     logits = torch.empty(rows, V, device=x.device, dtype=x.dtype)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
 
@@ -263,16 +264,10 @@ def main():
                       (f" ({tflops:.0f} TFLOP/s)" if tflops else ""))
             del runs, keep
         del bufs, run
+        timer = lambda run: median_ms(run, args.warmup, args.reps)  # noqa: E731
         for name, f in fns.items():
-            try:
-                ms = median_ms(fwd_bwd(f, x, t, w), args.warmup, args.reps)
-                mib = peak_extra_mib(fwd_bwd(f, x, t, w), x, w)
-            except torch.OutOfMemoryError:
-                ms = mib = None
-            x.grad = w.grad = None
-            torch.cuda.empty_cache()
-            results.append({"shape": shape, "method": name, "ms": ms, "extra_mib": mib,
-                            "vs_gemms": None if ms is None else ms / floor_ms})
+            results.append(measure(shape, name, f, x, t, w, floor_ms, timer))
+            ms, mib = results[-1]["ms"], results[-1]["extra_mib"]
             print(f"{shape} {name:22s} " + ("OOM" if ms is None else
                   f"{ms:8.2f} ms {ms / floor_ms:5.2f}x gemms {mib:9.0f} MiB"))
         del x, t, w
@@ -282,24 +277,37 @@ def main():
             accuracy["shape"] = f"{args.accuracy_tokens}x{H}x{V}"
     if args.profile:
         return
-    meta = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": __import__("triton").__version__, **origin, "dtype": args.dtype,
-        "targets": "10% of targets = -100; extra memory = peak allocated above the inputs",
-    }
+    meta = run_meta(origin, args.dtype)
     text = markdown(meta, results, accuracy)
     write_report(args.out, {"meta": meta, "results": results, "accuracy": accuracy}, text)
     print(text)
+
+
+def measure(shape, name, f, x, t, w, floor_ms, timer) -> dict:
+    """One method at one shape: forward+backward time by timer(run), peak extra memory, and the
+    ratio to the bare GEMMs; None for both where it does not fit in the GPU's memory."""
+    try:
+        ms = timer(fwd_bwd(f, x, t, w))
+        mib = peak_extra_mib(fwd_bwd(f, x, t, w), x, w)
+    except torch.OutOfMemoryError:
+        ms = mib = None
+    x.grad = w.grad = None
+    torch.cuda.empty_cache()
+    return {"shape": shape, "method": name, "ms": ms, "extra_mib": mib,
+            "vs_gemms": None if ms is None else ms / floor_ms}
+
+
+def run_meta(origin: dict, dtype: str) -> dict:
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, **origin, "dtype": dtype,
+            "targets": "10% of targets = -100; extra memory = peak allocated above the inputs"}
 
 
 def run_grid(args, origin, dtype):
     out = Path(args.out).with_suffix(".json")
     results = json.loads(out.read_text())["results"] if args.resume and out.exists() else []
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, **origin, "dtype": args.dtype,
-            "seconds_per_method": args.seconds,
-            "targets": "10% of targets = -100; extra memory = peak allocated above the inputs"}
+    meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds}
     for shape in grid_shapes():
         if shape in done:
             continue
@@ -312,16 +320,8 @@ def run_grid(args, origin, dtype):
         torch.cuda.empty_cache()
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                   "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None}]
-        for name, f in fns.items():
-            try:
-                ms = timed_ms(fwd_bwd(f, x, t, w), args.seconds, args.reps)
-                mib = peak_extra_mib(fwd_bwd(f, x, t, w), x, w)
-            except torch.OutOfMemoryError:
-                ms = mib = None
-            x.grad = w.grad = None
-            torch.cuda.empty_cache()
-            point.append({"shape": shape, "method": name, "ms": ms, "extra_mib": mib,
-                          "vs_gemms": None if ms is None else ms / floor_ms})
+        timer = lambda run: timed_ms(run, args.seconds, args.reps)  # noqa: E731
+        point += [measure(shape, name, f, x, t, w, floor_ms, timer) for name, f in fns.items()]
         del x, t, w
         torch.cuda.empty_cache()
         results += point
