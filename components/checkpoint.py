@@ -298,9 +298,11 @@ class Checkpointer:
         With [checkpoint] enable = false a run neither saves nor resumes: step folders an
         earlier run left in the dump folder are not this run's (initial_load_path still
         loads)."""
-        found = list_checkpoints(self.folder) if self.cfg.enable else {}
         resumed = None
-        step = step_to_load(self.cfg, self.folder, found)
+        step = None
+        if self.cfg.enable:
+            found = list_checkpoints(self.folder)
+            step = step_to_load(self.cfg, self.folder, found)
         if step is not None:
             resumed = self._load_full(found[step])
         elif self.cfg.initial_load_path:
