@@ -170,7 +170,10 @@ def _without_torchao(code: str) -> subprocess.CompletedProcess:
                     raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         sys.meta_path.insert(0, NoTorchao())
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    # Keep the caller's PYTHONPATH: packages installed with --target (as on the GPU machine)
+    # are found only through it.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-c", blocker + textwrap.dedent(code)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
 
