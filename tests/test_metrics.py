@@ -1,5 +1,6 @@
 """MetricsLogger's outputs (jsonl, stdout, offline wandb, TensorBoard), StepMeter, FLOP counts."""
 
+import importlib.util
 import json
 import math
 import re
@@ -8,7 +9,6 @@ import time
 
 import pytest
 import torch
-import wandb
 
 from components.config import Metrics
 from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, peak_flops,
@@ -100,6 +100,11 @@ def test_bad_values_and_names_are_errors(tmp_path):
         MetricsLogger(tmp_path, rank=0, total_steps=10, cfg=Metrics(wandb_mode="cloud"))
 
 
+needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                                 reason="wandb is not installed (it is in the [test] extra)")
+
+
+@needs_wandb
 def test_wandb_run_is_offline_and_under_dump_folder(tmp_path, monkeypatch):
     # The logger's explicit mode must win over an environment asking for online.
     monkeypatch.setenv("WANDB_MODE", "online")

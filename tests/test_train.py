@@ -2,6 +2,7 @@
 unfused losses agree, non-finite steps follow the configured policy, torchrun with gloo works,
 a resumed run follows its own optimizer config, stop signals save and exit cleanly."""
 
+import importlib.util
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import pytest
 import train
 from components.config import ConfigError
 from components.optim import lr_multiplier
+from flce_cases import float8_at_any_size  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "configs/debug.toml")
@@ -66,7 +68,7 @@ def test_fused_and_unfused_losses_agree(tmp_path):
         assert max(abs(a - b) for a, b in zip(curves[impl], curves["flce"])) <= 1e-4
 
 
-def test_float8_loss_trains_near_the_fused_loss(tmp_path):
+def test_float8_loss_trains_near_the_fused_loss(tmp_path, float8_at_any_size):
     """[loss] float8 end to end (fp32 on the CPU: the float8 GEMMs round x, W and dlogits to
     e4m3, the logits to bf16): the curve stays near the fused loss's (0.006 apart at most over
     30 steps when measured)."""
@@ -193,7 +195,12 @@ def test_a_fresh_run_starts_a_new_metrics_file_and_a_resumed_one_appends(tmp_pat
             in capsys.readouterr().out)
 
 
+needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                                 reason="wandb is not installed (it is in the [test] extra)")
+
+
 @pytest.mark.slow
+@needs_wandb
 def test_a_single_process_run_exits_through_the_interpreter(tmp_path):
     """Only a process that used gloo with several ranks skips the interpreter's teardown: a
     plain run's atexit handlers run (wandb's among them: an offline run's history is written)."""
@@ -240,6 +247,7 @@ def test_resume_follows_the_changed_optimizer_config(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@needs_wandb
 def test_torchrun_gloo_two_processes_match_one(tmp_path):
     """FSDP over 2 CPU processes (gloo): the same losses as one process (fp32). Synthetic
     tokens are drawn per global window, so 2 x 2 windows are the 4 windows of one process."""
