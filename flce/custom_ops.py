@@ -1,9 +1,11 @@
 """The loss as torch.library custom ops: opaque to torch.compile, with fake (meta) kernels.
 
-fused_forward: loss and gradients in one sweep (reductions mean/sum); token_losses and
-token_losses_backward: reduction "none" (backward recomputes the logits); scale_cast / scale_
-(through scale_to): the backward's multiply by the upstream gradient, rounded once to the
-parameter dtype.
+block_forward / block_backward: the one-block path (`ops.py`; the logits of all tokens kept from
+forward to backward, which overwrites them with dlogits). fused_forward: loss and gradients in
+one chunked sweep (reductions mean/sum); token_losses and token_losses_backward: chunked
+reduction "none" (backward recomputes the logits), and losses without gradients; scale_cast /
+scale_ (through scale_to): the chunked backward's multiply by the upstream gradient, rounded once
+to the parameter dtype.
 """
 
 from typing import Optional, Tuple
@@ -12,7 +14,8 @@ import torch
 from torch import Tensor
 
 from flce.dispatch import stat_dtype, triton_usable
-from flce.ops import chunked_pass
+from flce.float8 import padded
+from flce.ops import block_grads, block_stats, chunked_pass
 from flce.options import LossOptions
 
 _EMPTY = (0,)
@@ -36,12 +39,11 @@ def fused_forward(
     """Loss (sum of token losses times loss_weight) and the gradients of the unweighted sum,
     left in their accumulators (fp32, or the parameter dtypes when lean)."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    lse = x.new_empty(x.shape[0], dtype=stat_dtype(x))
     # The kernel writes unweighted dlogits: their bf16 rounding then does not depend on the batch's
     # token count, and loss_weight is applied exactly, in fp32, with the upstream gradient.
-    one = torch.ones((), device=x.device, dtype=lse.dtype)
+    one = torch.ones((), device=x.device, dtype=stat_dtype(x))
     loss, dx, dw, db = chunked_pass(
-        x, target, weight, bias, one, lse, False, opts, chunk_size, lean,
+        x, target, weight, bias, one, None, False, opts, chunk_size, lean,
         use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8)
     return loss.sum() * loss_weight, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
@@ -55,6 +57,58 @@ def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit
             else x.new_empty(_EMPTY),
             torch.empty_like(weight, dtype=acc) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias, dtype=stat_dtype(x)) if need_db else weight.new_empty(_EMPTY))
+
+
+@torch.library.custom_op("flce::block_forward", mutates_args=())
+def block_forward(
+    x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
+    ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
+    softcap: Optional[float], float8: str, use_triton: bool, keep_off_max: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(per-token loss, lse, the logits of all tokens, row maxima off the target or empty)."""
+    opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
+    loss, lse, logits, off_max = block_stats(x, target, weight, bias, opts, use_triton, float8,
+                                             keep_off_max)
+    return loss, lse, logits, _or_empty(off_max, lse)
+
+
+@block_forward.register_fake
+def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_loss, softcap,
+      float8, use_triton, keep_off_max):
+    n, V = x.shape[0], weight.shape[0]
+    stat = x.new_empty((n,), dtype=stat_dtype(x))
+    return (stat, torch.empty_like(stat),
+            x.new_empty((n, V if float8 == "none" else padded(V))),
+            torch.empty_like(stat) if keep_off_max else stat.new_empty(_EMPTY))
+
+
+# block_backward overwrites `logits` with dlogits, yet says it mutates nothing: its caller (the
+# one-block autograd Function) is the logits' only reader after forward, so nothing can see the
+# change, and a declared mutation makes torch.compile copy the whole [N, V] buffer before the
+# call (auto-functionalization: a full extra read and write). The Function bumps the logits'
+# version, so a second backward over them (retain_graph=True) raises instead of reading dlogits.
+@torch.library.custom_op("flce::block_backward", mutates_args=())
+def block_backward(
+    logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, weight: Tensor,
+    bias: Optional[Tensor], lse: Tensor, off_max: Tensor,
+    ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
+    softcap: Optional[float], float8: str, use_triton: bool,
+    need_dx: bool, need_dw: bool, need_db: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW, db) of the one-block path; logits are overwritten with dlogits."""
+    opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
+    dx, dw, db = block_grads(logits, row_weight, x, target, weight, bias, lse,
+                             off_max if off_max.numel() else None, opts, use_triton, float8,
+                             need_dx, need_dw, need_db)
+    return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
+
+
+@block_backward.register_fake
+def _(logits, row_weight, x, target, weight, bias, lse, off_max, ignore_index, label_smoothing,
+      logit_scale, z_loss, softcap, float8, use_triton, need_dx, need_dw, need_db):
+    return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
+            torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
+            torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
 
 
 @torch.library.custom_op("flce::token_losses", mutates_args=())

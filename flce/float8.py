@@ -70,7 +70,9 @@ class Float8Gemms:
     W is quantized once here; each chunk quantizes its rows of x. Padding stays zero."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], target: Tensor, max_rows: int,
-                 dx: bool, use_triton: bool):
+                 dx: bool, use_triton: bool, logits: bool = True):
+        """logits / dx: prepare the operands of that GEMM (the one-block path of `ops.py`
+        quantizes W per row in forward and per column in backward, each where it is used)."""
         V, H = weight.shape
         self.V, self.H, self.width, self.dx = V, H, padded(V), dx
         self.target = target
@@ -81,10 +83,11 @@ class Float8Gemms:
             self.quantize = quantize_rows_torch
         fp8 = lambda *shape: torch.zeros(*shape, device=weight.device, dtype=E4M3)
         ones32 = lambda *shape: torch.ones(*shape, device=weight.device, dtype=torch.float32)
-        self.w, self.w_scale = fp8(self.width, padded(H)), ones32(1, self.width)
-        self.quantize(weight, self.w[:V, :H], self.w_scale[0, :V])
-        self.x, self.x_scale = fp8(max_rows, padded(H)), ones32(max_rows, 1)
-        self.bias = None if bias is None else F.pad(bias.to(torch.bfloat16), (0, self.width - V))
+        if logits:
+            self.w, self.w_scale = fp8(self.width, padded(H)), ones32(1, self.width)
+            self.quantize(weight, self.w[:V, :H], self.w_scale[0, :V])
+            self.x, self.x_scale = fp8(max_rows, padded(H)), ones32(max_rows, 1)
+            self.bias = None if bias is None else F.pad(bias.to(torch.bfloat16), (0, self.width - V))
         if dx:
             self.wt, self.wt_scale = fp8(padded(H), self.width), ones32(1, padded(H))
             self.quantize(weight.t(), self.wt[:H, :V], self.wt_scale[0, :H])

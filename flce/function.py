@@ -5,10 +5,40 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flce.custom_ops import fused_forward, scale_to, token_losses, token_losses_backward
+from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to, token_losses,
+                              token_losses_backward)
 from flce.dispatch import loss_weight, stat_dtype, use_triton
 from flce.float8 import FLOAT8
+from flce.ops import float8_used, uses_one_block
 from flce.options import LossOptions
+
+
+class _OneBlockLoss(torch.autograd.Function):
+    """The one-block path (`ops.py`): forward keeps the logits; backward forms the gradients
+    with the upstream gradient (times the loss weight) folded into dlogits. reduce: the loss is
+    the weighted sum of the token losses (mean/sum), else the per-token losses ("none")."""
+
+    @staticmethod
+    def forward(ctx, x, target, weight, bias, loss_weight, opts, float8, use_triton, reduce):
+        need = ctx.needs_input_grad
+        loss, lse, logits, off_max = block_forward(
+            x, target, weight, bias, *opts, float8, use_triton,
+            need[0] and float8 == "logits+dx")
+        ctx.save_for_backward(x, target, weight, bias, lse, logits, off_max, loss_weight)
+        ctx.config = (opts, float8, use_triton, reduce)
+        return loss.sum() * loss_weight if reduce else loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, target, weight, bias, lse, logits, off_max, loss_weight = ctx.saved_tensors
+        opts, float8, use_triton, reduce = ctx.config
+        need = ctx.needs_input_grad
+        row_weight = grad * loss_weight if reduce else grad.to(lse.dtype)
+        dx, dw, db = block_backward(logits, row_weight, x, target, weight, bias, lse, off_max,
+                                    *opts, float8, use_triton, need[0], need[2], need[3])
+        torch.autograd.graph.increment_version(logits)  # it holds dlogits now (custom_ops.py)
+        return (dx if need[0] else None, None, dw if need[2] else None,
+                db if need[3] else None, None, None, None, None, None)
 
 
 class _ReducedLoss(torch.autograd.Function):
@@ -125,6 +155,15 @@ def fused_linear_cross_entropy(
          None if softcap is None else float(softcap))
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
+    N, H = x2.shape
+    float8 = float8_used(float8, N)
+    if grad and uses_one_block(N, H, weight.shape[0], x.element_size(), chunk_size, memory_lean):
+        reduce = reduction != "none"
+        weight_of_sum = (loss_weight(t2, opts, normalizer, x.device, stat_dtype(x)) if reduce
+                         else torch.ones((), device=x.device, dtype=stat_dtype(x)))
+        loss = _OneBlockLoss.apply(x2, t2, weight, bias, weight_of_sum, o, float8, on_triton,
+                                   reduce)
+        return loss if reduce else loss.reshape(target.shape)
     if reduction == "none":
         if not grad:
             return token_losses(x2, t2, weight, bias, *o, chunk_size, float8,

@@ -48,28 +48,29 @@ def _scaled(a, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 def _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP: tl.constexpr,
                HAS_SMOOTHING: tl.constexpr, MAX_OFF_TARGET: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 1 over one row: max, sum of exp(z - max), sum of z (for label smoothing) and, when
-    MAX_OFF_TARGET, the max of z over the columns other than y_local (else -inf)."""
+    MAX_OFF_TARGET, the max of z over the columns other than y_local (else -inf).
+
+    The running max is a scalar updated once per block (the block's max first): one exp per
+    element. A running max per lane costs a second exp per element (its rescaling), and that
+    variant moved 5-13% fewer bytes per second on an H200 (scripts/tune_rows_kernel.py)."""
     cols = tl.arange(0, BLOCK_V)
-    # Per-lane running max and sum-exp; lanes are merged once at the end.
-    m_vec = tl.full([BLOCK_V], -1.0e30, dtype=tl.float32)
-    s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
-    sum_z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
-    m_off_vec = tl.full([BLOCK_V], -float("inf"), dtype=tl.float32)
+    m = -1.0e30
+    s = 0.0
+    sum_z = 0.0
+    m_off = -float("inf")
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
         a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
-        z_m = tl.where(mask, z, -float("inf"))
-        m_new = tl.maximum(m_vec, z_m)
-        s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(z_m - m_new)
-        m_vec = m_new
+        z = tl.where(mask, _scaled(a, logit_scale, softcap, HAS_SOFTCAP), -float("inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
         if HAS_SMOOTHING:
-            sum_z_vec += tl.where(mask, z, 0.0)
+            sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
         if MAX_OFF_TARGET:
-            m_off_vec = tl.maximum(m_off_vec, tl.where(start + cols == y_local, -float("inf"), z_m))
-    m = tl.max(m_vec, axis=0)
-    s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
-    return m, s, tl.sum(sum_z_vec, axis=0), tl.max(m_off_vec, axis=0)
+            m_off = tl.maximum(m_off, tl.max(tl.where(start + cols == y_local, -float("inf"), z),
+                                             axis=0))
+    return m, s, sum_z, m_off
 
 
 @triton.jit
@@ -93,16 +94,19 @@ def flce_rows_kernel(
     g8_stride,
     g8_scale_ptr,      # [C] fp32 out (FP8_GRAD): a bound on the row's |dlogits|, / FP8_MAX
     target_grad_ptr,   # [C] fp32 out (FP8_GRAD): dlogits in the target column (0 if not here)
+    off_max_ptr,       # [C] fp32: max of z off the target; out with KEEP_OFF_MAX, in with
+                       # FP8_GRAD and LSE_GIVEN (a gradient pass after a statistics pass)
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     LSE_GIVEN: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     FP8_GRAD: tl.constexpr,
+    KEEP_OFF_MAX: tl.constexpr,
+    MAX_OFF_TARGET: tl.constexpr,  # pass 1 finds the max off the target (FP8_GRAD or KEEP_OFF_MAX)
     FP8_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    tl.static_assert(not (FP8_GRAD and LSE_GIVEN), "the float8 scales need pass 1's statistics")
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     g8_row_ptr = g8_ptr + row * g8_stride
@@ -114,6 +118,8 @@ def flce_rows_kernel(
         tl.store(loss_ptr + row, 0.0)
         if not LSE_GIVEN:
             tl.store(lse_ptr + row, 0.0)
+        if KEEP_OFF_MAX:
+            tl.store(off_max_ptr + row, 0.0)
         if COMPUTE_GRAD:
             zero = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
             for start in range(0, V, BLOCK_V):
@@ -133,15 +139,20 @@ def flce_rows_kernel(
     y_local = y - vocab_start
     owns = (y_local >= 0) & (y_local < V)
 
+    a_y = tl.load(row_ptr + tl.where(owns, y_local, 0)).to(tl.float32)
+    z_y = tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0)
     if LSE_GIVEN:  # a gradient pass: the caller already has the loss
         shift = tl.load(lse_ptr + row)
         log_s = 0.0
         lse = shift
+        if FP8_GRAD:
+            z_off_max = tl.load(off_max_ptr + row)
     else:
-        a_y = tl.load(row_ptr + tl.where(owns, y_local, 0)).to(tl.float32)
-        z_y = tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0)
         shift, s, sum_z, z_off_max = _row_stats(row_ptr, V, logit_scale, softcap, y_local,
-                                                HAS_SOFTCAP, HAS_SMOOTHING, FP8_GRAD, BLOCK_V)
+                                                HAS_SOFTCAP, HAS_SMOOTHING, MAX_OFF_TARGET,
+                                                BLOCK_V)
+        if KEEP_OFF_MAX:
+            tl.store(off_max_ptr + row, z_off_max)
         # Differences are taken against the row max before log(s) is added: with logits ~1e4
         # an fp32 lse has an ulp of ~1e-3, while z - max is exact.
         log_s = tl.log(s)
@@ -224,36 +235,50 @@ def flce_row_stats_kernel(
     tl.store(out + 3, sum_z)
 
 def _block_and_warps(C, V, block_v, num_warps):
-    # Few rows: more warps per row to keep enough bytes in flight (tuned on an H200 with
-    # scripts/tune_rows_kernel.py; many rows: small programs, more of them per SM).
-    default_block, default_warps = (8192, 32) if C <= 512 else (4096, 16) if C <= 2048 else (2048, 4)
+    # Tuned on an H200 with scripts/tune_rows_kernel.py (chunks of 1024-16384 rows): blocks of
+    # 8192 columns and 16 warps where a row is short (V <= 40k: 2.9-3.1 TB/s counting one read
+    # and one write), 4096 and 8 warps for longer rows (2.5-2.7 TB/s); few rows: more warps per
+    # row to keep enough bytes in flight.
+    if C <= 512:
+        default_block, default_warps = 8192, 32
+    elif V <= 40960:
+        default_block, default_warps = 8192, 16
+    else:
+        default_block, default_warps = 4096, 8
     block_v = block_v or min(triton.next_power_of_2(V), default_block)
     return block_v, num_warps or min(default_warps, max(1, block_v // 256))
 
 
 def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, compute_grad,
-                block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None):
+                block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None,
+                off_max=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
     vocabulary slice, the gradient pass of `vocab_parallel`). fp8_grad: (g8 [C, V] e4m3,
-    g8_scale [C], target_grad [C]) to fill for the float8 dx GEMM, or None."""
+    g8_scale [C], target_grad [C]) to fill for the float8 dx GEMM, or None. off_max [C] fp32:
+    written by a statistics pass (not compute_grad), read by a float8 gradient pass (lse_given)."""
     C, V = logits.shape
     if C == 0:
         return
     target = target.contiguous()  # the kernels read target[row] (a strided target was misread)
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
     g8, g8_scale, target_grad = fp8_grad or (logits, loss_out, loss_out)  # unused when None
+    keep_off_max = off_max is not None and not compute_grad
+    assert not (fp8_grad is not None and lse_given and off_max is None), \
+        "a float8 gradient pass after a statistics pass reads the row maxima off the target"
     flce_rows_kernel[(C,)](
         logits, logits.stride(0), target, loss_out, lse_out,
         weight, 0 if weight.dim() == 0 else weight.stride(0),
         V, vocab_start, vocab_total or V, opts.ignore_index, float(opts.logit_scale),
         float(opts.softcap or 1.0), float(opts.label_smoothing), float(opts.z_loss),
-        g8, g8.stride(0), g8_scale, target_grad,
+        g8, g8.stride(0), g8_scale, target_grad, loss_out if off_max is None else off_max,
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=opts.label_smoothing > 0,
         HAS_Z_LOSS=opts.z_loss > 0,
         LSE_GIVEN=lse_given,
         COMPUTE_GRAD=compute_grad,
         FP8_GRAD=fp8_grad is not None,
+        KEEP_OFF_MAX=keep_off_max,
+        MAX_OFF_TARGET=fp8_grad is not None or keep_off_max,
         FP8_MAX=float(torch.finfo(g8.dtype).max) if fp8_grad is not None else 1.0,
         BLOCK_V=block_v,
         num_warps=num_warps,

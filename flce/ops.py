@@ -1,17 +1,25 @@
-"""The chunk loop and the autograd op.
+"""The two ways the loss sweeps the tokens, and which one a call takes.
 
-For reductions "mean" and "sum" the gradients are formed during the forward pass: per chunk of
-tokens, logits = x_c @ W.T (+ b) go into one reused [C, V] buffer, the row kernel turns them into
-dlogits in place, and dx_c = dlogits @ W, dW += dlogits.T @ x_c, db += sum(dlogits) follow. That
-is 6·N·H·V FLOPs, nothing recomputed; backward only multiplies the stored gradients by the
-upstream scalar while casting them to the parameter dtypes (one rounding, as in the unfused loss).
+One block (`block_stats`, `block_grads`): when the logits of all N tokens take no more memory
+than the chunked sweep's buffers would, forward writes them once (one GEMM), a row pass forms
+each token's lse and loss, and the logits are kept for backward. Backward turns them into
+dlogits in place, scaled by the upstream gradient times the loss weight (so the upstream gradient
+is folded in before any rounding, as in the unfused loss), and dx = dlogits @ W, dW = dlogits.T @
+x follow as one GEMM each, written straight in the parameter dtype: no fp32 accumulator, no cast
+pass. 6·N·H·V FLOPs and the memory traffic of the unfused loss under torch.compile.
 
-For reduction "none" the upstream gradient differs per token and is unknown in forward, so forward
-keeps lse and backward recomputes each chunk's logits with the token weights (8·N·H·V FLOPs).
+Chunked (`chunked_pass`): per chunk of tokens, logits = x_c @ W.T (+ b) go into one reused
+[C, V] buffer, the row kernel turns them into dlogits in place, and dx_c = dlogits @ W, dW +=
+dlogits.T @ x_c, db += sum(dlogits) follow, all during forward (the chunks' logits are not kept).
+For reductions "mean" and "sum" that is 6·N·H·V FLOPs, nothing recomputed; backward only
+multiplies the stored gradients by the upstream scalar while casting them to the parameter
+dtypes (one rounding, as in the unfused loss). For reduction "none" the upstream gradient
+differs per token and is unknown in forward, so forward keeps lse and backward recomputes each
+chunk's logits with the token weights (8·N·H·V FLOPs). dW is accumulated across chunks in fp32
+(cuBLAS `out_dtype=float32` on CUDA: no extra pass) and cast to the parameter dtype once. The
+memory-lean mode accumulates in the parameter dtype instead and uses small chunks (the memory of
+Liger-Kernel, with its bf16 accumulation error).
 
-dW is accumulated across chunks in fp32 (cuBLAS `out_dtype=float32` on CUDA: no extra pass) and
-cast to the parameter dtype once. The memory-lean mode accumulates in the parameter dtype instead
-and uses small chunks (the memory of Liger-Kernel, with its bf16 accumulation error).
 The loss weight 1/normalizer stays a device tensor: nothing here synchronises with the host.
 With `float8` the logits GEMM (and the dx GEMM) run in float8 through `float8.Float8Gemms`.
 """
@@ -25,28 +33,61 @@ from flce.float8 import Float8Gemms
 from flce.options import LossOptions
 from flce.reference import chunk_rows
 
-MAX_CHUNK_TOKENS = 8192
-MAX_CHUNK_BYTES = 2 << 30
+CHUNK_BYTES = 1 << 30       # the logits buffer a chunk aims at ...
+MIN_CHUNK_TOKENS = 8192     # ... with at least this many tokens (dW's fp32 accumulation is
+MAX_CHUNK_TOKENS = 32768    # a read and a write of V x H per chunk: few chunks keep it cheap)
+MAX_CHUNK_BYTES = 2 << 30   # and never more logits than this
+# float8 GEMMs pay for quantizing W (a read of V x H, per call) only past this many tokens
+FLOAT8_MIN_TOKENS = 2048
 
 
 def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
                     chunk_size: Optional[int], lean: bool) -> int:
-    """Tokens per chunk, evened out so that the last chunk is not a sliver.
+    """Tokens per chunk of the chunked sweep, evened out so that the last chunk is not a sliver.
 
-    Default: half the tokens, between 1024 and 8192, and at most 2 GiB of logits. Smaller chunks
-    make the dW accumulation GEMMs slower (each reads and writes the fp32 accumulator), larger
-    ones cost memory for little speed (H200 sweep in benchmarks/flce_sweep_h200.md). Lean: a
-    logits buffer about the size of x, next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel."""
+    Default: about CHUNK_BYTES of logits, within MIN_CHUNK_TOKENS..MAX_CHUNK_TOKENS tokens and at
+    most MAX_CHUNK_BYTES (8192 tokens at V = 128256, 16384 at V = 32000). Smaller chunks make
+    the dW accumulation cost more (each chunk reads and writes the fp32 accumulator), larger ones
+    cost memory for little speed. Lean: a logits buffer about the size of x,
+    next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel."""
     vocab = max(vocab, 1)  # an empty vocabulary slice (vocab-parallel, fewer classes than ranks)
     if chunk_size is None:
         if lean:
             chunk_size = 1 << max(0, (-(-n_tokens // -(-vocab // hidden)) - 1).bit_length())
         else:
-            chunk_size = min(MAX_CHUNK_TOKENS, max(1024, -(-n_tokens // 2)))
-            chunk_size = max(256, min(chunk_size, MAX_CHUNK_BYTES // (vocab * elem_bytes)))
+            row_bytes = vocab * elem_bytes
+            chunk_size = min(MAX_CHUNK_TOKENS, max(MIN_CHUNK_TOKENS, CHUNK_BYTES // row_bytes))
+            chunk_size = max(256, min(chunk_size, MAX_CHUNK_BYTES // row_bytes))
     n_chunks = max(1, -(-n_tokens // chunk_size))
     even = -(-n_tokens // n_chunks)
     return max(1, min(chunk_size, -(-even // 8) * 8))
+
+
+def uses_one_block(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
+                   chunk_size: Optional[int], lean: bool) -> bool:
+    """Whether a call with gradients takes the one-block path: when its peak memory (the logits
+    of all tokens, then dx and dW in the parameter dtype) is no more than the chunked sweep's
+    (one chunk of logits, dx and dW accumulated in fp32, then their casts). A given chunk_size
+    smaller than N asks for chunks; memory_lean always chunks."""
+    if lean:
+        return False
+    if chunk_size is not None:
+        return chunk_size >= n_tokens
+    C = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=False)
+    if C >= n_tokens:
+        return True
+    e, acc = elem_bytes, max(4, elem_bytes)
+    grads = (n_tokens + vocab) * hidden
+    one_block = n_tokens * vocab * e + grads * e
+    chunked = C * vocab * e + grads * acc + (grads * e if acc > e else 0)
+    return one_block <= chunked
+
+
+def float8_used(float8: str, n_tokens: int) -> str:
+    """The float8 mode a call runs: "none" below FLOAT8_MIN_TOKENS tokens, where quantizing W
+    costs more than the float8 GEMMs save (the bf16 GEMMs are then the faster and the more
+    exact)."""
+    return float8 if n_tokens >= FLOAT8_MIN_TOKENS else "none"
 
 
 def _row_fn(use_triton: bool):
@@ -114,7 +155,7 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
 
 
 def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 row_weight: Tensor, lse: Tensor, lse_given: bool, opts: LossOptions,
+                 row_weight: Tensor, lse: Optional[Tensor], lse_given: bool, opts: LossOptions,
                  chunk_size: Optional[int], lean: bool, use_triton: bool,
                  need_dx: bool, need_dw: bool, need_db: bool, cast_grads: bool,
                  float8: str = "none"):
@@ -125,15 +166,15 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     upstream-gradient multiply rounds to the parameter dtype only once.
 
     row_weight: fp32, 0-dim (one weight for every token) or [N]; it scales the gradients only.
-    lse: [N] fp32 (float64 for float64 inputs), read when lse_given, else written; its dtype is
-    the dtype of the per-token statistics.
+    lse: [N] fp32 (float64 for float64 inputs), read when lse_given, else written; None: the
+    caller does not need it (a chunk-sized scratch holds it).
     float8: "none", "logits" or "logits+dx", the GEMMs that run in float8 (`float8.py`).
     """
     N, H = x.shape
     V = weight.shape[0]
     rows = _row_fn(use_triton)
     compute_grad = need_dx or need_dw or need_db
-    stat_dtype = lse.dtype
+    stat_dtype = torch.promote_types(x.dtype, torch.float32)
     accum_dtype = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     loss = torch.empty(N, device=x.device, dtype=stat_dtype)
     dx_dtype = x.dtype if cast_grads or lean else stat_dtype
@@ -142,6 +183,7 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
 
     C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
+    scratch = torch.empty(min(C, N), device=x.device, dtype=stat_dtype) if lse is None else None
     fp8 = None
     if float8 != "none":
         fp8 = Float8Gemms(weight, bias, target, min(C, N), need_dx and float8 == "logits+dx",
@@ -151,7 +193,8 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
 
     def row_pass(logits, start, end):
         rw = row_weight if row_weight.dim() == 0 else row_weight[start:end]
-        rows(logits, target[start:end], loss[start:end], lse[start:end], rw, opts,
+        rows(logits, target[start:end], loss[start:end],
+             scratch[:end - start] if lse is None else lse[start:end], rw, opts,
              lse_given, compute_grad,
              fp8_grad=fp8.grad_outputs(end - start) if fp8 is not None and fp8.dx else None)
 
@@ -162,3 +205,58 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     del dw_acc
     db = None if db_acc is None else db_acc.to(bias.dtype)
     return loss, dx, dw, db
+
+
+def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
+                opts: LossOptions, use_triton: bool, float8: str, keep_off_max: bool):
+    """Forward of the one-block path: (per-token loss, lse, the logits of all tokens, each row's
+    largest logit off the target or None). The logits are kept for `block_grads`; with float8
+    they have the padded width of the float8 GEMM (columns V.. are padding). keep_off_max: the
+    float8 dx GEMM will need the row maxima off the target (its operand's scales)."""
+    N, V = x.shape[0], weight.shape[0]
+    stat_dtype = torch.promote_types(x.dtype, torch.float32)
+    loss = torch.empty(N, device=x.device, dtype=stat_dtype)
+    lse = torch.empty(N, device=x.device, dtype=stat_dtype)
+    off_max = torch.empty(N, device=x.device, dtype=stat_dtype) if keep_off_max else None
+    if float8 != "none":
+        fp8 = Float8Gemms(weight, bias, target, N, dx=False, use_triton=use_triton)
+        logits = torch.empty(N, fp8.width, device=x.device, dtype=x.dtype)
+        if N:
+            fp8.logits(x, out=logits)
+    elif bias is None:
+        logits = torch.mm(x, weight.t())
+    else:
+        logits = torch.addmm(bias, x, weight.t())
+    one = torch.ones((), device=x.device, dtype=stat_dtype)
+    _row_fn(use_triton)(logits[:, :V], target, loss, lse, one, opts, False, False,
+                        off_max=off_max)
+    return loss, lse, logits, off_max
+
+
+def block_grads(logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, weight: Tensor,
+                bias: Optional[Tensor], lse: Tensor, off_max: Optional[Tensor], opts: LossOptions,
+                use_triton: bool, float8: str, need_dx: bool, need_dw: bool, need_db: bool):
+    """Backward of the one-block path: `logits` (from `block_stats`) become row_weight times the
+    loss's gradient in place, then (dx, dW, db), each None where not needed, in the dtypes of x,
+    weight and bias. row_weight: fp32, 0-dim or [N] (the upstream gradient times the loss
+    weight). With float8 "logits+dx" (and off_max kept) the dx GEMM runs in float8."""
+    N, V = x.shape[0], weight.shape[0]
+    view = logits[:, :V]
+    fp8 = None
+    if need_dx and float8 == "logits+dx":
+        fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False)
+    scratch = torch.empty_like(lse)  # the gradient pass writes no loss; ignored rows still store
+    _row_fn(use_triton)(view, target, scratch, lse, row_weight, opts, True, True,
+                        fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max)
+    dx = dw = db = None
+    if fp8 is not None:
+        dx = torch.empty_like(x)
+        if N:
+            fp8.dx_into(dx, weight, 0)
+    elif need_dx:
+        dx = torch.mm(view, weight)
+    if need_dw:
+        dw = torch.mm(view.t(), x)
+    if need_db:
+        db = view.sum(0, dtype=lse.dtype).to(bias.dtype)
+    return dx, dw, db

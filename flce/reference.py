@@ -46,7 +46,8 @@ def row_max_and_log_sum(z: Tensor) -> tuple[Tensor, Tensor]:
 
 def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor,
                weight: Tensor, opts: LossOptions, lse_given: bool, compute_grad: bool,
-               fp8_grad: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> None:
+               fp8_grad: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+               off_max: Optional[Tensor] = None) -> None:
     """Fill loss_out/lse_out for a chunk and, if compute_grad, overwrite logits with dlogits.
 
     weight is the fp32 gradient weight per row ([C]) or for all rows (a 0-dim tensor).
@@ -54,9 +55,11 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor
     fp8_grad = (g8, g8_scale, target_grad), filled for the float8 dx GEMM: dlogits / g8_scale
     in float8 with the target column 0, the row scale (a bound on |dlogits| off the target,
     from the statistics, over the float8 maximum) and dlogits in the target column, in fp32.
+    off_max: a statistics pass (not compute_grad) writes each row's largest z off the target
+    there (0 for ignored rows), which a later float8 gradient pass of the Triton kernel reads;
+    this twin recomputes it from z.
     """
     V = logits.shape[1]
-    assert not (fp8_grad is not None and lse_given), "the float8 scales need the row statistics"
     z = scaled_logits(logits, opts)
     keep = target != opts.ignore_index
     bad = keep & ((target < 0) | (target >= V))
@@ -70,6 +73,9 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor
         loss_out.copy_(per_token_loss(z, target, shift, log_s, opts))
         lse_out.copy_(torch.where(keep, shift + log_s, torch.zeros_like(shift)))
     if not compute_grad:
+        if off_max is not None:
+            off = _off_target(z, torch.where(keep, target, torch.zeros_like(target)))
+            off_max.copy_(torch.where(keep, off.max(dim=1).values, torch.zeros_like(shift)))
         return
     ls = opts.label_smoothing
     lse = shift + log_s
@@ -93,7 +99,7 @@ def _float8_grad(g: Tensor, z: Tensor, y: Tensor, keep: Tensor, shift: Tensor, l
     V = z.shape[1]
     is_target = torch.zeros_like(g, dtype=torch.bool).scatter_(1, y[:, None], True)
     # off the target, g_j = w s (p_j coef - uniform) softcap'_j, p_j <= p_off, |softcap'_j| <= 1
-    p_off = torch.exp(z.masked_fill(is_target, float("-inf")).max(dim=1).values - shift - log_s)
+    p_off = torch.exp(_off_target(z, y).max(dim=1).values - shift - log_s)
     coef = 1 + 2 * opts.z_loss * (shift + log_s)
     uniform = opts.label_smoothing / V
     bound = (weight * opts.logit_scale).abs() * torch.maximum(
@@ -103,6 +109,11 @@ def _float8_grad(g: Tensor, z: Tensor, y: Tensor, keep: Tensor, shift: Tensor, l
     inv = torch.where(bound > 0, fp8_max / bound, torch.zeros_like(bound))
     g8.copy_((g * inv[:, None]).masked_fill(is_target, 0).clamp(-fp8_max, fp8_max))
     target_grad.copy_(g.gather(1, y[:, None]).squeeze(1))
+
+
+def _off_target(z: Tensor, y: Tensor) -> Tensor:
+    """z with each row's target column at -inf."""
+    return z.scatter(1, y[:, None], float("-inf"))
 
 
 def linear_cross_entropy(

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import flce
-from flce_cases import IMPL_DEVICES, cuda_only, make_inputs, rel_err
+from flce_cases import IMPL_DEVICES, cuda_only, float8_at_any_size, make_inputs, rel_err  # noqa: F401
 
 
 class TinyHead(nn.Module):
@@ -24,7 +24,7 @@ class TinyHead(nn.Module):
 @pytest.mark.slow
 @IMPL_DEVICES
 @pytest.mark.parametrize("float8", ["none", "logits+dx"])
-def test_inside_torch_compile(impl, device, float8):
+def test_inside_torch_compile(impl, device, float8, float8_at_any_size):
     torch.manual_seed(0)
     model = TinyHead(16, 40, impl, float8).to(device)
     x = torch.randn(2, 24, 16, device=device)
@@ -42,7 +42,7 @@ def test_inside_torch_compile(impl, device, float8):
 @cuda_only
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("float8", ["none", "logits", "logits+dx"])
-def test_no_host_sync_on_cuda(reduction, float8):
+def test_no_host_sync_on_cuda(reduction, float8, float8_at_any_size):
     x, t, w, b = make_inputs(300, 64, 1000, "cuda", torch.bfloat16)
     count = (t != -100).sum()
     flce.fused_linear_cross_entropy(x, t, w, b, reduction=reduction,

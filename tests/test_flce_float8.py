@@ -29,8 +29,10 @@ import flce
 from flce.float8 import E4M3, Float8Gemms, quantize_rows_torch
 from flce.options import LossOptions
 from flce.reference import chunk_rows
-from flce_cases import (IMPL_DEVICES, cuda_only, float64_reference, loss_and_grads, make_inputs,
-                        rel_err)
+from flce_cases import (IMPL_DEVICES, cuda_only, float64_reference, float8_at_any_size,  # noqa: F401
+                        loss_and_grads, make_inputs, rel_err)
+
+pytestmark = pytest.mark.usefixtures("float8_at_any_size")
 
 U8, UB, ACC = 2.0 ** -4, 2.0 ** -8, 2.0 ** -24
 SUB = 2.0 ** -10 / 448
@@ -122,13 +124,15 @@ def _check_within(name, out, ref, err, dtype):
 
 @IMPL_DEVICES
 @pytest.mark.parametrize("float8", MODES)
+@pytest.mark.parametrize("chunk", [None, 32], ids=["one_block", "chunked"])
 @pytest.mark.parametrize("N,H,V", SHAPES)
 @pytest.mark.parametrize("reduction,dtype,ls", [
     ("mean", torch.bfloat16, 0.0), ("sum", torch.bfloat16, 0.1), ("none", torch.float32, 0.1)])
-def test_loss_and_grads_within_derived_bounds(impl, device, float8, N, H, V, reduction, dtype, ls):
+def test_loss_and_grads_within_derived_bounds(impl, device, float8, chunk, N, H, V, reduction,
+                                              dtype, ls):
     skip_if_interpreted(impl, device)
     x, t, w, b = make_inputs(N, H, V, device, dtype, scale=2.0)
-    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, chunk_size=32,
+    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, chunk_size=chunk,
                                      impl=impl, float8=float8, reduction=reduction,
                                      label_smoothing=ls)
     ref_loss, ref_grads = float64_reference(x, t, w, b, up, reduction=reduction, label_smoothing=ls)
@@ -198,19 +202,28 @@ ROW_OPTIONS = [LossOptions(), LossOptions(label_smoothing=0.2, z_loss=1e-3),
                LossOptions(logit_scale=0.5, softcap=2.5, label_smoothing=0.1, ignore_index=3)]
 
 
-def _rows_with_fp8(fn, logits, target, weight, opts):
+def _rows_with_fp8(fn, logits, target, weight, opts, split=False):
+    """The row pass with float8 outputs, in one pass, or split (the one-block path): a
+    statistics pass keeping lse and the row maxima off the target, then a gradient pass."""
     C, V = logits.shape
     out = logits.clone()
     g8 = torch.full((C, V + 16), 1.0, device=logits.device).to(E4M3)[:, :V]  # a strided view
     scale = torch.full((C,), float("nan"), device=logits.device)
     target_grad = torch.full((C,), float("nan"), device=logits.device)
     loss, lse = torch.empty(C, device=logits.device), torch.empty(C, device=logits.device)
-    fn(out, target, loss, lse, weight, opts, False, True, fp8_grad=(g8, scale, target_grad))
+    if split:
+        off_max = torch.full((C,), float("nan"), device=logits.device)
+        fn(out, target, loss, lse, weight, opts, False, False, off_max=off_max)
+        fn(out, target, torch.empty_like(loss), lse, weight, opts, True, True,
+           fp8_grad=(g8, scale, target_grad), off_max=off_max)
+    else:
+        fn(out, target, loss, lse, weight, opts, False, True, fp8_grad=(g8, scale, target_grad))
     return out, g8, scale, target_grad
 
 
 @pytest.mark.parametrize("opts", ROW_OPTIONS, ids=["plain", "smooth+z", "all"])
-def test_row_float8_outputs(opts):
+@pytest.mark.parametrize("split", [False, True], ids=["one_pass", "split"])
+def test_row_float8_outputs(opts, split):
     """The row pass's float8 outputs: dlogits / scale off the target column (0 there), the exact
     dlogits at the target in fp32, a scale that bounds the row (equal to its max without
     softcap when label smoothing does not set it), ignored rows all 0."""
@@ -220,7 +233,7 @@ def test_row_float8_outputs(opts):
     target[::4] = opts.ignore_index
     target[1] = int(logits[1].argmax())  # a confident row, p_y the row's largest
     weight = torch.rand(C)
-    g, g8, scale, target_grad = _rows_with_fp8(chunk_rows, logits, target, weight, opts)
+    g, g8, scale, target_grad = _rows_with_fp8(chunk_rows, logits, target, weight, opts, split)
     keep = target != opts.ignore_index
     y = torch.where(keep, target, 0)
     onehot = torch.zeros(C, V, dtype=torch.bool).scatter_(1, y[:, None], True) & keep[:, None]
@@ -239,7 +252,8 @@ def test_row_float8_outputs(opts):
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                     reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("opts", ROW_OPTIONS, ids=["plain", "smooth+z", "all"])
-def test_row_kernel_float8_outputs_match_torch(opts):
+@pytest.mark.parametrize("split", [False, True], ids=["one_pass", "split"])
+def test_row_kernel_float8_outputs_match_torch(opts, split):
     from flce.kernels import launch_rows
     device = "cuda" if torch.cuda.is_available() else "cpu"
     C, V = 13, 37  # several 16-wide vocabulary blocks below
@@ -249,7 +263,7 @@ def test_row_kernel_float8_outputs_match_torch(opts):
     weight = torch.rand(C, device=device)
     ref = _rows_with_fp8(chunk_rows, logits, target, weight, opts)
     out = _rows_with_fp8(lambda *a, **k: launch_rows(*a, block_v=16, **k), logits, target,
-                         weight, opts)
+                         weight, opts, split)
     torch.testing.assert_close(out[0], ref[0], rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(out[2], ref[2], rtol=2e-6, atol=0)
     torch.testing.assert_close(out[3], ref[3], rtol=2e-6, atol=2e-6)
@@ -310,7 +324,8 @@ def _dequantized(v):
     {"z_loss": 1e-3, "logit_scale": 0.6},
     {"softcap": 3.0, "label_smoothing": 0.25, "ignore_index": 5},
 ], ids=["z_loss,scale", "softcap,smooth,ignore5"])
-def test_options_against_quantized_inputs(impl, device, float8, options):
+@pytest.mark.parametrize("chunk", [None, 16], ids=["one_block", "chunked"])
+def test_options_against_quantized_inputs(impl, device, float8, options, chunk):
     """Every option's math is unchanged: against float64 on the float8-quantized x and W, the
     loss, dW and db are within bf16 rounding; dx within U8 with "logits+dx" (its dlogits are
     quantized as well)."""
@@ -318,8 +333,8 @@ def test_options_against_quantized_inputs(impl, device, float8, options):
     x, t, w, b = make_inputs(67, 48, 176, device, torch.bfloat16)
     if "ignore_index" in options:
         t[t == -100] = options["ignore_index"]
-    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, chunk_size=16,
-                                     impl=impl, float8=float8, **options)
+    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b,
+                                     chunk_size=chunk, impl=impl, float8=float8, **options)
     b64 = b.detach().cpu().double().bfloat16().double()
     z = (_dequantized(x) @ _dequantized(w).T + b64).requires_grad_()
     eye = torch.eye(z.shape[1], dtype=torch.float64)  # linear_cross_entropy(z, I) is the loss of z

@@ -16,6 +16,9 @@ OPTIONS = [
     {"label_smoothing": 0.25, "z_loss": 1e-2, "logit_scale": 1.7, "softcap": 4.0, "ignore_index": 5},
 ]
 REDUCTIONS = ["mean", "sum", "none"]
+# The two sweeps of flce/ops.py: one block of all tokens (no chunk size: the tests' token counts
+# are far below a chunk), and chunks of 16 tokens.
+PATHS = pytest.mark.parametrize("chunk", [None, 16], ids=["one_block", "chunked"])
 # (N, H, V, chunk_size): N not a multiple of the chunk, N = 1, V = 3, V not a power of two, V < H
 SHAPES = [(67, 24, 101, 16), (1, 8, 3, None), (40, 64, 5, 7), (33, 16, 257, None)]
 
@@ -37,10 +40,12 @@ def _check(impl, device, dtype, N, H, V, chunk, bias, tol=1e-5, memory_lean=Fals
 
 
 @IMPL_DEVICES
+@PATHS
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_options_fp32(impl, device, options, reduction):
-    _check(impl, device, torch.float32, 67, 24, 101, 16, bias=True, reduction=reduction, **options)
+def test_options_fp32(impl, device, chunk, options, reduction):
+    _check(impl, device, torch.float32, 67, 24, 101, chunk, bias=True, reduction=reduction,
+           **options)
 
 
 @IMPL_DEVICES
@@ -52,9 +57,10 @@ def test_odd_shapes_fp32(impl, device, N, H, V, chunk, bias):
 
 
 @IMPL_DEVICES
+@pytest.mark.parametrize("chunk", [None, 64], ids=["one_block", "chunked"])
 @pytest.mark.parametrize("options", [{}, OPTIONS[-1]], ids=["plain", "all"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_bf16_no_worse_than_unfused(impl, device, options, reduction):
+def test_bf16_no_worse_than_unfused(impl, device, chunk, options, reduction):
     """bf16: error against float64 within the unfused bf16 path's own error on the same inputs.
 
     Single draws scatter by +-20% around each other (where the rounded dlogits fall on the bf16
@@ -67,7 +73,7 @@ def test_bf16_no_worse_than_unfused(impl, device, options, reduction):
         if "ignore_index" in kw:
             t[t == -100] = kw["ignore_index"]
         loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b,
-                                         chunk_size=64, impl=impl, **kw)
+                                         chunk_size=chunk, impl=impl, **kw)
         base_loss, base_grads, _ = loss_and_grads(flce.linear_cross_entropy, x, t, w, b, up, **kw)
         ref_loss, ref_grads = float64_reference(x, t, w, b, up, **kw)
         assert rel_err(loss, ref_loss) <= 1.05 * rel_err(base_loss, ref_loss) + 1e-6
@@ -95,51 +101,56 @@ def test_dw_accumulates_in_fp32(impl, device):
 
 
 @IMPL_DEVICES
-def test_confident_target_gradient(impl, device):
+@PATHS
+def test_confident_target_gradient(impl, device, chunk):
     """Pitfall 2: p_y close to 1, where p_y - 1 must come from fp32 lse, not a rounded p_y."""
     x, t, w, b = make_inputs(48, 16, 40, device, torch.float32, bias=False, ignore_frac=0.0)
     with torch.no_grad():  # make the target logit dominate: p_y ~ 1 - 1e-6
         w[t.clamp(min=0)] += x * 3.0 / x.norm(dim=1, keepdim=True) ** 2 * 5
     for kw in ({}, {"label_smoothing": 0.05}):
-        _, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, None, impl=impl, **kw)
+        _, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, None, impl=impl,
+                                      chunk_size=chunk, **kw)
         _, ref = float64_reference(x, t, w, None, up, **kw)
         assert all(rel_err(g, r) <= 1e-4 for g, r in zip(grads, ref))
 
 
 @IMPL_DEVICES
+@PATHS
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_all_ignored_gives_zero(impl, device, reduction):
+def test_all_ignored_gives_zero(impl, device, chunk, reduction):
     x, t, w, b = make_inputs(20, 8, 30, device, torch.float32)
     t.fill_(-100)
-    loss, grads, _ = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b,
+    loss, grads, _ = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, chunk_size=chunk,
                                     impl=impl, reduction=reduction, z_loss=1e-3)
     assert torch.equal(loss.detach().cpu(), torch.zeros_like(loss).cpu())
     assert all(torch.equal(g.cpu(), torch.zeros_like(g).cpu()) for g in grads)
 
 
 @IMPL_DEVICES
+@PATHS
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_strided_target(impl, device, reduction):
+def test_strided_target(impl, device, chunk, reduction):
     """A target that is a strided view (a column of [N, 3]; LinearLossParallel's sequence slice
     of one token per row): the Triton kernels read it as contiguous and took other rows' ids."""
     x, t, w, b = make_inputs(20, 8, 30, device, torch.float32)
     t = torch.stack([t.flip(0), t, t.roll(1)], dim=1)[:, 1]
     assert not t.is_contiguous()
     loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl,
-                                     reduction=reduction)
+                                     chunk_size=chunk, reduction=reduction)
     ref_loss, ref_grads = float64_reference(x, t, w, b, up, reduction=reduction)
     assert rel_err(loss, ref_loss) <= 1e-5
     assert all(rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref_grads))
 
 
 @IMPL_DEVICES
+@PATHS
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_no_tokens(impl, device, reduction):
+def test_no_tokens(impl, device, chunk, reduction):
     """N = 0 (a tensor-parallel rank whose sequence shard is empty): loss 0 (or empty), zero dW
     and db, empty dx."""
     x, t, w, b = make_inputs(0, 8, 30, device, torch.float32)
     loss, grads, _ = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl,
-                                    reduction=reduction)
+                                    chunk_size=chunk, reduction=reduction)
     assert loss.shape == ((0,) if reduction == "none" else ())
     assert torch.equal(loss.detach().cpu(), torch.zeros_like(loss).cpu())
     assert grads[0].shape == (0, 8)
@@ -147,12 +158,14 @@ def test_no_tokens(impl, device, reduction):
 
 
 @IMPL_DEVICES
-def test_large_logits(impl, device):
+@PATHS
+def test_large_logits(impl, device, chunk):
     """Logits around 1e4: lse needs the running max subtracted. One fp32 ulp of such a logit
     is ~1e-3, so near-ties make the softmax of any fp32 implementation ~1e-5 off in a way that
     depends on summation order: the gradients are held to a few times the unfused error."""
     x, t, w, b = make_inputs(30, 16, 50, device, torch.float32, scale=3000.0)
-    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl)
+    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl,
+                                     chunk_size=chunk)
     _, base, _ = loss_and_grads(flce.linear_cross_entropy, x, t, w, b, up)
     ref_loss, ref = float64_reference(x, t, w, b, up)
     assert torch.isfinite(loss) and rel_err(loss, ref_loss) <= 1e-5
@@ -173,15 +186,16 @@ def test_chunk_size_independence(impl, device):
 
 
 @IMPL_DEVICES
+@PATHS
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_gradient_accumulation_and_upstream_scale(impl, device, reduction):
+def test_gradient_accumulation_and_upstream_scale(impl, device, chunk, reduction):
     """Two forward/backward calls into .grad with upstream gradients != 1, as the unfused loss."""
     x, t, w, b = make_inputs(40, 16, 30, device, torch.float32)
     refs = [a.detach().cpu().double().requires_grad_() for a in (x, w, b)]
     for scale in (0.37, -2.5):
         for fn, (xi, wi, bi), tt in ((flce.fused_linear_cross_entropy, (x, w, b), t),
                                      (flce.linear_cross_entropy, refs, t.cpu())):
-            kw = {"impl": impl} if fn is flce.fused_linear_cross_entropy else {}
+            kw = {"impl": impl, "chunk_size": chunk} if fn is flce.fused_linear_cross_entropy else {}
             loss = fn(xi, tt, wi, bi, reduction=reduction, label_smoothing=0.1, **kw)
             (loss.sum() * scale).backward()
     for a, r in zip((x, w, b), refs):
@@ -206,9 +220,10 @@ def test_normalizer_gives_global_mean_across_micro_batches(impl, device):
 
 
 @IMPL_DEVICES
-def test_module_3d_input_and_partial_grads(impl, device):
+@PATHS
+def test_module_3d_input_and_partial_grads(impl, device, chunk):
     x, t, w, b = make_inputs(24, 16, 30, device, torch.float32)
-    loss_fn = flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1, impl=impl)
+    loss_fn = flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1, impl=impl, chunk_size=chunk)
     x3, t3 = x.detach().reshape(4, 6, 16).requires_grad_(), t.reshape(4, 6)
     w.requires_grad_(False)  # a frozen head: only dx and db are formed
     loss = loss_fn(x3, t3, w, b)
@@ -221,11 +236,12 @@ def test_module_3d_input_and_partial_grads(impl, device):
 
 
 @IMPL_DEVICES
-def test_deterministic(impl, device):
+@PATHS
+def test_deterministic(impl, device, chunk):
     x, t, w, b = make_inputs(64, 32, 100, device, torch.float32)
     up = torch.tensor(1.0, dtype=torch.float64)
     runs = [loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up, impl=impl,
-                           chunk_size=16) for _ in range(2)]
+                           chunk_size=chunk) for _ in range(2)]
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(torch.equal(g0, g1) for g0, g1 in zip(runs[0][1], runs[1][1]))
 
@@ -240,14 +256,30 @@ def test_memory_lean_fp32(impl, device, reduction):
 
 def test_chunk_sizes():
     from flce.ops import pick_chunk_size
-    assert pick_chunk_size(16384, 4096, 128256, 2, None, lean=False) == 8192
-    assert pick_chunk_size(8192, 2048, 128256, 2, None, lean=False) == 4096
+    assert pick_chunk_size(65536, 4096, 128256, 2, None, lean=False) == 8192
+    assert pick_chunk_size(65536, 1024, 32000, 2, None, lean=False) == 16384  # ~1 GiB of logits
     assert pick_chunk_size(65536, 2048, 262144, 2, None, lean=False) == 4096  # 2 GiB of logits
     assert pick_chunk_size(100, 64, 1000, 4, None, lean=False) == 104  # one chunk, 8-aligned
     assert pick_chunk_size(10000, 64, 1000, 4, 4096, lean=False) == 3336  # three even chunks
     # lean: Liger-Kernel's size, next_pow2(N / ceil(V / H))
     assert pick_chunk_size(8192, 2048, 128256, 2, None, lean=True) == 256
     assert pick_chunk_size(32768, 2048, 128256, 2, None, lean=True) == 1024
+
+
+def test_one_block_where_it_takes_no_more_memory_than_chunks():
+    from flce.ops import uses_one_block
+    # bf16 at V = 128256: one block up to about a chunk (8192) + 2 H tokens
+    assert uses_one_block(8192, 4096, 128256, 2, None, lean=False)
+    assert uses_one_block(16384, 4096, 128256, 2, None, lean=False)
+    assert not uses_one_block(16384, 2048, 128256, 2, None, lean=False)
+    assert not uses_one_block(65536, 8192, 128256, 2, None, lean=False)
+    # fp32: no fp32 accumulator to save, one block only where one chunk would hold every token
+    assert not uses_one_block(8192, 4096, 128256, 4, None, lean=False)
+    assert uses_one_block(4096, 4096, 128256, 4, None, lean=False)
+    # a chunk_size below N asks for chunks; memory_lean always chunks
+    assert not uses_one_block(100, 64, 1000, 2, 64, lean=False)
+    assert uses_one_block(100, 64, 1000, 2, 100, lean=False)
+    assert not uses_one_block(100, 64, 1000, 2, None, lean=True)
 
 
 def test_chunked_torch_loss_matches_unfused():
@@ -258,3 +290,15 @@ def test_chunked_torch_loss_matches_unfused():
     out = flce.chunked_linear_cross_entropy(x, t, w, b, chunk_size=16, **kw)
     grads = torch.autograd.grad(out, (x, w, b))
     assert rel_err(out, ref) <= 1e-12 and all(rel_err(g, r) <= 1e-12 for g, r in zip(grads, ref_grads))
+
+
+@IMPL_DEVICES
+def test_one_block_second_backward_is_an_error(impl, device):
+    """The one-block path overwrites its kept logits with dlogits in backward: a second
+    backward over the same graph (retain_graph=True) must fail loudly, not read dlogits as
+    logits."""
+    x, t, w, b = make_inputs(20, 8, 30, device, torch.float32)
+    loss = flce.fused_linear_cross_entropy(x, t, w, b, impl=impl)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
