@@ -8,10 +8,12 @@ scale_ (through scale_to): the chunked backward's multiply by the upstream gradi
 to the parameter dtype.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from flce.dispatch import stat_dtype, triton_usable
 from flce.float8 import padded
@@ -19,6 +21,24 @@ from flce.ops import block_grads, block_stats, chunked_pass
 from flce.options import LossOptions
 
 _EMPTY = (0,)
+
+
+def _op(name: str, mutates_args=()):
+    """A torch.library custom op for torch.compile (opaque to it, traced through its fake
+    kernel), called as a plain Python function in eager mode: the dispatcher's round trip and
+    argument conversion cost tens of microseconds per call, which is most of the loss's time at
+    a few thousand tokens. Fake tensors (tracing without compile) still go through the op."""
+    def wrap(fn):
+        op = torch.library.custom_op(f"flce::{name}", fn, mutates_args=mutates_args)
+
+        @functools.wraps(fn)
+        def call(*args):
+            if torch.compiler.is_compiling() or isinstance(args[0], FakeTensor):
+                return op(*args)
+            return fn(*args)
+        call.register_fake = op.register_fake
+        return call
+    return wrap
 
 
 def _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap) -> LossOptions:
@@ -29,7 +49,7 @@ def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_empty(_EMPTY) if t is None else t
 
 
-@torch.library.custom_op("flce::fused_forward", mutates_args=())
+@_op("fused_forward", mutates_args=())
 def fused_forward(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor], loss_weight: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
@@ -59,17 +79,18 @@ def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit
             torch.empty_like(bias, dtype=stat_dtype(x)) if need_db else weight.new_empty(_EMPTY))
 
 
-@torch.library.custom_op("flce::block_forward", mutates_args=())
+@_op("block_forward", mutates_args=())
 def block_forward(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], float8: str, use_triton: bool, keep_off_max: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(per-token loss, lse, the logits of all tokens, row maxima off the target or empty)."""
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(per-token loss, row max, log sum exp(z - max), the logits of all tokens, row maxima off
+    the target or empty)."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    loss, lse, logits, off_max = block_stats(x, target, weight, bias, opts, use_triton, float8,
-                                             keep_off_max)
-    return loss, lse, logits, _or_empty(off_max, lse)
+    loss, row_max, log_sum, logits, off_max = block_stats(x, target, weight, bias, opts,
+                                                          use_triton, float8, keep_off_max)
+    return loss, row_max, log_sum, logits, _or_empty(off_max, loss)
 
 
 @block_forward.register_fake
@@ -77,7 +98,7 @@ def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_los
       float8, use_triton, keep_off_max):
     n, V = x.shape[0], weight.shape[0]
     stat = x.new_empty((n,), dtype=stat_dtype(x))
-    return (stat, torch.empty_like(stat),
+    return (stat, torch.empty_like(stat), torch.empty_like(stat),
             x.new_empty((n, V if float8 == "none" else padded(V))),
             torch.empty_like(stat) if keep_off_max else stat.new_empty(_EMPTY))
 
@@ -87,56 +108,63 @@ def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_los
 # change, and a declared mutation makes torch.compile copy the whole [N, V] buffer before the
 # call (auto-functionalization: a full extra read and write). The Function bumps the logits'
 # version, so a second backward over them (retain_graph=True) raises instead of reading dlogits.
-@torch.library.custom_op("flce::block_backward", mutates_args=())
+@_op("block_backward", mutates_args=())
 def block_backward(
     logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, weight: Tensor,
-    bias: Optional[Tensor], lse: Tensor, off_max: Tensor,
+    bias: Optional[Tensor], row_max: Tensor, log_sum: Tensor, off_max: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], float8: str, use_triton: bool,
     need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, dW, db) of the one-block path; logits are overwritten with dlogits."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    dx, dw, db = block_grads(logits, row_weight, x, target, weight, bias, lse,
+    dx, dw, db = block_grads(logits, row_weight, x, target, weight, bias, (row_max, log_sum),
                              off_max if off_max.numel() else None, opts, use_triton, float8,
                              need_dx, need_dw, need_db)
     return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @block_backward.register_fake
-def _(logits, row_weight, x, target, weight, bias, lse, off_max, ignore_index, label_smoothing,
-      logit_scale, z_loss, softcap, float8, use_triton, need_dx, need_dw, need_db):
+def _(logits, row_weight, x, target, weight, bias, row_max, log_sum, off_max, ignore_index,
+      label_smoothing, logit_scale, z_loss, softcap, float8, use_triton, need_dx, need_dw,
+      need_db):
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
 
 
-@torch.library.custom_op("flce::token_losses", mutates_args=())
+@_op("token_losses", mutates_args=())
 def token_losses(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], chunk_size: Optional[int], float8: str, use_triton: bool,
-) -> Tuple[Tensor, Tensor]:
-    """Per-token losses and lse, no gradients (reduction "none" forward, and evaluation)."""
+    keep_stats: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per-token losses, no gradients (chunked reduction "none" forward, and evaluation), and
+    with keep_stats each row's (max, log sum exp(z - max)) for token_losses_backward."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    lse = x.new_empty(x.shape[0], dtype=stat_dtype(x))
-    one = torch.ones((), device=x.device, dtype=lse.dtype)
-    loss, _, _, _ = chunked_pass(x, target, weight, bias, one, lse, False, opts, chunk_size,
-                                 False, use_triton, False, False, False, cast_grads=True,
-                                 float8=float8)
-    return loss, lse
+    stat = stat_dtype(x)
+    stats = tuple(x.new_empty(x.shape[0] if keep_stats else 0, dtype=stat) for _ in range(2))
+    one = torch.ones((), device=x.device, dtype=stat)
+    loss, _, _, _ = chunked_pass(x, target, weight, bias, one, stats if keep_stats else None,
+                                 False, opts, chunk_size, False, use_triton, False, False, False,
+                                 cast_grads=True, float8=float8)
+    return loss, *stats
 
 
 @token_losses.register_fake
 def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_loss, softcap,
-      chunk_size, float8, use_triton):
-    n = x.shape[0]
-    return x.new_empty((n,), dtype=stat_dtype(x)), x.new_empty((n,), dtype=stat_dtype(x))
+      chunk_size, float8, use_triton, keep_stats):
+    n, stat = x.shape[0], stat_dtype(x)
+    kept = n if keep_stats else 0
+    return (x.new_empty((n,), dtype=stat), x.new_empty((kept,), dtype=stat),
+            x.new_empty((kept,), dtype=stat))
 
 
-@torch.library.custom_op("flce::token_losses_backward", mutates_args=())
+@_op("token_losses_backward", mutates_args=())
 def token_losses_backward(
-    grad: Tensor, x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tensor,
+    grad: Tensor, x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
+    row_max: Tensor, log_sum: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], chunk_size: Optional[int], lean: bool, float8: str,
     use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
@@ -144,14 +172,15 @@ def token_losses_backward(
     """Gradients for any per-token upstream gradient: recomputes each chunk's logits."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     _, dx, dw, db = chunked_pass(
-        x, target, weight, bias, grad.to(lse.dtype), lse, True, opts, chunk_size, lean,
-        use_triton, need_dx, need_dw, need_db, cast_grads=True, float8=float8)
+        x, target, weight, bias, grad.to(row_max.dtype), (row_max, log_sum), True, opts,
+        chunk_size, lean, use_triton, need_dx, need_dw, need_db, cast_grads=True, float8=float8)
     return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @token_losses_backward.register_fake
-def _(grad, x, target, weight, bias, lse, ignore_index, label_smoothing, logit_scale, z_loss,
-      softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw, need_db):
+def _(grad, x, target, weight, bias, row_max, log_sum, ignore_index, label_smoothing,
+      logit_scale, z_loss, softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw,
+      need_db):
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
@@ -169,7 +198,7 @@ def _fast_scale(t: Tensor) -> bool:
     return t.is_cuda and triton_usable(t.device)
 
 
-@torch.library.custom_op("flce::scale_cast", mutates_args=())
+@_op("scale_cast", mutates_args=())
 def scale_cast(src: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     dst = torch.empty_like(src, dtype=dtype)
     if _fast_scale(src):
@@ -183,7 +212,7 @@ def _(src, scale, dtype):
     return torch.empty_like(src, dtype=dtype)
 
 
-@torch.library.custom_op("flce::scale_", mutates_args=("t",))
+@_op("scale_", mutates_args=("t",))
 def scale_(t: Tensor, scale: Tensor) -> None:
     if _fast_scale(t):
         from flce.kernels import scale_cast as triton_scale_cast

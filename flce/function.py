@@ -21,21 +21,23 @@ class _OneBlockLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, weight, bias, loss_weight, opts, float8, use_triton, reduce):
         need = ctx.needs_input_grad
-        loss, lse, logits, off_max = block_forward(
+        loss, row_max, log_sum, logits, off_max = block_forward(
             x, target, weight, bias, *opts, float8, use_triton,
             need[0] and float8 == "logits+dx")
-        ctx.save_for_backward(x, target, weight, bias, lse, logits, off_max, loss_weight)
+        ctx.save_for_backward(x, target, weight, bias, row_max, log_sum, logits, off_max,
+                              loss_weight)
         ctx.config = (opts, float8, use_triton, reduce)
         return loss.sum() * loss_weight if reduce else loss
 
     @staticmethod
     def backward(ctx, grad):
-        x, target, weight, bias, lse, logits, off_max, loss_weight = ctx.saved_tensors
+        x, target, weight, bias, row_max, log_sum, logits, off_max, loss_weight = ctx.saved_tensors
         opts, float8, use_triton, reduce = ctx.config
         need = ctx.needs_input_grad
-        row_weight = grad * loss_weight if reduce else grad.to(lse.dtype)
-        dx, dw, db = block_backward(logits, row_weight, x, target, weight, bias, lse, off_max,
-                                    *opts, float8, use_triton, need[0], need[2], need[3])
+        row_weight = grad * loss_weight if reduce else grad.to(row_max.dtype)
+        dx, dw, db = block_backward(logits, row_weight, x, target, weight, bias, row_max,
+                                    log_sum, off_max, *opts, float8, use_triton, need[0], need[2],
+                                    need[3])
         torch.autograd.graph.increment_version(logits)  # it holds dlogits now (custom_ops.py)
         return (dx if need[0] else None, None, dw if need[2] else None,
                 db if need[3] else None, None, None, None, None, None)
@@ -69,19 +71,20 @@ class _TokenLosses(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, target, weight, bias, opts, chunk_size, lean, float8, use_triton):
-        loss, lse = token_losses(x, target, weight, bias, *opts, chunk_size, float8, use_triton)
-        ctx.save_for_backward(x, target, weight, bias, lse)
+        loss, row_max, log_sum = token_losses(x, target, weight, bias, *opts, chunk_size, float8,
+                                              use_triton, True)
+        ctx.save_for_backward(x, target, weight, bias, row_max, log_sum)
         ctx.config = (opts, chunk_size, lean, float8, use_triton)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        x, target, weight, bias, lse = ctx.saved_tensors
+        x, target, weight, bias, row_max, log_sum = ctx.saved_tensors
         need = ctx.needs_input_grad
         opts, chunk_size, lean, float8, use_triton = ctx.config
         dx, dw, db = token_losses_backward(
-            grad, x, target, weight, bias, lse, *opts, chunk_size, lean, float8, use_triton,
-            need[0], need[2], need[3])
+            grad, x, target, weight, bias, row_max, log_sum, *opts, chunk_size, lean, float8,
+            use_triton, need[0], need[2], need[3])
         return (dx if need[0] else None, None, dw if need[2] else None,
                 db if need[3] else None, None, None, None, None, None)
 
@@ -166,8 +169,8 @@ def fused_linear_cross_entropy(
         return loss if reduce else loss.reshape(target.shape)
     if reduction == "none":
         if not grad:
-            return token_losses(x2, t2, weight, bias, *o, chunk_size, float8,
-                                on_triton)[0].reshape(target.shape)
+            return token_losses(x2, t2, weight, bias, *o, chunk_size, float8, on_triton,
+                                False)[0].reshape(target.shape)
         loss = _TokenLosses.apply(x2, t2, weight, bias, o, chunk_size, memory_lean, float8,
                                   on_triton)
         return loss.reshape(target.shape)

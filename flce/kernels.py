@@ -4,7 +4,7 @@ The chunk loop in `ops.py` runs the GEMMs through cuBLAS; these kernels do the m
 between them. One program handles one row (token) of the [C, V] logits chunk and walks the
 vocabulary in blocks of BLOCK_V:
 
-  pass 1  online max / sum-exp (and the sum of z for label smoothing)   -> lse, loss
+  pass 1  online max / sum-exp (and the sum of z for label smoothing)   -> loss (max, log sum)
   pass 2  dz_j = w * dz/da_j, written in place over the logits           -> the chunk becomes dlogits
 
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
@@ -78,8 +78,10 @@ def flce_rows_kernel(
     logits_ptr,        # [C, V] raw logits in, dlogits out (when COMPUTE_GRAD)
     stride_row,
     target_ptr,        # [C] int, global class ids
-    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens); not written when LSE_GIVEN
-    lse_ptr,           # [C] fp32 out (or in, when LSE_GIVEN)
+    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens); not written when STATS_GIVEN
+    max_ptr,           # [C] fp32: the row's max z and log sum exp(z - max), kept apart (lse
+    log_sum_ptr,       # would lose z - lse's digits at large logits); out with STORE_STATS, in
+                       # with STATS_GIVEN (a gradient pass after a statistics pass)
     weight_ptr,        # fp32 gradient weight: one scalar (weight_stride 0) or one per row
     weight_stride,
     V,                 # the columns of this chunk: the vocabulary slice [vocab_start, vocab_start + V)
@@ -95,11 +97,12 @@ def flce_rows_kernel(
     g8_scale_ptr,      # [C] fp32 out (FP8_GRAD): a bound on the row's |dlogits|, / FP8_MAX
     target_grad_ptr,   # [C] fp32 out (FP8_GRAD): dlogits in the target column (0 if not here)
     off_max_ptr,       # [C] fp32: max of z off the target; out with KEEP_OFF_MAX, in with
-                       # FP8_GRAD and LSE_GIVEN (a gradient pass after a statistics pass)
+                       # FP8_GRAD and STATS_GIVEN
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
-    LSE_GIVEN: tl.constexpr,
+    STATS_GIVEN: tl.constexpr,
+    STORE_STATS: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     FP8_GRAD: tl.constexpr,
     KEEP_OFF_MAX: tl.constexpr,
@@ -116,8 +119,9 @@ def flce_rows_kernel(
     if y == ignore_index:
         # Ignored rows still write every output: the chunk buffer is reused and feeds the GEMMs.
         tl.store(loss_ptr + row, 0.0)
-        if not LSE_GIVEN:
-            tl.store(lse_ptr + row, 0.0)
+        if STORE_STATS:
+            tl.store(max_ptr + row, 0.0)
+            tl.store(log_sum_ptr + row, 0.0)
         if KEEP_OFF_MAX:
             tl.store(off_max_ptr + row, 0.0)
         if COMPUTE_GRAD:
@@ -141,10 +145,10 @@ def flce_rows_kernel(
 
     a_y = tl.load(row_ptr + tl.where(owns, y_local, 0)).to(tl.float32)
     z_y = tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0)
-    if LSE_GIVEN:  # a gradient pass: the caller already has the loss
-        shift = tl.load(lse_ptr + row)
-        log_s = 0.0
-        lse = shift
+    if STATS_GIVEN:  # a gradient pass: the caller already has the loss
+        shift = tl.load(max_ptr + row)
+        log_s = tl.load(log_sum_ptr + row)
+        lse = shift + log_s
         if FP8_GRAD:
             z_off_max = tl.load(off_max_ptr + row)
     else:
@@ -157,7 +161,9 @@ def flce_rows_kernel(
         # an fp32 lse has an ulp of ~1e-3, while z - max is exact.
         log_s = tl.log(s)
         lse = shift + log_s
-        tl.store(lse_ptr + row, lse)
+        if STORE_STATS:
+            tl.store(max_ptr + row, shift)
+            tl.store(log_sum_ptr + row, log_s)
         loss = log_s - (z_y - shift)
         if HAS_SMOOTHING:
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_s - (sum_z / V_total - shift))
@@ -249,24 +255,27 @@ def _block_and_warps(C, V, block_v, num_warps):
     return block_v, num_warps or min(default_warps, max(1, block_v // 256))
 
 
-def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, compute_grad,
+def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad,
                 block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None,
                 off_max=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
-    vocabulary slice, the gradient pass of `vocab_parallel`). fp8_grad: (g8 [C, V] e4m3,
+    vocabulary slice, the gradient pass of `vocab_parallel`). stats: (row max, log sum exp(z -
+    max)), [C] fp32 each, written (or read, stats_given), or None. fp8_grad: (g8 [C, V] e4m3,
     g8_scale [C], target_grad [C]) to fill for the float8 dx GEMM, or None. off_max [C] fp32:
-    written by a statistics pass (not compute_grad), read by a float8 gradient pass (lse_given)."""
+    written by a statistics pass (not compute_grad), read by a float8 gradient pass."""
     C, V = logits.shape
     if C == 0:
         return
     target = target.contiguous()  # the kernels read target[row] (a strided target was misread)
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
     g8, g8_scale, target_grad = fp8_grad or (logits, loss_out, loss_out)  # unused when None
+    row_max, log_sum = stats or (loss_out, loss_out)  # unused when None
     keep_off_max = off_max is not None and not compute_grad
-    assert not (fp8_grad is not None and lse_given and off_max is None), \
+    assert stats is not None or not stats_given, "a gradient pass reads the row statistics"
+    assert not (fp8_grad is not None and stats_given and off_max is None), \
         "a float8 gradient pass after a statistics pass reads the row maxima off the target"
     flce_rows_kernel[(C,)](
-        logits, logits.stride(0), target, loss_out, lse_out,
+        logits, logits.stride(0), target, loss_out, row_max, log_sum,
         weight, 0 if weight.dim() == 0 else weight.stride(0),
         V, vocab_start, vocab_total or V, opts.ignore_index, float(opts.logit_scale),
         float(opts.softcap or 1.0), float(opts.label_smoothing), float(opts.z_loss),
@@ -274,7 +283,8 @@ def launch_rows(logits, target, loss_out, lse_out, weight, opts, lse_given, comp
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=opts.label_smoothing > 0,
         HAS_Z_LOSS=opts.z_loss > 0,
-        LSE_GIVEN=lse_given,
+        STATS_GIVEN=stats_given,
+        STORE_STATS=stats is not None and not stats_given,
         COMPUTE_GRAD=compute_grad,
         FP8_GRAD=fp8_grad is not None,
         KEEP_OFF_MAX=keep_off_max,

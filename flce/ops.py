@@ -2,7 +2,7 @@
 
 One block (`block_stats`, `block_grads`): when the logits of all N tokens take no more memory
 than the chunked sweep's buffers would, forward writes them once (one GEMM), a row pass forms
-each token's lse and loss, and the logits are kept for backward. Backward turns them into
+each token's loss and softmax statistics, and the logits are kept for backward. Backward turns them into
 dlogits in place, scaled by the upstream gradient times the loss weight (so the upstream gradient
 is folded in before any rounding, as in the unfused loss), and dx = dlogits @ W, dW = dlogits.T @
 x follow as one GEMM each, written straight in the parameter dtype: no fp32 accumulator, no cast
@@ -14,7 +14,8 @@ dlogits.T @ x_c, db += sum(dlogits) follow, all during forward (the chunks' logi
 For reductions "mean" and "sum" that is 6·N·H·V FLOPs, nothing recomputed; backward only
 multiplies the stored gradients by the upstream scalar while casting them to the parameter
 dtypes (one rounding, as in the unfused loss). For reduction "none" the upstream gradient
-differs per token and is unknown in forward, so forward keeps lse and backward recomputes each
+differs per token and is unknown in forward, so forward keeps each row's statistics (max and log
+sum of exponentials) and backward recomputes each
 chunk's logits with the token weights (8·N·H·V FLOPs). dW is accumulated across chunks in fp32
 (cuBLAS `out_dtype=float32` on CUDA: no extra pass) and cast to the parameter dtype once. The
 memory-lean mode accumulates in the parameter dtype instead and uses small chunks (the memory of
@@ -155,7 +156,8 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
 
 
 def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 row_weight: Tensor, lse: Optional[Tensor], lse_given: bool, opts: LossOptions,
+                 row_weight: Tensor, stats: Optional[tuple[Tensor, Tensor]], stats_given: bool,
+                 opts: LossOptions,
                  chunk_size: Optional[int], lean: bool, use_triton: bool,
                  need_dx: bool, need_dw: bool, need_db: bool, cast_grads: bool,
                  float8: str = "none"):
@@ -166,8 +168,8 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     upstream-gradient multiply rounds to the parameter dtype only once.
 
     row_weight: fp32, 0-dim (one weight for every token) or [N]; it scales the gradients only.
-    lse: [N] fp32 (float64 for float64 inputs), read when lse_given, else written; None: the
-    caller does not need it (a chunk-sized scratch holds it).
+    stats: (row max, log sum exp(z - max)), [N] fp32 each (float64 for float64 inputs), read
+    when stats_given, else written; None when the caller does not need them.
     float8: "none", "logits" or "logits+dx", the GEMMs that run in float8 (`float8.py`).
     """
     N, H = x.shape
@@ -183,19 +185,18 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
 
     C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
-    scratch = torch.empty(min(C, N), device=x.device, dtype=stat_dtype) if lse is None else None
     fp8 = None
     if float8 != "none":
         fp8 = Float8Gemms(weight, bias, target, min(C, N), need_dx and float8 == "logits+dx",
                           use_triton)
-        if fp8.dx and lse_given:  # the float8 scales need each row's statistics, not just lse
-            lse, lse_given = torch.empty_like(lse), False
+        if fp8.dx and stats_given:  # the float8 scales need the max off the target: recompute
+            stats, stats_given = None, False
 
     def row_pass(logits, start, end):
         rw = row_weight if row_weight.dim() == 0 else row_weight[start:end]
         rows(logits, target[start:end], loss[start:end],
-             scratch[:end - start] if lse is None else lse[start:end], rw, opts,
-             lse_given, compute_grad,
+             None if stats is None else tuple(t[start:end] for t in stats), rw, opts,
+             stats_given, compute_grad,
              fp8_grad=fp8.grad_outputs(end - start) if fp8 is not None and fp8.dx else None)
 
     chunk_loop(x, weight, bias, C, row_pass, dx, dw_acc, db_acc, fp8)
@@ -209,14 +210,14 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
 
 def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
                 opts: LossOptions, use_triton: bool, float8: str, keep_off_max: bool):
-    """Forward of the one-block path: (per-token loss, lse, the logits of all tokens, each row's
-    largest logit off the target or None). The logits are kept for `block_grads`; with float8
+    """Forward of the one-block path: (per-token loss, row max, log sum exp(z - max), the logits
+    of all tokens, each row's largest logit off the target or None). The logits are kept for
+    `block_grads`; with float8
     they have the padded width of the float8 GEMM (columns V.. are padding). keep_off_max: the
     float8 dx GEMM will need the row maxima off the target (its operand's scales)."""
     N, V = x.shape[0], weight.shape[0]
     stat_dtype = torch.promote_types(x.dtype, torch.float32)
-    loss = torch.empty(N, device=x.device, dtype=stat_dtype)
-    lse = torch.empty(N, device=x.device, dtype=stat_dtype)
+    loss, row_max, log_sum = (torch.empty(N, device=x.device, dtype=stat_dtype) for _ in range(3))
     off_max = torch.empty(N, device=x.device, dtype=stat_dtype) if keep_off_max else None
     if float8 != "none":
         fp8 = Float8Gemms(weight, bias, target, N, dx=False, use_triton=use_triton)
@@ -227,14 +228,15 @@ def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
         logits = torch.mm(x, weight.t())
     else:
         logits = torch.addmm(bias, x, weight.t())
-    one = torch.ones((), device=x.device, dtype=stat_dtype)
-    _row_fn(use_triton)(logits[:, :V], target, loss, lse, one, opts, False, False,
-                        off_max=off_max)
-    return loss, lse, logits, off_max
+    # no gradient in this pass: the row weight (here loss, for a tensor) is not read
+    _row_fn(use_triton)(logits[:, :V], target, loss, (row_max, log_sum), loss, opts, False,
+                        False, off_max=off_max)
+    return loss, row_max, log_sum, logits, off_max
 
 
 def block_grads(logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, weight: Tensor,
-                bias: Optional[Tensor], lse: Tensor, off_max: Optional[Tensor], opts: LossOptions,
+                bias: Optional[Tensor], stats: tuple[Tensor, Tensor], off_max: Optional[Tensor],
+                opts: LossOptions,
                 use_triton: bool, float8: str, need_dx: bool, need_dw: bool, need_db: bool):
     """Backward of the one-block path: `logits` (from `block_stats`) become row_weight times the
     loss's gradient in place, then (dx, dW, db), each None where not needed, in the dtypes of x,
@@ -245,8 +247,8 @@ def block_grads(logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, w
     fp8 = None
     if need_dx and float8 == "logits+dx":
         fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False)
-    scratch = torch.empty_like(lse)  # the gradient pass writes no loss; ignored rows still store
-    _row_fn(use_triton)(view, target, scratch, lse, row_weight, opts, True, True,
+    scratch = torch.empty_like(stats[0])  # the gradient pass writes no loss (0 for ignored rows)
+    _row_fn(use_triton)(view, target, scratch, stats, row_weight, opts, True, True,
                         fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max)
     dx = dw = db = None
     if fp8 is not None:
@@ -258,5 +260,5 @@ def block_grads(logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, w
     if need_dw:
         dw = torch.mm(view.t(), x)
     if need_db:
-        db = view.sum(0, dtype=lse.dtype).to(bias.dtype)
+        db = view.sum(0, dtype=scratch.dtype).to(bias.dtype)
     return dx, dw, db

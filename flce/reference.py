@@ -44,11 +44,17 @@ def row_max_and_log_sum(z: Tensor) -> tuple[Tensor, Tensor]:
     return m, torch.logsumexp(z - m[:, None], dim=1)
 
 
-def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor,
-               weight: Tensor, opts: LossOptions, lse_given: bool, compute_grad: bool,
+def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor,
+               stats: Optional[tuple[Tensor, Tensor]], weight: Tensor, opts: LossOptions,
+               stats_given: bool, compute_grad: bool,
                fp8_grad: Optional[tuple[Tensor, Tensor, Tensor]] = None,
                off_max: Optional[Tensor] = None) -> None:
-    """Fill loss_out/lse_out for a chunk and, if compute_grad, overwrite logits with dlogits.
+    """Fill loss_out for a chunk and, if compute_grad, overwrite logits with dlogits.
+
+    stats: (row max of z, log sum exp(z - max)), written, or read when stats_given (a gradient
+    pass after a statistics pass, which writes no loss); None when nobody needs them. They are
+    kept apart rather than as lse: at logits ~1e4 an fp32 lse is ~1e-3 off, and exp(z - lse)
+    with it; z - max is exact.
 
     weight is the fp32 gradient weight per row ([C]) or for all rows (a 0-dim tensor).
     Targets outside [0, V) raise (an index error from gather) rather than read garbage.
@@ -66,12 +72,14 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor, lse_out: Tensor
     if bad.any():  # CPU path only: a host check is free here
         raise IndexError(f"target id {int(target[bad][0])} is outside [0, {V}) "
                          f"and is not ignore_index={opts.ignore_index}")
-    if lse_given:  # a gradient pass: the caller has the loss
-        shift, log_s = lse_out, torch.zeros_like(lse_out)
+    if stats_given:  # a gradient pass: the caller has the loss
+        shift, log_s = stats
     else:
         shift, log_s = row_max_and_log_sum(z)
         loss_out.copy_(per_token_loss(z, target, shift, log_s, opts))
-        lse_out.copy_(torch.where(keep, shift + log_s, torch.zeros_like(shift)))
+        if stats is not None:
+            for out, value in zip(stats, (shift, log_s)):
+                out.copy_(torch.where(keep, value, torch.zeros_like(value)))
     if not compute_grad:
         if off_max is not None:
             off = _off_target(z, torch.where(keep, target, torch.zeros_like(target)))

@@ -94,13 +94,14 @@ def _loss_from_sums(m: Tensor, sums: Tensor, target: Tensor, opts: LossOptions,
 
 
 def _combine(stats: Tensor, target: Tensor, opts: LossOptions, vocab_size: int, group):
-    """Global lse and per-token loss from every rank's (max, sum-exp, target logit, sum z)."""
+    """Per-token loss and the global (row max, log sum exp(z - max)) from every rank's (max,
+    sum-exp, target logit, sum z)."""
     m = stats[:, 0].clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     sums = torch.stack([stats[:, 1] * torch.exp(stats[:, 0] - m), stats[:, 2], stats[:, 3]])
     dist.all_reduce(sums, group=group)
     loss, log_s = _loss_from_sums(m, sums, target, opts, vocab_size)
-    return loss, m + log_s
+    return loss, (m, log_s)
 
 
 def _chunk_grads_triton(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: int,
@@ -111,11 +112,11 @@ def _chunk_grads_triton(logits: Tensor, target: Tensor, opts: LossOptions, vocab
     C = logits.shape[0]
     stats = torch.empty(C, 4, device=logits.device, dtype=torch.float32)
     launch_row_stats(logits, target, stats, opts, vocab_start)
-    loss, lse = _combine(stats, target, opts, vocab_size, group)
+    loss, row_stats = _combine(stats, target, opts, vocab_size, group)
     scratch = torch.empty(C, device=logits.device, dtype=torch.float32)
     one = torch.ones((), device=logits.device, dtype=torch.float32)
-    launch_rows(logits, target, scratch, lse, one, opts, True, True, vocab_start=vocab_start,
-                vocab_total=vocab_size)
+    launch_rows(logits, target, scratch, row_stats, one, opts, True, True,
+                vocab_start=vocab_start, vocab_total=vocab_size)
     return loss
 
 

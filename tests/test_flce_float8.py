@@ -210,14 +210,15 @@ def _rows_with_fp8(fn, logits, target, weight, opts, split=False):
     g8 = torch.full((C, V + 16), 1.0, device=logits.device).to(E4M3)[:, :V]  # a strided view
     scale = torch.full((C,), float("nan"), device=logits.device)
     target_grad = torch.full((C,), float("nan"), device=logits.device)
-    loss, lse = torch.empty(C, device=logits.device), torch.empty(C, device=logits.device)
+    loss = torch.empty(C, device=logits.device)
     if split:
+        stats = (torch.empty(C, device=logits.device), torch.empty(C, device=logits.device))
         off_max = torch.full((C,), float("nan"), device=logits.device)
-        fn(out, target, loss, lse, weight, opts, False, False, off_max=off_max)
-        fn(out, target, torch.empty_like(loss), lse, weight, opts, True, True,
+        fn(out, target, loss, stats, weight, opts, False, False, off_max=off_max)
+        fn(out, target, torch.empty_like(loss), stats, weight, opts, True, True,
            fp8_grad=(g8, scale, target_grad), off_max=off_max)
     else:
-        fn(out, target, loss, lse, weight, opts, False, True, fp8_grad=(g8, scale, target_grad))
+        fn(out, target, loss, None, weight, opts, False, True, fp8_grad=(g8, scale, target_grad))
     return out, g8, scale, target_grad
 
 

@@ -15,13 +15,16 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run(fn, logits, target, weight, opts, lse_in=None, compute_grad=True):
+def _run(fn, logits, target, weight, opts, stats_in=None, compute_grad=True):
+    """(loss, (row max, log sum exp), logits after the pass); with stats_in, a gradient pass
+    reading those statistics."""
     logits = logits.clone()
     C = logits.shape[0]
     loss = torch.full((C,), float("nan"), device=DEVICE)  # poisoned: every row must be written
-    lse = torch.full((C,), float("nan"), device=DEVICE) if lse_in is None else lse_in.clone()
-    fn(logits, target, loss, lse, weight, opts, lse_in is not None, compute_grad)
-    return loss, lse, logits
+    stats = (tuple(torch.full((C,), float("nan"), device=DEVICE) for _ in range(2))
+             if stats_in is None else tuple(t.clone() for t in stats_in))
+    fn(logits, target, loss, stats, weight, opts, stats_in is not None, compute_grad)
+    return loss, stats, logits
 
 
 @pytest.mark.parametrize("opts", [
@@ -40,10 +43,11 @@ def test_kernel_matches_torch_rows(opts, per_row_weight):
     triton_rows = lambda *a: launch_rows(*a, block_v=16)
     ref = _run(chunk_rows, logits, target, weight, opts)
     out = _run(triton_rows, logits, target, weight, opts)
-    for o, r in zip(out, ref):
+    for o, r in zip((out[0], *out[1], out[2]), (ref[0], *ref[1], ref[2])):
         torch.testing.assert_close(o, r, rtol=2e-6, atol=2e-6)
-    # the gradient-only pass with a given lse, as reduction="none" uses in backward
-    out = _run(triton_rows, logits, target, weight, opts, lse_in=ref[1])
+    # the gradient-only pass with given statistics, as the one-block backward and the chunked
+    # reduction "none" use
+    out = _run(triton_rows, logits, target, weight, opts, stats_in=ref[1])
     torch.testing.assert_close(out[2], ref[2], rtol=2e-6, atol=2e-6)
     # loss only: logits left untouched
     out = _run(triton_rows, logits, target, weight, opts, compute_grad=False)
@@ -64,3 +68,18 @@ def test_out_of_range_target_is_nan_not_garbage():
     assert torch.isnan(grad[1]).all() and torch.isfinite(grad[0]).all()
     with pytest.raises(IndexError, match="target id 10 is outside"):
         _run(chunk_rows, logits.cpu(), target.cpu(), torch.tensor(1.0), LossOptions())
+
+
+def test_gradient_pass_keeps_the_digits_of_large_logits():
+    """Logits ~1e4: an fp32 lse is ~1e-3 off, and exp(z - lse) with it. A gradient pass after a
+    statistics pass reads the row max and log sum exp(z - max) apart, so its dlogits equal the
+    one-pass gradient's (which never formed lse) to fp32 rounding."""
+    from flce.kernels import launch_rows
+    C, V = 9, 40
+    logits = torch.randn(C, V, device=DEVICE) * 3 + 1.0e4
+    target = torch.randint(0, V, (C,), device=DEVICE)
+    weight = torch.tensor(1.0, device=DEVICE)
+    for fn in (chunk_rows, lambda *a: launch_rows(*a, block_v=16)):
+        one_pass = _run(fn, logits, target, weight, LossOptions())
+        split = _run(fn, logits, target, weight, LossOptions(), stats_in=one_pass[1])
+        torch.testing.assert_close(split[2], one_pass[2], rtol=1e-6, atol=1e-7)
