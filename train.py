@@ -37,7 +37,7 @@ from components.optim import (build_lr_schedule, build_optimizer, check_optimize
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import build_tokenizer
-from models import FLAVORS, Llama, LlamaArgs, flops_per_token
+from models import FLAVORS, Llama, LlamaArgs, flops_per_token, with_context
 from models.hf import load_hf_weights
 from models.sdpa import set_sdpa_backend
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -83,11 +83,14 @@ def model_args(cfg: JobConfig, vocab_floor: int, dims: ParallelDims) -> LlamaArg
         raise ConfigError(f"[model] flavor = {cfg.model.flavor!r}: expected one of the "
                           f"{cfg.model.name} flavors {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
-    args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
+    args = with_context(dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size),
+                        cfg.model.max_seq_len, cfg.model.rope_scaling_factor)
     check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
     if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"[training] seq_len = {cfg.training.seq_len} exceeds the "
-                          f"{cfg.model.flavor} flavor's max_seq_len {args.max_seq_len}")
+        whose = "" if cfg.model.max_seq_len else f" (the {cfg.model.flavor} flavor's)"
+        raise ConfigError(f"[training] seq_len = {cfg.training.seq_len} exceeds [model] "
+                          f"max_seq_len = {args.max_seq_len}{whose}: set [model] max_seq_len = "
+                          f"{cfg.training.seq_len} or more to train longer sequences")
     if args.vocab_size < vocab_floor:
         whose = "" if cfg.model.vocab_size else f" (the {cfg.model.flavor} flavor's)"
         raise ConfigError(f"[model] vocab_size {args.vocab_size}{whose} is smaller than the "
