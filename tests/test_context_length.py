@@ -174,3 +174,40 @@ def _first_batch(argv):
     return next(build_data(cfg.data, split="train", tokenizer=ByteTokenizer(), seq_len=SEQ,
                            local_batch_size=1, seed=0, max_token_id=DEBUG.vocab_size))
 
+
+def _peak_rss_of_evaluate(argv: list[str]) -> int:
+    """scripts.evaluate run in a fresh process: its peak resident memory, in bytes."""
+    code = ("import resource, sys\nfrom scripts import evaluate\nassert evaluate.main(sys.argv[1:]) == 0\n"
+            "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300, env={**__import__("os").environ,
+                                                        "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.split("maxrss")[-1]) * 1024  # KiB on Linux
+
+
+@pytest.mark.slow
+def test_evaluate_holds_no_full_logits(tmp_path):
+    """scripts.evaluate's default loss on the CPU was the unfused one, whose [tokens, vocab]
+    logits (64 GiB for one sequence of 131072 tokens with Llama 3's vocabulary) made a long
+    sequence impossible to evaluate; the fused loss holds one chunk of them. Here 65536 tokens
+    and 4096 classes: 1 GiB of logits, which must not show in the peak memory."""
+    from components.tokenizer import byte_tokenizer_json
+    args = dataclasses.replace(DEBUG, vocab_size=4096)
+    torch.manual_seed(0)
+    model = Llama(args, seq_len=16)
+    model.init_weights()
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    hf.save_hf_folder(hf.to_hf(model.state_dict(), args), hf.hf_config(args, torch.float32),
+                      folder)
+    (folder / "tokenizer.json").write_text(byte_tokenizer_json())
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(f"paragraph {i}: " + "lorem ipsum dolor sit amet " * 40
+                                for i in range(40)))
+    argv = ["--checkpoint", str(folder), "--source", str(text), "--split", "train",
+            "--seq-len", "512", "--steps", "1", "--device", "cpu"]
+    baseline = _peak_rss_of_evaluate(argv + ["--batch-size", "1"])
+    tokens = 128 * 512
+    grown = _peak_rss_of_evaluate(argv + ["--batch-size", "128"]) - baseline
+    assert grown < tokens * args.vocab_size * 4, f"{grown / 2**30:.2f} GiB more for 65536 tokens"
