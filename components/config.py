@@ -40,6 +40,7 @@ LossImpl = Literal["flce", "unfused", "torch_chunked"]
 LossFloat8 = Literal["none", "logits", "logits+dx"]
 LossParallel = Literal["sequence", "vocab"]
 ReshardAfterForward = Literal["default", "always", "never"]
+RotateMethod = Literal["allgather", "alltoall"]
 AsyncMode = Literal["disabled", "async"]
 WandbMode = Literal["offline", "online", "disabled"]
 ACMode = Literal["none", "full", "selective"]
@@ -259,17 +260,25 @@ class Loss:
 
 @dataclass
 class Parallelism:
-    """How the ranks split the work: FSDP (sharded / replicated) and tensor parallelism."""
+    """How the ranks split the work: FSDP (sharded / replicated), context and tensor parallelism."""
     data_parallel_replicate_degree: int = 1
     """Replicas (DDP-like; HSDP when sharded too)."""
     data_parallel_shard_degree: int = -1
     """FSDP shards; -1: whatever the other degrees leave of the world size."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel ranks (with sequence parallelism)."""
+    context_parallel_degree: int = 1
+    """Ranks that share each sequence (PyTorch's ring attention; docs/parallelism.md); 1: none.
+
+    Every sequence is cut into 2 x degree pieces, load-balanced over the ranks, so [training]
+    seq_len must be a multiple of 2 x degree. The ranks read the same batches; FSDP shards the
+    weights over data_parallel_shard_degree x this degree."""
+    context_parallel_rotate_method: RotateMethod = "allgather"
+    """How ring attention passes keys and values round: "allgather" (all at once) or "alltoall" (one step at a time)."""
     fsdp_reshard_after_forward: ReshardAfterForward = "default"
     """Free gathered weights after forward: "default" (all blocks but the last), "always", "never" (ZeRO-2).
 
-    "default" reshards none when data_parallel_shard_degree is 1."""
+    "default" reshards none when nothing is sharded (data_parallel_shard_degree x context_parallel_degree is 1)."""
 
 
 @dataclass

@@ -38,9 +38,11 @@ from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
 
 def data_parallel_ranks(folder: Path, cfg: JobConfig) -> int:
     """The run's data-parallel degree: its ranks (a rank-<r>.pt each in the checkpoint) over
-    its tensor-parallel degree (those ranks read the same batches)."""
+    its tensor- and context-parallel degrees (those ranks read the same batches)."""
     world = len(list(folder.glob("rank-*.pt"))) or 1
-    return max(world // cfg.parallelism.tensor_parallel_degree, 1)
+    same_batch = (cfg.parallelism.tensor_parallel_degree
+                  * cfg.parallelism.context_parallel_degree)
+    return max(world // same_batch, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
