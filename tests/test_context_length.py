@@ -211,3 +211,19 @@ def test_evaluate_holds_no_full_logits(tmp_path):
     tokens = 128 * 512
     grown = _peak_rss_of_evaluate(argv + ["--batch-size", "128"]) - baseline
     assert grown < tokens * args.vocab_size * 4, f"{grown / 2**30:.2f} GiB more for 65536 tokens"
+
+
+def test_the_long_config_fits_its_context_on_one_gpu_and_with_cp():
+    """configs/llama_1b_long.toml: past the flavor's 131072, batch 1, full activation
+    checkpointing; the two-GPU command in its header passes the same checks."""
+    from parallelisms.mesh import ParallelDims
+    config = str(ROOT / "configs/llama_1b_long.toml")
+    cfg = load_config(["--config", config])
+    assert (cfg.training.local_batch_size, cfg.activation_checkpoint.mode) == (1, "full")
+    assert cfg.training.seq_len > FLAVORS["llama_1b"].max_seq_len
+    assert cfg.loss.impl == "flce" and cfg.validation.enable
+    args = train.model_args(cfg, 259, ParallelDims.resolve(1, -1, 1, 1))
+    assert args.max_seq_len == cfg.training.seq_len
+    two = load_config(["--config", config, "--parallelism.context_parallel_degree", "2",
+                       "--training.seq_len", "524288", "--model.max_seq_len", "524288"])
+    assert train.model_args(two, 259, ParallelDims.resolve(1, -1, 1, 2, cp=2)).max_seq_len == 524288
