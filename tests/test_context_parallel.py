@@ -1,7 +1,8 @@
 """Context parallelism ([parallelism] context_parallel_degree): PyTorch's ring attention.
 
 On the CPU (gloo, fp32) CP = 2, CP x FSDP, CP x TP (sequence- and vocab-parallel loss) and
-HSDP x CP, with either rotate method and with activation checkpointing, train like one process:
+HSDP x CP, with either rotate method, activation checkpointing and gradient accumulation, train
+like one process:
 the same losses, gradient norms and validation losses, and the same weights after 5 steps. A
 checkpoint of dp 2 x cp 2 resumes at dp 2 without CP and at dp 2 x tp 2 with the losses of the
 run that went on, its text data included (each rank reads the data state of its own
@@ -142,10 +143,11 @@ def single(tmp_path_factory):
 
 LAYOUTS = {  # name: (processes, overrides); the global batch is 4 windows of 64 tokens
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "cp2_alltoall_unfused_full_ac": (2, ["--parallelism.context_parallel_degree", "2",
-                                         "--parallelism.context_parallel_rotate_method", "alltoall",
-                                         "--loss.impl", "unfused",
-                                         "--activation_checkpoint.mode", "full"]),
+    "cp2_alltoall_unfused_full_ac_accum2": (2, ["--parallelism.context_parallel_degree", "2",
+                                                "--parallelism.context_parallel_rotate_method",
+                                                "alltoall", "--loss.impl", "unfused",
+                                                "--activation_checkpoint.mode", "full",
+                                                "--training.gradient_accumulation_steps", "2"]),
     "fsdp2_cp2": (4, ["--parallelism.context_parallel_degree", "2"]),
     "cp2_tp2_sequence": (4, ["--parallelism.context_parallel_degree", "2",
                              "--parallelism.tensor_parallel_degree", "2"]),
@@ -164,12 +166,15 @@ def test_cp_layout_trains_like_one_process(tmp_path, single, layout):
                                 cfg.parallelism.tensor_parallel_degree, nproc,
                                 cfg.parallelism.context_parallel_degree)
     dump = tmp_path / "run"
-    torchrun(nproc, dump, *VALIDATE, *overrides,
-             "--training.local_batch_size", str(GLOBAL_BATCH // dims.dp))
+    local_batch = GLOBAL_BATCH // dims.dp // cfg.training.gradient_accumulation_steps
+    torchrun(nproc, dump, *VALIDATE, *overrides, "--training.local_batch_size", str(local_batch))
     ref, got = metrics(single), metrics(dump)
     assert sorted(got) == [1, 2, 3, 4, 5]
+    # validation scores validation.steps batches of local_batch_size: under accumulation
+    # (smaller micro-batches) other held-out windows
+    keys = ["loss", "grad_norm"] + ["val_loss"] * (cfg.training.gradient_accumulation_steps == 1)
     for step in got:
-        for key in ("loss", "grad_norm", "val_loss"):
+        for key in keys:
             if key in ref[step]:
                 assert abs(got[step][key] - ref[step][key]) <= 1e-5, (step, key)
     assert "val_loss" in got[5]
