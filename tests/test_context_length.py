@@ -190,28 +190,23 @@ def _peak_rss_of_evaluate(argv: list[str]) -> int:
 def test_evaluate_holds_no_full_logits(tmp_path):
     """scripts.evaluate's default loss on the CPU was the unfused one, whose [tokens, vocab]
     logits (64 GiB for one sequence of 131072 tokens with Llama 3's vocabulary) made a long
-    sequence impossible to evaluate; the fused loss holds one chunk of them. Here 65536 tokens
-    and 4096 classes: 1 GiB of logits, which must not show in the peak memory."""
-    from components.tokenizer import byte_tokenizer_json
-    args = dataclasses.replace(DEBUG, vocab_size=4096)
-    torch.manual_seed(0)
-    model = Llama(args, seq_len=16)
-    model.init_weights()
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    hf.save_hf_folder(hf.to_hf(model.state_dict(), args), hf.hf_config(args, torch.float32),
-                      folder)
-    (folder / "tokenizer.json").write_text(byte_tokenizer_json())
+    sequence impossible to evaluate; the fused loss holds one chunk of them (the run's [loss]
+    chunk_size, 1024 tokens here). 65536 tokens and 4096 classes: 1 GiB of logits, which must
+    not show in the peak memory."""
+    run = tmp_path / "run"
+    assert train.main(BASE + ["--model.vocab_size", "4096", "--loss.chunk_size", "1024",
+                              "--training.seq_len", "64", "--training.steps", "1",
+                              "--training.local_batch_size", "1", "--checkpoint.enable", "true",
+                              "--job.dump_folder", str(run)]) == 0
     text = tmp_path / "text.txt"
     text.write_text("\n\n".join(f"paragraph {i}: " + "lorem ipsum dolor sit amet " * 40
-                                for i in range(40)))
-    argv = ["--checkpoint", str(folder), "--source", str(text), "--split", "train",
+                                 for i in range(40)))
+    argv = ["--checkpoint", str(run / "checkpoint"), "--source", str(text), "--split", "train",
             "--seq-len", "512", "--steps", "1", "--device", "cpu"]
     baseline = _peak_rss_of_evaluate(argv + ["--batch-size", "1"])
     tokens = 128 * 512
     grown = _peak_rss_of_evaluate(argv + ["--batch-size", "128"]) - baseline
-    assert grown < tokens * args.vocab_size * 4, f"{grown / 2**30:.2f} GiB more for 65536 tokens"
-
+    assert grown < tokens * 4096 * 4, f"{grown / 2**30:.2f} GiB more for 65536 tokens"
 
 def test_the_long_config_fits_its_context_on_one_gpu_and_with_cp():
     """configs/llama_1b_long.toml: past the flavor's 131072, batch 1, full activation
