@@ -37,11 +37,12 @@ from components.optim import (build_lr_schedule, build_optimizer, check_optimize
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import build_tokenizer
-from models import FLAVORS, Llama, LlamaArgs, flops_per_token
+from models import FLAVORS, Llama, LlamaArgs, flops_per_token, with_context
 from models.hf import load_hf_weights
 from models.sdpa import set_sdpa_backend
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import compile_blocks
+from parallelisms.context_parallel import NoSharding, SequenceSharding, check_context_parallel
 from parallelisms.fsdp import apply_fsdp, precompute_float8_scales
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
@@ -83,11 +84,15 @@ def model_args(cfg: JobConfig, vocab_floor: int, dims: ParallelDims) -> LlamaArg
         raise ConfigError(f"[model] flavor = {cfg.model.flavor!r}: expected one of the "
                           f"{cfg.model.name} flavors {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
-    args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
+    args = with_context(dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size),
+                        cfg.model.max_seq_len, cfg.model.rope_scaling_factor)
     check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
+    check_context_parallel(dims.cp, dims.tp, cfg.training.seq_len, cfg.model.sdpa_backend)
     if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"[training] seq_len = {cfg.training.seq_len} exceeds the "
-                          f"{cfg.model.flavor} flavor's max_seq_len {args.max_seq_len}")
+        whose = "" if cfg.model.max_seq_len else f" (the {cfg.model.flavor} flavor's)"
+        raise ConfigError(f"[training] seq_len = {cfg.training.seq_len} exceeds [model] "
+                          f"max_seq_len = {args.max_seq_len}{whose}: set [model] max_seq_len = "
+                          f"{cfg.training.seq_len} or more to train longer sequences")
     if args.vocab_size < vocab_floor:
         whose = "" if cfg.model.vocab_size else f" (the {cfg.model.flavor} flavor's)"
         raise ConfigError(f"[model] vocab_size {args.vocab_size}{whose} is smaller than the "
@@ -96,7 +101,8 @@ def model_args(cfg: JobConfig, vocab_floor: int, dims: ParallelDims) -> LlamaArg
     return args
 
 
-def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: ParallelDims):
+def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: ParallelDims,
+                mesh=None):
     args = model_args(cfg, vocab_floor, dims)
     set_sdpa_backend(cfg.model.sdpa_backend, device)  # before compile traces the attention
     with torch.device("meta"):
@@ -104,7 +110,8 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
     # torchtitan's order: float8 swaps the linear layers that TP's plan then shards (with
     # float8 styles); the plan names the blocks' submodules, so it goes before the checkpoint
     # wrapper renames them; compile wraps what AC built; FSDP comes last.
-    mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
+    if mesh is None and dist.is_initialized():
+        mesh = dims.build_mesh(device.type)
     float8 = cfg.quantize.linear.float8
     if FLOAT8 in cfg.model.converters:
         # the loss takes output.weight itself: a Float8Linear there would never run as one
@@ -163,11 +170,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | None = None) -> dict:
+def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | None = None,
+             shard=NoSharding()) -> dict:
     """val_loss: the mean cross-entropy per token over `steps` held-out batches (all ranks;
     without label smoothing or z-loss), and val_bpb when token_bytes (UTF-8 bytes per token
     id, on the CPU) is given: the same summed losses / (ln 2 x the bytes the target tokens
-    decode to). Bytes are counted on the CPU from the labels, so nothing waits for the device."""
+    decode to). Bytes are counted on the CPU from the labels, so nothing waits for the device.
+    shard: context parallelism's (each of its ranks scores its part of every sequence)."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
     n_bytes = 0
@@ -177,36 +186,42 @@ def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | Non
             inputs, labels = next(batches)
             if token_bytes is not None:
                 n_bytes += int(token_bytes[labels[labels != IGNORE_INDEX]].sum())
-            labels = labels.to(device)
-            total[0] += model(inputs.to(device), labels, one).double()
+            inputs, labels = inputs.to(device), labels.to(device)
             total[1] += (labels != IGNORE_INDEX).sum()
+            with shard(inputs, labels):
+                total[0] += model(inputs, labels, one).double()
     model.train()
     total = torch.cat([total, torch.tensor([n_bytes], dtype=torch.float64, device=device)])
     nats, tokens, n_bytes = all_reduce_sum(total).tolist()
+    # the cp ranks of a batch each scored a part of it but counted all of its tokens and bytes
+    tokens, n_bytes = tokens / shard.degree, n_bytes / shard.degree
     metrics = {"val_loss": nats / max(tokens, 1)}
     if token_bytes is not None and n_bytes > 0:
         metrics["val_bpb"] = bits_per_byte(nats, n_bytes)
     return metrics
 
 
-def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: int, device,
-               poison: bool = False):
+def train_step(model, micro, optimizer, scheduler, params, max_norm: float, same_batch: int,
+               device, poison: bool = False, shard=NoSharding()):
     """One optimizer step over the micro-batches. Returns the loss, the gradient norm and
     whether either is non-finite, as device tensors: nothing here waits for the GPU.
+    same_batch: ranks that read each batch (tensor x context parallel); shard: context
+    parallelism's, around each forward and backward.
     poison (tests only, FLCE_TEST_NAN_STEPS) makes the loss NaN, as a bad batch would."""
     # The loss is a sum over tokens divided by the global count of non-ignored tokens, so
     # micro-batches and ranks add up to the exact global mean (one all-reduce a step).
     count = sum((labels != IGNORE_INDEX).sum() for _, labels in micro).to(device).float()
-    normalizer = (all_reduce_sum(count) / tp).clamp(min=1)
+    normalizer = (all_reduce_sum(count) / same_batch).clamp(min=1)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(micro):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce on the last micro-batch
             model.set_requires_gradient_sync(i == len(micro) - 1)
-        loss = model(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True),
-                     normalizer)
-        if poison:
-            loss = loss * float("nan")
-        loss.backward()
+        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with shard(inputs, labels):  # context parallelism: this rank's part of the sequences
+            loss = model(inputs, labels, normalizer)
+            if poison:
+                loss = loss * float("nan")
+            loss.backward()
         loss_sum += loss.detach()
     norm = grad_norm_and_clip(params, max_norm)
     bad = ~(torch.isfinite(norm) & torch.isfinite(loss_sum))
@@ -296,7 +311,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     with config_checks():
         dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                     cfg.parallelism.data_parallel_shard_degree,
-                                    cfg.parallelism.tensor_parallel_degree, world)
+                                    cfg.parallelism.tensor_parallel_degree, world,
+                                    cfg.parallelism.context_parallel_degree)
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     dump = Path(cfg.job.dump_folder)
     if rank == 0:
@@ -317,13 +333,17 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
         model_args(cfg, tokenizer.vocab_size, dims)
     if schedule_note:
         log(schedule_note)
-    model, args = build_model(cfg, tokenizer.vocab_size, device, dims)
+    mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
+    model, args = build_model(cfg, tokenizer.vocab_size, device, dims, mesh)
+    shard = (SequenceSharding(mesh["cp"], model.model, cfg.parallelism.context_parallel_rotate_method)
+             if dims.cp > 1 else NoSharding())
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.job.description:
         log(f"run: {cfg.job.description}")
     log(f"model {cfg.model.name} {cfg.model.flavor}: {sum(p.numel() for p in params):,} "
         f"parameters, loss {cfg.loss.impl}, world {world} (dp_replicate {dims.dp_replicate}, dp_shard "
-        f"{dims.dp_shard}, tp {dims.tp}), device {device.type}")
+        f"{dims.dp_shard}, tp {dims.tp}" + (f", cp {dims.cp}" if dims.cp > 1 else "")
+        + f"), device {device.type}")
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_schedule(optimizer, schedule, cfg.training.steps)
     data_kwargs = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len,
@@ -345,7 +365,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     accum = cfg.training.gradient_accumulation_steps
     ckpt = Checkpointer(cfg.checkpoint, dump, model, optimizer, scheduler, train_batches, accum,
                         rank, to_toml(cfg), read_hf_folder=lambda folder: {
-                            f"model.{k}": v for k, v in load_hf_weights(folder, args).items()})
+                            f"model.{k}": v for k, v in load_hf_weights(folder, args).items()},
+                        dp_rank=dims.dp_rank(rank))
     if cfg.checkpoint.async_mode == "async":  # its saves use a gloo group of their own
         note_process_group("gloo", world)
     start_step, tokens_seen = 1, 0
@@ -376,12 +397,12 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 micro = [next(train_iter) for _ in range(accum)]
             lr = optimizer.param_groups[0]["lr"]  # this step's (train_step moves the schedule on)
             loss, norm, bad = train_step(model, micro, optimizer, scheduler, params,
-                                         cfg.training.max_norm, dims.tp, device,
-                                         poison=step in poisoned)
+                                         cfg.training.max_norm, dims.same_batch, device,
+                                         poison=step in poisoned, shard=shard)
             if precompute_float8:  # the next float8 all-gathers' scales, in one all-reduce
                 precompute_float8_scales(model)
             bad_steps.update(bad, step)
-            step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.tp
+            step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.same_batch
             meter.step_done(step_tokens)
             tokens_seen += step_tokens * world
             run_tokens += step_tokens * world
@@ -414,7 +435,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
             if val_batches is not None and (step % cfg.validation.freq == 0 or last):
                 val_batches.load_state_dict(val_start)
                 metrics.log(step, evaluate(model, val_batches, cfg.validation.steps, device,
-                                           token_bytes))
+                                           token_bytes, shard))
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()

@@ -163,15 +163,19 @@ def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]]
 class Checkpointer:
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model, optimizer, scheduler, data,
                  batches_per_step: int, rank: int, config_toml: str,
-                 read_hf_folder: Optional[Callable[[Path], dict]] = None):
+                 read_hf_folder: Optional[Callable[[Path], dict]] = None,
+                 dp_rank: Optional[int] = None):
         """read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
-        named as in get_model_state_dict(model); the trainer passes models/hf.py's reader."""
+        named as in get_model_state_dict(model); the trainer passes models/hf.py's reader.
+        dp_rank: this rank's data-parallel rank, whose saved data state it resumes (None: the
+        state of the same global rank)."""
         self.cfg = cfg
         self.read_hf_folder = read_hf_folder
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
         self.batches_per_step = batches_per_step
         self.rank = rank
+        self.dp_rank = dp_rank
         self.config_toml = config_toml
         self._pending: Optional[Future] = None  # an async save's commit
         # An async save finishes with collectives in a background thread: they get a group of
@@ -337,7 +341,7 @@ class Checkpointer:
                        optim_state_dict=state["optimizer"])
         train_state = json.loads((path / "train_state.json").read_text())
         self.scheduler.load_state_dict(train_state["scheduler"])
-        rank_file = path / f"rank-{self.rank}.pt"
+        rank_file = self._rank_file(path)
         if rank_file.is_file():
             try:  # plain data only: unpickling arbitrary objects could run code
                 extra = torch.load(rank_file, weights_only=True)
@@ -352,6 +356,21 @@ class Checkpointer:
         else:
             self._load_data_state(None, train_state["step"])
         return TrainState(train_state["step"], train_state["tokens_seen"])
+
+    def _rank_file(self, path: Path) -> Path:
+        """The rank file this rank resumes its data from: that of the first saved rank of its
+        data-parallel rank. The ranks of one data-parallel rank (its tensor- and context-parallel
+        ranks) read the same batches; under another tensor or context degree the same global
+        rank belongs to another data-parallel rank, whose windows it must not read."""
+        own = path / f"rank-{self.rank}.pt"
+        if self.dp_rank is None:
+            return own
+        try:
+            saved_dp_world = int(torch.load(path / "rank-0.pt", weights_only=True)["data"]["dp_world"])
+        except (OSError, KeyError, TypeError, ValueError, pickle.UnpicklingError):
+            return own  # a data state that is the same on every rank (token shards), or none
+        ranks_per_dp_rank = max(len(list(path.glob("rank-*.pt"))) // max(saved_dp_world, 1), 1)
+        return path / f"rank-{self.dp_rank * ranks_per_dp_rank}.pt"
 
     def _load_data_state(self, state: Optional[dict], step: int) -> None:
         try:

@@ -40,6 +40,7 @@ LossImpl = Literal["flce", "unfused", "torch_chunked"]
 LossFloat8 = Literal["none", "logits", "logits+dx"]
 LossParallel = Literal["sequence", "vocab"]
 ReshardAfterForward = Literal["default", "always", "never"]
+RotateMethod = Literal["allgather", "alltoall"]
 AsyncMode = Literal["disabled", "async"]
 WandbMode = Literal["offline", "online", "disabled"]
 ACMode = Literal["none", "full", "selective"]
@@ -76,6 +77,20 @@ class Model:
     """Rows of the embedding and output layers; 0: the flavor's.
 
     May exceed the tokenizer's vocabulary (padding rows, never a target); must not be smaller."""
+    max_seq_len: int = 0
+    """The context the model is built for (RoPE's length); 0: the flavor's (llama_1b: 131072).
+
+    [training] seq_len may not exceed it. An exported model's config.json gives it as
+    max_position_embeddings. Raising it past the flavor's trains longer sequences with the
+    flavor's RoPE frequencies, unless rope_scaling_factor changes them."""
+    rope_scaling_factor: float = 0.0
+    """Llama-3 RoPE scaling's factor (Hugging Face's rope_scaling "factor"); 0: the flavor's (llama_1b: 32).
+
+    Wavelengths longer than original_max_position_embeddings are stretched by it (Llama 3.1's
+    long-context scaling). On a flavor without scaling (debug, llama_150m) it adds Llama-3
+    scaling with the flavor's max_seq_len as original_max_position_embeddings: e.g. debug
+    (2048) with max_seq_len = 8192 and rope_scaling_factor = 4. An export's config.json says
+    it, as rope_scaling."""
     sdpa_backend: SdpaBackend = "auto"
     """The CUDA attention kernel; "auto" keeps PyTorch's choice (models/sdpa.py)."""
     converters: list[Converter] = field(default_factory=list)
@@ -90,7 +105,7 @@ class Training:
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank."""
     seq_len: int = 256
-    """Tokens per sequence (at most the flavor's max_seq_len)."""
+    """Tokens per sequence (at most [model] max_seq_len, by default the flavor's)."""
     steps: int = 100
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     gradient_accumulation_steps: int = 1
@@ -245,17 +260,25 @@ class Loss:
 
 @dataclass
 class Parallelism:
-    """How the ranks split the work: FSDP (sharded / replicated) and tensor parallelism."""
+    """How the ranks split the work: FSDP (sharded / replicated), context and tensor parallelism."""
     data_parallel_replicate_degree: int = 1
     """Replicas (DDP-like; HSDP when sharded too)."""
     data_parallel_shard_degree: int = -1
     """FSDP shards; -1: whatever the other degrees leave of the world size."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel ranks (with sequence parallelism)."""
+    context_parallel_degree: int = 1
+    """Ranks that share each sequence (PyTorch's ring attention; docs/parallelism.md); 1: none.
+
+    Every sequence is cut into 2 x degree pieces, load-balanced over the ranks, so [training]
+    seq_len must be a multiple of 2 x degree. The ranks read the same batches; FSDP shards the
+    weights over data_parallel_shard_degree x this degree."""
+    context_parallel_rotate_method: RotateMethod = "allgather"
+    """How ring attention passes keys and values round: "allgather" (all at once) or "alltoall" (one step at a time)."""
     fsdp_reshard_after_forward: ReshardAfterForward = "default"
     """Free gathered weights after forward: "default" (all blocks but the last), "always", "never" (ZeRO-2).
 
-    "default" reshards none when data_parallel_shard_degree is 1."""
+    "default" reshards none when nothing is sharded (data_parallel_shard_degree x context_parallel_degree is 1)."""
 
 
 @dataclass
@@ -561,6 +584,13 @@ def check_values(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
             raise ConfigError(f"[{section}] {key} = {value}: must be >= 1")
+    if cfg.model.max_seq_len < 0:
+        raise ConfigError(f"[model] max_seq_len = {cfg.model.max_seq_len}: must be >= 1, or 0 for "
+                          "the flavor's")
+    factor = cfg.model.rope_scaling_factor
+    if factor != 0 and not (math.isfinite(factor) and factor >= 1):
+        raise ConfigError(f"[model] rope_scaling_factor = {factor}: must be >= 1 (it stretches "
+                          "wavelengths), or 0 for the flavor's")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
     _check_mixture(cfg.data)

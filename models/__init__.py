@@ -1,6 +1,6 @@
 """Llama-3 model: architecture, hyperparameters and named flavors, parameter/FLOP counts."""
 
-from models.args import FLAVORS, LlamaArgs, flops_per_token, param_count_for
+from models.args import FLAVORS, LlamaArgs, flops_per_token, param_count_for, with_context
 from models.llama import KVCache, Llama, apply_rope, build_rope_cache, num_params, rope_frequencies
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "num_params",
     "param_count_for",
     "rope_frequencies",
+    "with_context",
 ]

@@ -1,5 +1,6 @@
 """Llama-3 hyperparameters, the named flavors, and parameter/FLOP counts computed from them."""
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -72,6 +73,25 @@ FLAVORS: dict[str, LlamaArgs] = {
                           vocab_size=_LLAMA3_VOCAB, ffn_dim=14336, max_seq_len=131072,
                           rope_scaling_factor=8.0),
 }
+
+
+def with_context(args: LlamaArgs, max_seq_len: int = 0,
+                 rope_scaling_factor: float = 0.0) -> LlamaArgs:
+    """args with the context length and the Llama-3 RoPE scaling factor a run sets ([model]
+    max_seq_len and rope_scaling_factor; 0 keeps the flavor's).
+
+    A factor given to a flavor without scaling adds Llama-3 scaling from the flavor's own length
+    (its max_seq_len becomes original_max_position_embeddings, low/high_freq_factor stay 1 and
+    4, as Llama 3.1 extended Llama 3's 8192): the way a Hugging Face config says that a model was
+    extended past the context it was first trained at."""
+    changes = {}
+    if max_seq_len:
+        changes["max_seq_len"] = max_seq_len
+    if rope_scaling_factor:
+        changes["rope_scaling_factor"] = float(rope_scaling_factor)
+        if args.rope_scaling_factor is None:
+            changes["rope_original_max_pos"] = args.max_seq_len
+    return dataclasses.replace(args, **changes) if changes else args
 
 
 def param_count_for(args: LlamaArgs, exclude_embedding: bool = True) -> int:

@@ -287,7 +287,9 @@ def compare_args(model: LlamaArgs, hf: LlamaArgs) -> list[str]:
         ours, theirs = getattr(model, name), getattr(hf, name)
         if ours != theirs and not (isinstance(ours, float) and isinstance(theirs, float)
                                    and math.isclose(ours, theirs, rel_tol=1e-9)):
-            differ.append(f"{name} {ours} vs {theirs}")
+            fix = (f" (set [model] rope_scaling_factor = {theirs})"
+                   if name == "rope_scaling_factor" and theirs is not None else "")
+            differ.append(f"{name} {ours} vs {theirs}{fix}")
     if hf.vocab_size > model.vocab_size:
         differ.append(f"vocab_size {model.vocab_size} vs {hf.vocab_size} (set [model] "
                       f"vocab_size = {hf.vocab_size})")

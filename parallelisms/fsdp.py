@@ -10,12 +10,12 @@ from parallelisms.mesh import ParallelDims
 def apply_fsdp(model_with_loss: torch.nn.Module, mesh: DeviceMesh, dims: ParallelDims,
                param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
                reshard_after_forward: str = "default") -> None:
-    """Shard over dp_shard (HSDP: replicate over dp_replicate too).
+    """Shard over dp_shard (x cp with context parallelism; HSDP: replicate over dp_replicate too).
 
     The root owns the final norm and the output projection, so the loss (run inside the root's
     forward) sees the unsharded output weight, which is freed after backward. Gradients are
     summed, not averaged, across ranks: the loss is already divided by the global token count."""
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = dims.fsdp_mesh(mesh)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     model = model_with_loss.model
     blocks = list(model.layers.values())
@@ -24,7 +24,7 @@ def apply_fsdp(model_with_loss: torch.nn.Module, mesh: DeviceMesh, dims: Paralle
         # nothing sharded (dp_shard 1, e.g. one GPU) resharding would only drop the bf16 copy
         # and cast it again for backward, so keep every block gathered. "never" keeps every
         # block's parameters gathered until backward (more memory, less traffic).
-        default = i < len(blocks) - 1 and dims.dp_shard > 1
+        default = i < len(blocks) - 1 and dims.dp_shard * dims.cp > 1
         reshard = {"always": True, "never": False}.get(reshard_after_forward, default)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp)

@@ -11,36 +11,64 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    cp: int = 1
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int) -> "ParallelDims":
+    def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, world_size: int,
+                cp: int = 1) -> "ParallelDims":
         """dp_shard = -1 takes what the other degrees leave; the product must be the world."""
         for name, value in (("data_parallel_replicate_degree", dp_replicate),
-                            ("tensor_parallel_degree", tp)):
+                            ("tensor_parallel_degree", tp), ("context_parallel_degree", cp)):
             if value < 1:
                 raise ValueError(f"[parallelism] {name} = {value}: must be >= 1")
+        others = [("data_parallel_replicate_degree", dp_replicate)]
+        others += [("context_parallel_degree", cp)] if cp > 1 else []
+        others += [("tensor_parallel_degree", tp)]
+        product = dp_replicate * cp * tp
         if dp_shard == -1:
-            if world_size % (dp_replicate * tp):
-                raise ValueError(
-                    f"world size {world_size} is not divisible by data_parallel_replicate_degree "
-                    f"({dp_replicate}) x tensor_parallel_degree ({tp})")
-            dp_shard = world_size // (dp_replicate * tp)
-        if dp_shard < 1 or dp_replicate * dp_shard * tp != world_size:
-            raise ValueError(
-                f"[parallelism] data_parallel_replicate_degree ({dp_replicate}) x "
-                f"data_parallel_shard_degree ({dp_shard}) x tensor_parallel_degree ({tp}) = "
-                f"{dp_replicate * dp_shard * tp}, but the world size is {world_size}")
-        return cls(dp_replicate, dp_shard, tp, world_size)
+            if world_size % product:
+                raise ValueError(f"world size {world_size} is not divisible by "
+                                 + " x ".join(f"{name} ({value})" for name, value in others))
+            dp_shard = world_size // product
+        if dp_shard < 1 or dp_shard * product != world_size:
+            named = [others[0], ("data_parallel_shard_degree", dp_shard), *others[1:]]
+            raise ValueError("[parallelism] " + " x ".join(f"{n} ({v})" for n, v in named)
+                             + f" = {dp_shard * product}, but the world size is {world_size}")
+        return cls(dp_replicate, dp_shard, tp, world_size, cp)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def same_batch(self) -> int:
+        """Ranks that read the same batch: the tensor- and context-parallel ones."""
+        return self.cp * self.tp
+
     def dp_rank(self, rank: int) -> int:
-        """The mesh is laid out (dp_replicate, dp_shard, tp), tp fastest: TP peers are adjacent
-        ranks (one node) and share a data-parallel rank, so they read the same batch."""
-        return rank // self.tp
+        """The mesh is laid out (dp_replicate, dp_shard[, cp], tp), tp fastest: TP peers are
+        adjacent ranks (one node), then CP peers; together they share a data-parallel rank, so
+        they read the same batch (CP ranks each keep their part of its sequences)."""
+        return rank // self.same_batch
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        """(dp_replicate, dp_shard, tp), and with CP (dp_replicate, dp_shard, cp, tp)."""
+        if self.cp == 1:
+            return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                    mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The dimensions FSDP shards over (and HSDP replicates over). With CP it shards over
+        dp_shard x cp as one dimension, "dp_shard_cp" (torchtitan's): the cp ranks hold the same
+        weights, so they may as well split them, and FSDP's reduce-scatter then sums the
+        gradients of their parts of the sequences. The flattened meshes are kept by the root
+        mesh (built once, whatever the calls)."""
+        if self.cp == 1:
+            return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+        if self.dp_replicate == 1:
+            return mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+        data = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+        return data._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp),
+                               ("dp_replicate", "dp_shard_cp"))

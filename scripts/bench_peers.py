@@ -104,14 +104,31 @@ def titan_command(args, extra: list[str], dump: Path) -> tuple[list[str], Path]:
             "--job.dump_folder", str(dump.resolve())], titan_assets(args)
 
 
-def titan_rows(log: str) -> list[dict]:
+def titan_same_batch(extra: list[str]) -> int:
+    """Ranks that read each batch in a torchtitan run: context x tensor parallel degree."""
+    degrees = {"--parallelism.context_parallel_degree": 1,
+               "--parallelism.tensor_parallel_degree": 1}
+    for i, arg in enumerate(extra):
+        name, eq, value = arg.partition("=")
+        if name in degrees and (eq or i + 1 < len(extra)):
+            degrees[name] = int(value if eq else extra[i + 1])
+    return degrees["--parallelism.context_parallel_degree"] * degrees[
+        "--parallelism.tensor_parallel_degree"]
+
+
+def titan_rows(log: str, same_batch: int = 1) -> list[dict]:
+    """torchtitan's logged steps. Its tps counts every batch's tokens on each rank that reads
+    it (labels.numel() before its context-parallel sharding; tensor-parallel ranks alike), so
+    under CP or TP it is same_batch times the tokens a GPU processes: divided by same_batch it
+    is tokens/s per GPU as train.py logs it."""
     rows = {}
     for line in ANSI.sub("", log).splitlines():
         m = TITAN_LINE.search(line)
         if m:
-            rows[int(m.group(1))] = {"step": int(m.group(1)),
-                                     "tokens_per_second": float(m.group(3).replace(",", "")),
-                                     "memory_max_reserved_gib": float(m.group(2))}
+            rows[int(m.group(1))] = {
+                "step": int(m.group(1)),
+                "tokens_per_second": float(m.group(3).replace(",", "")) / same_batch,
+                "memory_max_reserved_gib": float(m.group(2))}
     return [rows[s] for s in sorted(rows)]
 
 
@@ -129,7 +146,8 @@ def execute(args, name: str, kind: str, extra: list[str]) -> dict:
     # torchtitan finds its data set and tokenizer relative to the working directory
     code, timed_out, seconds = run_process(cmd, log, args.run_timeout, cwd=cwd)
     output = log_tail(log)
-    rows = read_metrics(dump / "metrics.jsonl") if kind == "ours" else titan_rows(output)
+    rows = (read_metrics(dump / "metrics.jsonl") if kind == "ours"
+            else titan_rows(output, titan_same_batch(extra)))
     stats = throughput(rows, args.warmup_steps)
     finished = args.steps in stats["measured_steps"]
     status = classify(code, timed_out, output, bool(stats["measured_steps"]), finished)

@@ -11,7 +11,7 @@ after --warmup-steps), final loss, and each layout's verdict.
 
 Layouts: "fsdp" (FSDP over every process), "tp<K>_sequence" and "tp<K>_vocab" (tensor
 parallel of degree K with that loss-parallel mode, FSDP over the rest), "hsdp<R>" (R replicas,
-FSDP inside each). --seed-runs adds an unfused run at seed + 1 per layout: the fused-unfused
+FSDP inside each), "cp<K>" (context parallel of degree K, FSDP over the rest). --seed-runs adds an unfused run at seed + 1 per layout: the fused-unfused
 difference is then judged against the seed-to-seed spread (compare_losses.py --seed-run, its
 noise-band verdict, right for bf16 GPU runs); without it, against --tolerance at every step.
 
@@ -35,17 +35,20 @@ from scripts.lib.report import (fmt, probe_environment, provenance, warning_line
 from scripts.lib.runs import (REPO, last_lines, log_tail, read_metrics,  # noqa: E402
                               run_process, throughput, trainer)
 
-LAYOUT = re.compile(r"^(fsdp|tp(\d+)_(sequence|vocab)|hsdp(\d+))$")
+LAYOUT = re.compile(r"^(fsdp|tp(\d+)_(sequence|vocab)|hsdp(\d+)|cp(\d+))$")
 
 
 def layout_overrides(name: str) -> list[str]:
     m = LAYOUT.match(name)
     if not m:
-        raise ValueError(f"layout {name!r}: expected fsdp, tp<K>_sequence, tp<K>_vocab or hsdp<R>")
+        raise ValueError(f"layout {name!r}: expected fsdp, tp<K>_sequence, tp<K>_vocab, "
+                         "hsdp<R> or cp<K>")
     if m[2]:
         return ["--parallelism.tensor_parallel_degree", m[2], "--loss.parallel", m[3]]
     if m[4]:
         return ["--parallelism.data_parallel_replicate_degree", m[4]]
+    if m[5]:
+        return ["--parallelism.context_parallel_degree", m[5]]
     return []
 
 

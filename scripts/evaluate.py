@@ -38,9 +38,11 @@ from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
 
 def data_parallel_ranks(folder: Path, cfg: JobConfig) -> int:
     """The run's data-parallel degree: its ranks (a rank-<r>.pt each in the checkpoint) over
-    its tensor-parallel degree (those ranks read the same batches)."""
+    its tensor- and context-parallel degrees (those ranks read the same batches)."""
     world = len(list(folder.glob("rank-*.pt"))) or 1
-    return max(world // cfg.parallelism.tensor_parallel_degree, 1)
+    same_batch = (cfg.parallelism.tensor_parallel_degree
+                  * cfg.parallelism.context_parallel_degree)
+    return max(world // same_batch, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--loss-impl", default="auto", choices=["auto", "flce", "unfused"],
-                        help="auto: the fused loss on a GPU, the unfused one on the CPU")
+                        help="auto: the fused loss (on the CPU its chunked PyTorch form: "
+                             "unfused logits of a long sequence would not fit)")
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer.json instead of the run's / the folder's")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -105,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                              local_batch_size=batch_size, dp_rank=r, dp_world=dp,
                              max_token_id=loaded.args.vocab_size) for r in range(dp)]
         batches = itertools.chain.from_iterable(itertools.islice(b, steps) for b in shares)
-        impl = opts.loss_impl if opts.loss_impl != "auto" else (
-            "flce" if device.type == "cuda" else "unfused")
+        # never the unfused loss by default: it holds [batch x seq_len, vocab] logits (64 GiB
+        # for one sequence of 131072 tokens and a 128256-token vocabulary)
+        impl = opts.loss_impl if opts.loss_impl != "auto" else "flce"
         loss = TrainingLoss(dataclasses.replace(cfg.loss, impl=impl, float8="none"))
         model = ModelWithLoss(loaded.model, loss)
         lengths = loaded.tokenizer.byte_lengths()

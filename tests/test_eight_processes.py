@@ -1,7 +1,7 @@
 """The 8-GPU node's layouts, as gloo processes on the CPU (fp32): FSDP=8, FSDP=4 x TP=2 with the
-sequence- and the vocab-parallel loss, and HSDP 2 x 4 started as two "nodes" (two torchrun
-launchers with a c10d rendezvous on localhost, each built by scripts/slurm/torchrun_cmd.sh as
-train.sbatch starts them) give the losses, gradient norms and weights of one process; a
+sequence- and the vocab-parallel loss, FSDP=2 x CP=2 x TP=2, and HSDP 2 x 4 started as two
+"nodes" (two torchrun launchers with a c10d rendezvous on localhost, each built by
+scripts/slurm/torchrun_cmd.sh as train.sbatch starts them) give the losses, gradient norms and weights of one process; a
 checkpoint saved by 8 processes resumes at 2 and at 1 with the same losses.
 
 The tiniest runs that show it (debug flavor, seq_len 32, 4 steps): each launch of 8 processes
@@ -70,6 +70,15 @@ def test_fsdp4_tp2_matches_one_process(single, tmp_path, parallel):
     dump = tmp_path / "run"
     torchrun(8, dump, *SMALL, *local_batch(4), "--parallelism.tensor_parallel_degree", "2",
              "--loss.parallel", parallel)
+    assert_trains_like(single, dump, tmp_path)
+
+
+def test_fsdp2_cp2_tp2_matches_one_process(single, tmp_path):
+    """Context parallelism inside the node's layout: FSDP over dp_shard x cp = 4, each sequence
+    split over 2 ranks and each of their halves over 2 tensor-parallel ranks."""
+    dump = tmp_path / "run"
+    torchrun(8, dump, *SMALL, *local_batch(2), "--parallelism.context_parallel_degree", "2",
+             "--parallelism.tensor_parallel_degree", "2")
     assert_trains_like(single, dump, tmp_path)
 
 

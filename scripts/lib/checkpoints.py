@@ -28,7 +28,7 @@ from torch import Tensor
 
 from components.config import JobConfig, load_config
 from components.tokenizer import HFTokenizer, build_tokenizer
-from models import FLAVORS, Llama, LlamaArgs, build_rope_cache
+from models import FLAVORS, Llama, LlamaArgs, build_rope_cache, with_context
 from models import hf
 
 # Wrapper segments that torch.compile (`_orig_mod.`) and activation checkpointing
@@ -155,11 +155,13 @@ def run_config(folder: Path) -> JobConfig | None:
 
 
 def model_args(cfg: JobConfig) -> LlamaArgs:
-    """The model a run trained: its flavor with its [model] vocab_size."""
+    """The model a run trained: its flavor with its [model] vocab_size, max_seq_len and
+    rope_scaling_factor."""
     if cfg.model.flavor not in FLAVORS:
         raise ValueError(f"[model] flavor = {cfg.model.flavor!r} is not one of {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
-    return dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
+    args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
+    return with_context(args, cfg.model.max_seq_len, cfg.model.rope_scaling_factor)
 
 
 def run_tokenizer(cfg: JobConfig, path: str | None = None):
