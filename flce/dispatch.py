@@ -2,6 +2,8 @@
 vocab-parallel loss) and the custom ops: which implementation runs (Triton or PyTorch), the dtype
 of the per-token statistics, and the weight the summed loss is multiplied by."""
 
+import math
+import numbers
 import os
 from typing import Optional
 
@@ -39,6 +41,12 @@ def use_triton(impl: str, x: Tensor) -> bool:
     return x.device.type == "cuda" and x.dtype in TRITON_DTYPES and triton_usable(x.device)
 
 
+def widened(target: Tensor) -> Tensor:
+    """Class ids as int32 or int64: the PyTorch path gathers with them, and gather takes no
+    narrower index (int8/uint8/int16 targets failed there with a bare gather error)."""
+    return target if target.dtype in (torch.int32, torch.int64) else target.long()
+
+
 def stat_dtype(x: Tensor) -> torch.dtype:
     """Loss and lse are fp32, or float64 for float64 inputs."""
     return torch.promote_types(x.dtype, torch.float32)
@@ -51,9 +59,15 @@ def loss_weight(target: Tensor, opts: LossOptions, normalizer: Optional[object],
         if isinstance(normalizer, Tensor):
             if normalizer.numel() != 1:
                 raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-            return 1.0 / normalizer.to(device=device, dtype=dtype).reshape(())
-        if not normalizer > 0:
-            raise ValueError(f"normalizer={normalizer}: must be > 0")
+            # A device tensor is not read on the host (no sync): one that is not a finite
+            # positive number makes the loss and its gradients NaN, loud downstream.
+            n = normalizer.to(device=device, dtype=dtype).reshape(())
+            good = torch.isfinite(n) & (n > 0)
+            return torch.where(good, 1.0 / n, torch.full_like(n, float("nan")))
+        if isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real):
+            raise TypeError(f"normalizer={normalizer!r}: must be a number or a scalar tensor")
+        if not (math.isfinite(normalizer) and normalizer > 0):
+            raise ValueError(f"normalizer={normalizer}: must be a finite number > 0")
         return torch.full((), 1.0 / float(normalizer), device=device, dtype=dtype)
     if opts.reduction == "mean":
         count = (target != opts.ignore_index).sum().clamp(min=1)

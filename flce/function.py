@@ -7,7 +7,7 @@ from torch import Tensor
 
 from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to, token_losses,
                               token_losses_backward)
-from flce.dispatch import loss_weight, stat_dtype, use_triton
+from flce.dispatch import loss_weight, stat_dtype, use_triton, widened
 from flce.float8 import FLOAT8
 from flce.ops import float8_used, uses_one_block
 from flce.options import LossOptions
@@ -153,13 +153,13 @@ def fused_linear_cross_entropy(
     if normalizer is not None and reduction == "none":
         raise ValueError("normalizer applies to reduction='mean' or 'sum', not 'none'")
     on_triton = use_triton(impl, x)
-    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))
     o = (ignore_index, float(label_smoothing), float(logit_scale), float(z_loss),
          None if softcap is None else float(softcap))
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
     N, H = x2.shape
-    float8 = float8_used(float8, N)
+    float8 = float8_used(float8, N, H, weight.shape[0])
     if grad and uses_one_block(N, H, weight.shape[0], x.element_size(), chunk_size, memory_lean):
         reduce = reduction != "none"
         weight_of_sum = (loss_weight(t2, opts, normalizer, x.device, stat_dtype(x)) if reduce

@@ -38,8 +38,11 @@ CHUNK_BYTES = 1 << 30       # the logits buffer a chunk aims at ...
 MIN_CHUNK_TOKENS = 8192     # ... with at least this many tokens (dW's fp32 accumulation is
 MAX_CHUNK_TOKENS = 32768    # a read and a write of V x H per chunk: few chunks keep it cheap)
 MAX_CHUNK_BYTES = 2 << 30   # and never more logits than this
-# float8 GEMMs pay for quantizing W (a read of V x H, per call) only past this many tokens
+# float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
+# from this many tokens and this much GEMM work (N·H·V); measured on an H200: 1024x4096x128256
+# and 2048x1024x32000 ran slower in float8, 2048x2048x128256 and larger faster
 FLOAT8_MIN_TOKENS = 2048
+FLOAT8_MIN_WORK = 1 << 38
 
 
 def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
@@ -84,11 +87,12 @@ def uses_one_block(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
     return one_block <= chunked
 
 
-def float8_used(float8: str, n_tokens: int) -> str:
-    """The float8 mode a call runs: "none" below FLOAT8_MIN_TOKENS tokens, where quantizing W
-    costs more than the float8 GEMMs save (the bf16 GEMMs are then the faster and the more
-    exact)."""
-    return float8 if n_tokens >= FLOAT8_MIN_TOKENS else "none"
+def float8_used(float8: str, n_tokens: int, hidden: int, vocab: int) -> str:
+    """The float8 mode a call runs: "none" below FLOAT8_MIN_TOKENS tokens or FLOAT8_MIN_WORK,
+    where quantizing W costs more than the float8 GEMMs save (the bf16 GEMMs are then the
+    faster and the more exact)."""
+    big = n_tokens >= FLOAT8_MIN_TOKENS and n_tokens * hidden * vocab >= FLOAT8_MIN_WORK
+    return float8 if big else "none"
 
 
 def _row_fn(use_triton: bool):

@@ -188,6 +188,8 @@ def chunked_linear_cross_entropy(
     def chunk_sum(xc, tc):
         return linear_cross_entropy(xc, tc, weight, bias, reduction="sum", **options)
 
+    # no tokens (a tensor-parallel rank's empty sequence shard): one empty chunk, a zero loss
+    # whose gradients are zeros, as the other implementations give
     total = sum(checkpoint(chunk_sum, x2[i:i + chunk_size], t2[i:i + chunk_size],
-                           use_reentrant=False) for i in range(0, x2.shape[0], chunk_size))
+                           use_reentrant=False) for i in range(0, max(x2.shape[0], 1), chunk_size))
     return reduce_loss(total.reshape(1), t2, opts, normalizer, None).reshape(())

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flce.custom_ops import scale_to
-from flce.dispatch import loss_weight, stat_dtype, use_triton
+from flce.dispatch import loss_weight, stat_dtype, use_triton, widened
 from flce.ops import chunk_loop, pick_chunk_size, weight_grad_buffer
 from flce.options import LossOptions
 from flce.reference import scaled_logits
@@ -177,7 +177,7 @@ def vocab_parallel_linear_cross_entropy(
     if reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     _check_slice(weight, vocab_start, vocab_size)
-    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))
     weight_of_sum = loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
     return _VocabParallelLoss.apply(x2, t2, weight, bias, weight_of_sum.reshape(()), opts,
                                     vocab_start, vocab_size, group, chunk_size,
@@ -213,7 +213,7 @@ def vocab_parallel_linear_cross_entropy_unfused(
     if reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     _check_slice(weight, vocab_start, vocab_size)
-    x2, t2 = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))
     stat = stat_dtype(x)
     z = scaled_logits(torch.nn.functional.linear(x2, weight, bias).to(stat), opts)
     m = _row_max(z.detach())  # a shift: lse does not depend on it

@@ -58,7 +58,9 @@ CPU_RUN = ["--config", "configs/debug.toml", "--seq-len", "64", "--steps", "4",
            "--ac", "none"]
 
 
-def bench(tmp_path, *args, env=None, timeout=120):
+# Generous: six trainer processes start and import torch; on a loaded GPU machine (pytest-xdist
+# workers) 120 s ran out while the same test alone took 60 s.
+def bench(tmp_path, *args, env=None, timeout=400):
     out = tmp_path / "report"
     result = subprocess.run([*SCRIPT, *args, "--out", str(out),
                              "--runs-dir", str(tmp_path / "runs")],

@@ -101,9 +101,10 @@ def test_val_loss_is_the_plain_cross_entropy_and_val_bpb_its_bits_per_byte(run):
 def test_evaluate_script_reproduces_the_runs_validation(run, tmp_path, capsys):
     evaluate = load_script("evaluate")
     out = tmp_path / "eval.json"
-    # by default the run's source, split, seq_len, batch size and validation steps
+    # by default the run's source, split, seq_len, batch size and validation steps; on the run's
+    # device (CPU, fp32): on a GPU machine the default (CUDA, bf16) rounds differently (5e-4)
     assert evaluate.main(["--checkpoint", str(run["dump"] / "checkpoint"), "--json",
-                          str(out)]) == 0
+                          str(out), "--device", "cpu"]) == 0
     line = capsys.readouterr().out
     assert "val_loss" in line and "val_bpb" in line
     record = json.loads(out.read_text())
@@ -119,7 +120,7 @@ def test_evaluate_script_reproduces_the_runs_validation(run, tmp_path, capsys):
     assert evaluate.main(["--checkpoint", str(tmp_path / "hf"), "--source", str(run["corpus"]),
                           "--seq-len", str(SEQ_LEN), "--steps", str(VAL_STEPS), "--batch-size",
                           str(BATCH), "--val-every", "4", "--cache-dir", str(run["cache"]),
-                          "--json", str(out)]) == 0
+                          "--json", str(out), "--device", "cpu"]) == 0
     from_hf = json.loads(out.read_text())
     for key in ("val_loss", "val_bpb"):
         assert from_hf[key] == pytest.approx(run["val"][key], abs=1e-5)
@@ -148,7 +149,7 @@ def test_evaluate_reproduces_a_two_rank_runs_validation(tmp_path, capsys):
               if "val_loss" in r]
     out = tmp_path / "eval.json"
     assert load_script("evaluate").main(["--checkpoint", str(dump / "checkpoint"), "--json",
-                                         str(out)]) == 0
+                                         str(out), "--device", "cpu"]) == 0
     record = json.loads(out.read_text())
     for key in ("val_loss", "val_bpb"):
         assert record[key] == pytest.approx(val[key], abs=1e-6)

@@ -29,6 +29,8 @@ def _inputs(N=6, H=4, V=9):
     (lambda a: a.update(chunk_size=0), ValueError, "chunk_size"),
     (lambda a: a.update(normalizer=torch.ones(2)), ValueError, "normalizer must be a scalar"),
     (lambda a: a.update(normalizer=0), ValueError, "normalizer=0"),
+    (lambda a: a.update(normalizer=float("inf")), ValueError, "normalizer=inf: must be a finite"),
+    (lambda a: a.update(normalizer="8"), TypeError, "normalizer='8': must be a number"),
     (lambda a: a.update(reduction="none", normalizer=3), ValueError, "normalizer applies"),
     (lambda a: a.update(memory_lean="yes"), TypeError, "memory_lean"),
     (lambda a: a.update(weight=torch.randn(0, 4), bias=None), ValueError, "no rows"),
@@ -63,3 +65,36 @@ def test_triton_on_cpu_without_interpreter(monkeypatch):
     x, target, weight, bias = _inputs()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         flce.fused_linear_cross_entropy(x, target, weight, bias, impl="triton")
+
+
+@pytest.mark.parametrize("bad", [-5.0, 0.0, float("inf"), float("nan")])
+def test_a_tensor_normalizer_that_is_not_a_positive_number_gives_nan(bad):
+    """A tensor normalizer is not read on the host (no sync): -5 gave a negative loss and inf a
+    loss of 0; both, and 0 and NaN, now make the loss and gradients NaN."""
+    x, target, weight, bias = _inputs()
+    for chunk in (None, 2):
+        loss = flce.fused_linear_cross_entropy(x, target, weight, bias, chunk_size=chunk,
+                                               normalizer=torch.tensor(bad))
+        loss.backward()
+        assert torch.isnan(loss) and torch.isnan(x.grad).all() and torch.isnan(weight.grad).all()
+        x.grad = weight.grad = None
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_narrow_integer_targets(dtype):
+    """uint8/int8/int16 class ids failed with a bare gather error on the PyTorch path."""
+    x, target, weight, bias = _inputs()
+    ref = flce.fused_linear_cross_entropy(x, target, weight, bias)
+    for chunk in (None, 2):
+        got = flce.fused_linear_cross_entropy(x, target.to(dtype), weight, bias, chunk_size=chunk)
+        torch.testing.assert_close(got, ref)
+
+
+def test_torch_chunked_loss_with_no_tokens():
+    """A tensor-parallel rank with an empty sequence shard: a zero loss with zero gradients (it
+    crashed: 'int' object has no attribute 'reshape')."""
+    x, target, weight, bias = _inputs(N=0)
+    loss = flce.chunked_linear_cross_entropy(x, target, weight, bias, chunk_size=4,
+                                             normalizer=torch.tensor(3.0))
+    loss.backward()
+    assert loss.item() == 0 and not weight.grad.any() and x.grad.shape == (0, 4)

@@ -404,3 +404,4 @@ def test_float8_gemms_pad_to_multiples_of_16():
     ref = _dequantized(x) @ _dequantized(w).T + b.detach().double()
     torch.testing.assert_close(out[:, :83].double(), ref, rtol=2 * UB, atol=1e-2)
     assert not out[:, 83:].float().any()
+

@@ -302,3 +302,20 @@ def test_one_block_second_backward_is_an_error(impl, device):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_float8_runs_only_where_it_pays(monkeypatch):
+    """Below FLOAT8_MIN_TOKENS tokens or FLOAT8_MIN_WORK the bf16 GEMMs run (faster there, and
+    exact): the loss then equals the bf16 loss bit for bit; above, float8 rounds visibly."""
+    import flce.ops
+    assert flce.ops.float8_used("logits+dx", 1024, 4096, 128256) == "none"
+    assert flce.ops.float8_used("logits+dx", 2048, 1024, 32000) == "none"
+    assert flce.ops.float8_used("logits", 2048, 2048, 128256) == "logits"
+    x, t, w, b = make_inputs(40, 32, 64, "cpu", torch.float32)
+    bf16 = flce.fused_linear_cross_entropy(x, t, w, b, impl="torch")
+    small = flce.fused_linear_cross_entropy(x, t, w, b, impl="torch", float8="logits+dx")
+    assert torch.equal(small, bf16)
+    monkeypatch.setattr(flce.ops, "FLOAT8_MIN_TOKENS", 16)
+    monkeypatch.setattr(flce.ops, "FLOAT8_MIN_WORK", 0)
+    forced = flce.fused_linear_cross_entropy(x, t, w, b, impl="torch", float8="logits+dx")
+    assert not torch.equal(forced, bf16) and rel_err(forced, bf16) < 0.05
