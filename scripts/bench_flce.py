@@ -319,7 +319,8 @@ def run_grid(args, origin, dtype):
         del run, bufs
         torch.cuda.empty_cache()
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
-                  "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None}]
+                  "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None,
+                  "flce_path": flce_path(N, H, V, x.element_size())}]
         timer = lambda run: timed_ms(run, args.seconds, args.reps)  # noqa: E731
         point += [measure(shape, name, f, x, t, w, floor_ms, timer) for name, f in fns.items()]
         del x, t, w
@@ -330,6 +331,14 @@ def run_grid(args, origin, dtype):
                                  f"{r['extra_mib']:.0f} MiB") for r in point[1:]]), flush=True)
         write_report(args.out, {"meta": meta, "results": results}, grid_markdown(meta, results))
     print(grid_markdown(meta, results))
+
+
+def flce_path(N, H, V, elem_bytes) -> str:
+    """Which sweep flce takes at this shape (flce/ops.py): "one block" or "chunks of C"."""
+    from flce.ops import pick_chunk_size, uses_one_block
+    if uses_one_block(N, H, V, elem_bytes, None, lean=False):
+        return "one block"
+    return f"chunks of {pick_chunk_size(N, H, V, elem_bytes, None, lean=False)}"
 
 
 def grid_verdict(results: list[dict]) -> list[str]:
@@ -381,9 +390,12 @@ def grid_markdown(meta, results):
              "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
              "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory).", "",
              *grid_verdict(results), "",
-             "| N×H×V | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+             "| N×H×V | flce path | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
     for shape in dict.fromkeys(r["shape"] for r in results):
-        lines.append(f"| {shape} | " + " | ".join(cell(at.get((shape, n))) for n in names) + " |")
+        path = (at.get((shape, "bare_gemms")) or {}).get("flce_path", "-")
+        lines.append(f"| {shape} | {path} | " +
+                     " | ".join(cell(at.get((shape, n))) for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 

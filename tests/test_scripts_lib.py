@@ -154,7 +154,8 @@ def test_flce_grid_verdict_counts_each_target():
     results = [r("a", "bare_gemms", 10.0, None), r("a", "flce", 10.4, 100),
                r("a", "flce_lean", 11.0, 50), r("a", "unfused_compile", 11.0, 400),
                r("a", "liger", 12.0, 60), r("a", "cce", None, None),
-               r("b", "bare_gemms", 10.0, None), r("b", "flce", 10.8, 300),
+               {**r("b", "bare_gemms", 10.0, None), "flce_path": "one block"},
+               r("b", "flce", 10.8, 300),
                r("b", "flce_lean", 13.0, 80), r("b", "unfused_compile", 10.5, 200),
                r("b", "liger", 12.0, 70), r("b", "cce", 10.0, 10)]
     text = "\n".join(bench_flce.grid_verdict(results))
@@ -167,4 +168,7 @@ def test_flce_grid_verdict_counts_each_target():
     meta = {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
             "command": "c", **CLEAN}
     table = bench_flce.grid_markdown(meta, results)
-    assert "| b | 10.00 (1 TFLOP/s) | 1.080× / 300 |" in table and "| OOM |" in table
+    assert "| b | one block | 10.00 (1 TFLOP/s) | 1.080× / 300 |" in table and "| OOM |" in table
+    assert "| a | - | 10.00" in table  # a report from before the path was recorded
+    assert bench_flce.flce_path(8192, 4096, 128256, 2) == "one block"
+    assert bench_flce.flce_path(65536, 2048, 128256, 2) == "chunks of 8192"
