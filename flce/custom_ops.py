@@ -57,13 +57,15 @@ def fused_forward(
     use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Loss (sum of token losses times loss_weight) and the gradients of the unweighted sum,
-    left in their accumulators (fp32, or the parameter dtypes when lean)."""
+    left in their fp32 accumulators; lean: of the weighted sum, in the parameter dtypes."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     # The kernel writes unweighted dlogits: their bf16 rounding then does not depend on the batch's
-    # token count, and loss_weight is applied exactly, in fp32, with the upstream gradient.
-    one = torch.ones((), device=x.device, dtype=stat_dtype(x))
+    # token count, and loss_weight is applied exactly, in fp32, with the upstream gradient. Lean
+    # gradients are rounded to bf16 as they accumulate anyway: loss_weight goes into dlogits, so
+    # that backward leaves them as they are for the usual upstream gradient of 1.
+    row_weight = loss_weight if lean else torch.ones((), device=x.device, dtype=stat_dtype(x))
     loss, dx, dw, db = chunked_pass(
-        x, target, weight, bias, one, None, False, opts, chunk_size, lean,
+        x, target, weight, bias, row_weight, None, False, opts, chunk_size, lean,
         use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8)
     return loss.sum() * loss_weight, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 

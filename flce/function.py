@@ -47,12 +47,14 @@ class _ReducedLoss(torch.autograd.Function):
     """mean / sum / normalizer: gradients come out of forward; backward scales and casts them."""
 
     @staticmethod
-    def forward(ctx, x, target, weight, bias, loss_weight, config):
+    def forward(ctx, x, target, weight, bias, loss_weight, opts, chunk_size, lean, float8,
+                use_triton):
         need = ctx.needs_input_grad
-        loss, dx, dw, db = fused_forward(
-            x, target, weight, bias, loss_weight, *config, need[0], need[2], need[3])
+        loss, dx, dw, db = fused_forward(x, target, weight, bias, loss_weight, *opts, chunk_size,
+                                         lean, float8, use_triton, need[0], need[2], need[3])
         ctx.save_for_backward(dx, dw, db, loss_weight)
         ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.lean = lean  # loss_weight is already in the lean gradients (custom_ops.fused_forward)
         return loss
 
     @staticmethod
@@ -60,10 +62,12 @@ class _ReducedLoss(torch.autograd.Function):
         dx, dw, db, loss_weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         x_dtype, w_dtype = ctx.dtypes
-        grad = grad * loss_weight
+        if not ctx.lean:
+            grad = grad * loss_weight
         return (scale_to(dx, grad, x_dtype) if need[0] else None, None,
                 scale_to(dw, grad, w_dtype) if need[2] else None,
-                scale_to(db, grad, w_dtype) if need[3] else None, None, None)
+                scale_to(db, grad, w_dtype) if need[3] else None, None, None, None, None, None,
+                None)
 
 
 class _TokenLosses(torch.autograd.Function):
@@ -175,7 +179,8 @@ def fused_linear_cross_entropy(
                                   on_triton)
         return loss.reshape(target.shape)
     weight_of_sum = loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
-    config = o + (chunk_size, memory_lean, float8, on_triton)
+    config = (chunk_size, memory_lean, float8, on_triton)
     if not grad:
-        return fused_forward(x2, t2, weight, bias, weight_of_sum, *config, False, False, False)[0]
-    return _ReducedLoss.apply(x2, t2, weight, bias, weight_of_sum, config)
+        return fused_forward(x2, t2, weight, bias, weight_of_sum, *o, *config, False, False,
+                             False)[0]
+    return _ReducedLoss.apply(x2, t2, weight, bias, weight_of_sum, o, *config)

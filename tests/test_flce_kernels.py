@@ -83,3 +83,18 @@ def test_gradient_pass_keeps_the_digits_of_large_logits():
         one_pass = _run(fn, logits, target, weight, LossOptions())
         split = _run(fn, logits, target, weight, LossOptions(), stats_in=one_pass[1])
         torch.testing.assert_close(split[2], one_pass[2], rtol=1e-6, atol=1e-7)
+
+
+def test_in_place_scale_by_one_leaves_the_tensor_and_others_scale():
+    """The backward's in-place multiply by the upstream gradient skips its memory traffic when
+    that is exactly 1 (decided on the device); any other value scales, rounded once."""
+    from flce.kernels import scale_cast
+    t = torch.randn(5000, device=DEVICE).bfloat16()
+    before = t.clone()
+    scale_cast(t, t, torch.tensor(1.0, device=DEVICE))
+    assert torch.equal(t, before)
+    scale_cast(t, t, torch.tensor(-0.5, device=DEVICE))
+    assert torch.equal(t, (before.float() * -0.5).bfloat16())
+    out = torch.empty(5000, device=DEVICE)
+    scale_cast(before, out, torch.tensor(1.0, device=DEVICE))  # a cast: always written
+    assert torch.equal(out, before.float())
