@@ -162,12 +162,11 @@ def fused_linear_cross_entropy(
          None if softcap is None else float(softcap))
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
-    N, H = x2.shape
-    float8 = float8_used(float8, N, H, weight.shape[0])
-    if grad and uses_one_block(N, H, weight.shape[0], x.element_size(), chunk_size, memory_lean):
+    (N, H), V = x2.shape, weight.shape[0]
+    float8 = float8_used(float8, N, H, V)
+    if grad and uses_one_block(N, H, V, x.element_size(), chunk_size, memory_lean):
         reduce = reduction != "none"
-        weight_of_sum = (loss_weight(t2, opts, normalizer, x.device, stat_dtype(x)) if reduce
-                         else torch.ones((), device=x.device, dtype=stat_dtype(x)))
+        weight_of_sum = loss_weight(t2, opts, normalizer, x.device, stat_dtype(x)) if reduce else None
         loss = _OneBlockLoss.apply(x2, t2, weight, bias, weight_of_sum, o, float8, on_triton,
                                    reduce)
         return loss if reduce else loss.reshape(target.shape)
