@@ -16,6 +16,7 @@ import tokenizers
 from components.config import TokenizerName
 
 TOKENIZER_NAMES = typing.get_args(TokenizerName)
+TOKENIZER_FILE = "tokenizer.json"  # what a folder given as a tokenizer's path holds
 
 # Tried in order when the caller names no token. "<|endoftext|>" is in both lists because GPT-2 style
 # tokenizers use that one token to mark both ends of a document.
@@ -74,8 +75,13 @@ class HFTokenizer:
     tokenizer has. `found` says where each came from."""
 
     def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None):
+        """path: the tokenizer.json, or a folder holding one (a Hugging Face model folder)."""
         self.path = Path(path).expanduser()
-        if not self.path.is_file():
+        if self.path.is_dir():
+            if not (self.path / TOKENIZER_FILE).is_file():
+                raise FileNotFoundError(f"tokenizer folder {self.path} holds no {TOKENIZER_FILE}")
+            self.path = self.path / TOKENIZER_FILE
+        elif not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {self.path}")
         self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
@@ -293,7 +299,8 @@ def build_tokenizer(name: str, path: str | None = None, bos_token: str | None = 
         return ByteTokenizer()
     if name == "hf":
         if not path:
-            raise ValueError('tokenizer "hf" needs the path of a tokenizer.json: set [tokenizer] path')
+            raise ValueError('tokenizer "hf" needs the path of a tokenizer.json (or of a folder holding '
+                             'one): set [tokenizer] path')
         tokenizer = HFTokenizer(path, bos_token=bos_token or None, eos_token=eos_token or None)
         if log is not None:
             log(tokenizer.describe())
