@@ -189,6 +189,18 @@ def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | Non
     return metrics
 
 
+def warn_if_read_more_than_once(val_batches, cfg: JobConfig, device) -> bool:
+    """After an evaluation: warn when it read its validation split more than once on any rank
+    (its numbers then weigh the repeated windows twice)."""
+    repeated = val_batches.read_more_than_once()
+    anywhere = all_reduce_sum(torch.tensor([float(bool(repeated))], device=device)).item() > 0
+    if anywhere:
+        log(f"warning: [validation] steps = {cfg.validation.steps} batches read more than the "
+            f"validation split holds ({', '.join(repeated) or 'on another rank'}): every "
+            "evaluation scores some windows more than once; fewer steps would not")
+    return anywhere
+
+
 def train_step(model, micro, optimizer, scheduler, params, max_norm: float, tp: int, device,
                poison: bool = False):
     """One optimizer step over the micro-batches. Returns the loss, the gradient norm and
@@ -370,6 +382,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     # Test-only fault injection: a NaN loss at these steps (comma-separated), as a bad batch gives.
     poisoned = {int(s) for s in os.environ.get("FLCE_TEST_NAN_STEPS", "").split(",") if s.strip()}
     exit_code, run_tokens, step = 0, 0, start_step - 1
+    val_repeats = None
     with maybe_profile(cfg.profiling, dump, rank) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
             with meter.waiting_for_data():
@@ -415,6 +428,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 val_batches.load_state_dict(val_start)
                 metrics.log(step, evaluate(model, val_batches, cfg.validation.steps, device,
                                            token_bytes))
+                if val_repeats is None:  # the first evaluation: the same batches every time
+                    val_repeats = warn_if_read_more_than_once(val_batches, cfg, device)
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()
