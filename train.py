@@ -28,6 +28,7 @@ from components.config import (ConfigError, JobConfig, config_changes, config_ch
 from components.config_docs import help_text
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
+from components.initial_load import take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
 from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_metrics_backends,
@@ -310,6 +311,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                                     cfg.parallelism.data_parallel_shard_degree,
                                     cfg.parallelism.tensor_parallel_degree, world)
     torch.use_deterministic_algorithms(cfg.training.deterministic)
+    with config_checks():  # before config.toml records the settings
+        take_settings_from_initial_load(cfg, log)
     dump = Path(cfg.job.dump_folder)
     if rank == 0:
         dump.mkdir(parents=True, exist_ok=True)

@@ -306,7 +306,11 @@ class Checkpointer:
         if step is not None:
             resumed = self._load_full(found[step])
         elif self.cfg.initial_load_path:
-            self._load_model_only(Path(self.cfg.initial_load_path))
+            kind = self._load_model_only(Path(self.cfg.initial_load_path))
+            if self.rank == 0:
+                print(f"checkpoint: the weights come from [checkpoint] initial_load_path "
+                      f"{self.cfg.initial_load_path} ({kind}); optimizer and step start afresh",
+                      flush=True)
         if self.cfg.enable and self.rank == 0:
             self._set_aside_after(resumed.step if resumed else 0)
         return resumed
@@ -365,10 +369,12 @@ class Checkpointer:
                 warnings.warn(f"data iterator not restored ({e}): this rank reads its shard "
                               "from the start")
 
-    def _load_model_only(self, path: Path) -> None:
+    def _load_model_only(self, path: Path) -> str:
+        """The model's weights from a DCP step folder or a Hugging Face folder; says which."""
         if (path / "config.json").is_file() and not (path / ".metadata").is_file() \
                 and self.read_hf_folder is not None:
-            return self._load_hf_folder(path)
+            self._load_hf_folder(path)
+            return "a Hugging Face folder"
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: neither a DCP "
                                     "checkpoint folder (no .metadata) nor a Hugging Face model "
@@ -377,6 +383,7 @@ class Checkpointer:
         check_model_shapes(path, model_sd)
         dcp.load({"model": model_sd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
+        return "a DCP checkpoint"
 
     def _load_hf_folder(self, path: Path) -> None:
         """Rank 0 alone reads the folder into full CPU tensors (a shared filesystem is read

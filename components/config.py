@@ -274,7 +274,9 @@ class Checkpoint:
     initial_load_path: str = ""
     """Weights to start from when there is no checkpoint to resume: a step folder or a Hugging Face model folder.
 
-    Loaded with enable = false too (a run that saves nothing never resumes either)."""
+    Loaded with enable = false too (a run that saves nothing never resumes either). A Hugging
+    Face folder also gives the tokenizer (when [tokenizer] is all defaults) and the vocab size
+    (when [model] vocab_size is 0), with a log line saying so."""
     async_mode: AsyncMode = "disabled"
     """"async": training goes on while a save is written (its collectives in a gloo group of their own)."""
 
