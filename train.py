@@ -344,9 +344,10 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     data_kwargs = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len,
                        local_batch_size=cfg.training.local_batch_size, dp_rank=dims.dp_rank(rank),
                        dp_world=dims.dp, seed=cfg.training.seed, max_token_id=args.vocab_size)
-    train_batches = build_data(cfg.data, split="train", **data_kwargs)
-    val_batches = (build_data(cfg.data, split="validation", **data_kwargs)
-                   if cfg.validation.enable else None)
+    with config_checks():  # data mistakes (a wrong path, shards of another tokenizer) too
+        train_batches = build_data(cfg.data, split="train", **data_kwargs)
+        val_batches = (build_data(cfg.data, split="validation", **data_kwargs)
+                       if cfg.validation.enable else None)
     log(train_batches.describe())
     train_iter = iter(train_batches)
     # Every evaluation scores the same held-out batches, so validation losses are comparable.
@@ -366,7 +367,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     start_step, tokens_seen = 1, 0
     if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:
         configured = hyperparameters(optimizer)
-        resumed = ckpt.load()
+        with config_checks():  # e.g. an initial_load_path of another vocabulary
+            resumed = ckpt.load()
         if resumed is not None:
             # The checkpoint brings back its run's lr, betas, eps, weight decay and base lrs with
             # the optimizer state; this run's config wins (the moments and step counts stay).

@@ -625,9 +625,28 @@ def _argv_pairs(argv: list[str]) -> list[tuple[str, Optional[str]]]:
             if i + 1 >= len(argv):
                 raise ConfigError(f"{arg} needs a value")
             value, i = argv[i + 1], i + 1
+            if _key_type(value) is not None:  # `--checkpoint.enable --job.dump_folder X`
+                hint = (f"write {arg} true or false" if _key_type(arg) is bool
+                        else f"a value that starts with -- goes as {arg}=VALUE")
+                raise ConfigError(f"{arg} needs a value: the next argument, {value}, is another "
+                                  f"flag ({hint})")
         pairs.append((name, value))
         i += 1
     return pairs
+
+
+def _key_type(arg: str):
+    """The type of the key a command-line argument names (`--section.key`, `--config`: str), or
+    None when it names none."""
+    name = arg.removeprefix("--").partition("=")[0] if arg.startswith("--") else ""
+    if name == "config":
+        return str
+    where, _, key = name.rpartition(".")
+    section = dict(sections()).get(where)
+    key = ALIASES.get((where, key), key)
+    if section is None or key not in _keys(section):
+        return None
+    return typing.get_type_hints(type(section))[key]
 
 
 def wants_help(argv: list[str]) -> bool:
