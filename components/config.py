@@ -195,7 +195,10 @@ class Data:
 
     0 is fine for the byte tokenizer; a 32k BPE tokenizes ~0.5M tokens/s per core."""
     cache_dir: str = "~/.cache/flce-recipes"
-    """Where hub datasets are cached."""
+    """Where hub datasets are cached; also the embedded stdlib corpus, and local files' Arrow copies and check reports.
+
+    The reports say what each local .jsonl/.json/.txt file holds (by path, size and mtime), so
+    an unchanged file is checked once; with on_bad_document = "skip", the cleaned copies too."""
     on_bad_document: OnBadDocument = "error"
     """A local document that is not UTF-8, not a JSON object or has no text: stop ("error") or "skip" it.
 

@@ -47,7 +47,8 @@ def data_parallel_ranks(folder: Path, cfg: JobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a DCP step folder, a run's checkpoint folder (latest) or a Hugging "
                              "Face folder")

@@ -8,10 +8,12 @@ step-<N> folders picks the latest). The run's config.toml in it says the flavor,
 and the tokenizer, so nothing else is needed; for a checkpoint without one (a `torch.save` file
 of a state dict, torchtitan's) pass --flavor and --vocab-size.
 
-The folder gets the weights (safetensors; shards with an index above --max-shard-size),
-config.json and generation_config.json with the tokenizer's bos/eos ids, and the tokenizer:
-the run's tokenizer.json (with its tokenizer_config.json and special_tokens_map.json when they
-sit beside it), or for the built-in byte tokenizer an equivalent tokenizer.json. The q/k rows
+The folder gets the weights in --dtype, bfloat16 by default (float32 keeps them exactly as
+trained; safetensors, shards with an index above --max-shard-size), config.json and
+generation_config.json with the tokenizer's bos/eos ids, and the tokenizer: the run's
+tokenizer.json (with its tokenizer_config.json and special_tokens_map.json when they sit beside
+it), or for the built-in byte tokenizer an equivalent tokenizer.json, framing text as training
+did (bos first, in transformers too). The q/k rows
 are permuted for transformers' RoPE layout (models/hf.py); the exported model gives the same
 logits (tests/test_export_hf.py). A run with [loss] logit_scale or softcap is refused:
 LlamaForCausalLM has neither.
@@ -230,13 +232,15 @@ def parse_size(text: str) -> int:
 # ----------------------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m scripts.export_hf",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.export_hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a DCP checkpoint folder (<dump>/checkpoint/step-<N>), the folder of "
                              "step-<N> folders (latest), or a torch.save state dict file")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                        help="the weights' dtype in the folder (default: bfloat16; float32 keeps "
+                             "them as trained)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest safetensors file; more weights go into shards + an index")
     parser.add_argument("--flavor", choices=sorted(FLAVORS),
