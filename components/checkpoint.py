@@ -23,6 +23,7 @@ and train_state.json is JSON, but DCP reads its own `.metadata` with pickle, whi
 code. Load checkpoint folders only from sources you would run code from.
 """
 
+import contextlib
 import functools
 import io
 import json
@@ -60,6 +61,20 @@ class TrainState:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _one_process_quiet(no_dist: bool):
+    """A single-process run saves and loads without a process group (no_dist): DCP then warns
+    "torch.distributed is disabled ... assuming ... a single process" on every call, which is
+    what this trainer meant. Silenced for those calls only."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+        yield
 
 
 def _fault_point(name: str, step: int) -> None:
@@ -207,8 +222,9 @@ class Checkpointer:
         _fault_point("after_rank_files", step)
         no_dist = not dist.is_initialized()
         if self.cfg.async_mode == "async":
-            written = dcp.async_save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist,
-                                     process_group=self._async_group)
+            with _one_process_quiet(no_dist):
+                written = dcp.async_save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist,
+                                         process_group=self._async_group)
             written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse
             self._pending = Future()
             blocked = time.perf_counter() - started
@@ -218,7 +234,8 @@ class Checkpointer:
             _fault_point("async_started", step)
         else:
             try:
-                dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
+                with _one_process_quiet(no_dist):
+                    dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
             except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
                 if _interrupted(e):  # the user's second Ctrl-C, not a failed write
                     raise KeyboardInterrupt from e
@@ -336,7 +353,8 @@ class Checkpointer:
     def _load_full(self, path: Path) -> TrainState:
         state = self._state()
         check_model_shapes(path, state["model"])
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _one_process_quiet(not dist.is_initialized()):
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         train_state = json.loads((path / "train_state.json").read_text())
@@ -381,7 +399,9 @@ class Checkpointer:
                                     "folder (no config.json)")
         model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
-        dcp.load({"model": model_sd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _one_process_quiet(not dist.is_initialized()):
+            dcp.load({"model": model_sd}, checkpoint_id=str(path),
+                     no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
         return "a DCP checkpoint"
 
