@@ -8,6 +8,7 @@ shuffled: for real pretraining, tokenize once into token shards (scripts.prepare
 build_data reads through components/shard_batches.py in a shuffled, layout-independent order.
 """
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -158,8 +159,24 @@ def _load_local(files: list[Path], streaming: bool, cache_dir: Path):
     builder = BUILDER_BY_SUFFIX[files[0].suffix]
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], streaming=streaming,
-                                 cache_dir=str(cache_dir / "datasets"), **options)
+    with _no_progress_bars():
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files],
+                                     streaming=streaming, cache_dir=str(cache_dir / "datasets"),
+                                     **options)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """datasets' "Generating train split" bar, drawn when local files first go into its Arrow
+    cache, lands in the training log between the config and step 1, where it reads as trouble
+    (and check_files has just read the files without one). Off for these calls only."""
+    already_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not already_off:
+            datasets.enable_progress_bars()
 
 
 def _pick_split(splits, split: str, val_every: int, source: str) -> Documents:
