@@ -28,6 +28,7 @@ from components.config import (ConfigError, JobConfig, config_changes, config_ch
 from components.config_docs import help_text
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
+from components.initial_load import take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
 from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_metrics_backends,
@@ -201,6 +202,18 @@ def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | Non
     return metrics
 
 
+def warn_if_read_more_than_once(val_batches, cfg: JobConfig, device) -> bool:
+    """After an evaluation: warn when it read its validation split more than once on any rank
+    (its numbers then weigh the repeated windows twice)."""
+    repeated = val_batches.read_more_than_once()
+    anywhere = all_reduce_sum(torch.tensor([float(bool(repeated))], device=device)).item() > 0
+    if anywhere:
+        log(f"warning: [validation] steps = {cfg.validation.steps} batches read more than the "
+            f"validation split holds ({', '.join(repeated) or 'on another rank'}): every "
+            "evaluation scores some windows more than once; fewer steps would not")
+    return anywhere
+
+
 def train_step(model, micro, optimizer, scheduler, params, max_norm: float, same_batch: int,
                device, poison: bool = False, shard=NoSharding()):
     """One optimizer step over the micro-batches. Returns the loss, the gradient norm and
@@ -314,6 +327,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                                     cfg.parallelism.tensor_parallel_degree, world,
                                     cfg.parallelism.context_parallel_degree)
     torch.use_deterministic_algorithms(cfg.training.deterministic)
+    with config_checks():  # before config.toml records the settings
+        take_settings_from_initial_load(cfg, log)
     dump = Path(cfg.job.dump_folder)
     if rank == 0:
         dump.mkdir(parents=True, exist_ok=True)
@@ -349,9 +364,10 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     data_kwargs = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len,
                        local_batch_size=cfg.training.local_batch_size, dp_rank=dims.dp_rank(rank),
                        dp_world=dims.dp, seed=cfg.training.seed, max_token_id=args.vocab_size)
-    train_batches = build_data(cfg.data, split="train", **data_kwargs)
-    val_batches = (build_data(cfg.data, split="validation", **data_kwargs)
-                   if cfg.validation.enable else None)
+    with config_checks():  # data mistakes (a wrong path, shards of another tokenizer) too
+        train_batches = build_data(cfg.data, split="train", **data_kwargs)
+        val_batches = (build_data(cfg.data, split="validation", **data_kwargs)
+                       if cfg.validation.enable else None)
     log(train_batches.describe())
     train_iter = iter(train_batches)
     # Every evaluation scores the same held-out batches, so validation losses are comparable.
@@ -372,7 +388,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     start_step, tokens_seen = 1, 0
     if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:
         configured = hyperparameters(optimizer)
-        resumed = ckpt.load()
+        with config_checks():  # e.g. an initial_load_path of another vocabulary
+            resumed = ckpt.load()
         if resumed is not None:
             # The checkpoint brings back its run's lr, betas, eps, weight decay and base lrs with
             # the optimizer state; this run's config wins (the moments and step counts stay).
@@ -391,6 +408,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     # Test-only fault injection: a NaN loss at these steps (comma-separated), as a bad batch gives.
     poisoned = {int(s) for s in os.environ.get("FLCE_TEST_NAN_STEPS", "").split(",") if s.strip()}
     exit_code, run_tokens, step = 0, 0, start_step - 1
+    val_repeats = None
     with maybe_profile(cfg.profiling, dump, rank) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
             with meter.waiting_for_data():
@@ -436,6 +454,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 val_batches.load_state_dict(val_start)
                 metrics.log(step, evaluate(model, val_batches, cfg.validation.steps, device,
                                            token_bytes, shard))
+                if val_repeats is None:  # the first evaluation: the same batches every time
+                    val_repeats = warn_if_read_more_than_once(val_batches, cfg, device)
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()

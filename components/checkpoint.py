@@ -23,6 +23,7 @@ and train_state.json is JSON, but DCP reads its own `.metadata` with pickle, whi
 code. Load checkpoint folders only from sources you would run code from.
 """
 
+import contextlib
 import functools
 import io
 import json
@@ -60,6 +61,20 @@ class TrainState:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _one_process_quiet(no_dist: bool):
+    """A single-process run saves and loads without a process group (no_dist): DCP then warns
+    "torch.distributed is disabled ... assuming ... a single process" on every call, which is
+    what this trainer meant. Silenced for those calls only."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+        yield
 
 
 def _fault_point(name: str, step: int) -> None:
@@ -211,8 +226,9 @@ class Checkpointer:
         _fault_point("after_rank_files", step)
         no_dist = not dist.is_initialized()
         if self.cfg.async_mode == "async":
-            written = dcp.async_save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist,
-                                     process_group=self._async_group)
+            with _one_process_quiet(no_dist):
+                written = dcp.async_save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist,
+                                         process_group=self._async_group)
             written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse
             self._pending = Future()
             blocked = time.perf_counter() - started
@@ -222,7 +238,8 @@ class Checkpointer:
             _fault_point("async_started", step)
         else:
             try:
-                dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
+                with _one_process_quiet(no_dist):
+                    dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
             except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
                 if _interrupted(e):  # the user's second Ctrl-C, not a failed write
                     raise KeyboardInterrupt from e
@@ -310,7 +327,11 @@ class Checkpointer:
         if step is not None:
             resumed = self._load_full(found[step])
         elif self.cfg.initial_load_path:
-            self._load_model_only(Path(self.cfg.initial_load_path))
+            kind = self._load_model_only(Path(self.cfg.initial_load_path))
+            if self.rank == 0:
+                print(f"checkpoint: the weights come from [checkpoint] initial_load_path "
+                      f"{self.cfg.initial_load_path} ({kind}); optimizer and step start afresh",
+                      flush=True)
         if self.cfg.enable and self.rank == 0:
             self._set_aside_after(resumed.step if resumed else 0)
         return resumed
@@ -336,7 +357,8 @@ class Checkpointer:
     def _load_full(self, path: Path) -> TrainState:
         state = self._state()
         check_model_shapes(path, state["model"])
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _one_process_quiet(not dist.is_initialized()):
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         train_state = json.loads((path / "train_state.json").read_text())
@@ -384,18 +406,23 @@ class Checkpointer:
                 warnings.warn(f"data iterator not restored ({e}): this rank reads its shard "
                               "from the start")
 
-    def _load_model_only(self, path: Path) -> None:
+    def _load_model_only(self, path: Path) -> str:
+        """The model's weights from a DCP step folder or a Hugging Face folder; says which."""
         if (path / "config.json").is_file() and not (path / ".metadata").is_file() \
                 and self.read_hf_folder is not None:
-            return self._load_hf_folder(path)
+            self._load_hf_folder(path)
+            return "a Hugging Face folder"
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: neither a DCP "
                                     "checkpoint folder (no .metadata) nor a Hugging Face model "
                                     "folder (no config.json)")
         model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
-        dcp.load({"model": model_sd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _one_process_quiet(not dist.is_initialized()):
+            dcp.load({"model": model_sd}, checkpoint_id=str(path),
+                     no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
+        return "a DCP checkpoint"
 
     def _load_hf_folder(self, path: Path) -> None:
         """Rank 0 alone reads the folder into full CPU tensors (a shared filesystem is read

@@ -210,7 +210,10 @@ class Data:
 
     0 is fine for the byte tokenizer; a 32k BPE tokenizes ~0.5M tokens/s per core."""
     cache_dir: str = "~/.cache/flce-recipes"
-    """Where hub datasets are cached."""
+    """Where hub datasets are cached; also the embedded stdlib corpus, and local files' Arrow copies and check reports.
+
+    The reports say what each local .jsonl/.json/.txt file holds (by path, size and mtime), so
+    an unchanged file is checked once; with on_bad_document = "skip", the cleaned copies too."""
     on_bad_document: OnBadDocument = "error"
     """A local document that is not UTF-8, not a JSON object or has no text: stop ("error") or "skip" it.
 
@@ -297,7 +300,9 @@ class Checkpoint:
     initial_load_path: str = ""
     """Weights to start from when there is no checkpoint to resume: a step folder or a Hugging Face model folder.
 
-    Loaded with enable = false too (a run that saves nothing never resumes either)."""
+    Loaded with enable = false too (a run that saves nothing never resumes either). A Hugging
+    Face folder also gives the tokenizer (when [tokenizer] is all defaults) and the vocab size
+    (when [model] vocab_size is 0), with a log line saying so."""
     async_mode: AsyncMode = "disabled"
     """"async": training goes on while a save is written (its collectives in a gloo group of their own)."""
 
@@ -653,9 +658,28 @@ def _argv_pairs(argv: list[str]) -> list[tuple[str, Optional[str]]]:
             if i + 1 >= len(argv):
                 raise ConfigError(f"{arg} needs a value")
             value, i = argv[i + 1], i + 1
+            if _key_type(value) is not None:  # `--checkpoint.enable --job.dump_folder X`
+                hint = (f"write {arg} true or false" if _key_type(arg) is bool
+                        else f"a value that starts with -- goes as {arg}=VALUE")
+                raise ConfigError(f"{arg} needs a value: the next argument, {value}, is another "
+                                  f"flag ({hint})")
         pairs.append((name, value))
         i += 1
     return pairs
+
+
+def _key_type(arg: str):
+    """The type of the key a command-line argument names (`--section.key`, `--config`: str), or
+    None when it names none."""
+    name = arg.removeprefix("--").partition("=")[0] if arg.startswith("--") else ""
+    if name == "config":
+        return str
+    where, _, key = name.rpartition(".")
+    section = dict(sections()).get(where)
+    key = ALIASES.get((where, key), key)
+    if section is None or key not in _keys(section):
+        return None
+    return typing.get_type_hints(type(section))[key]
 
 
 def wants_help(argv: list[str]) -> bool:

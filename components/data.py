@@ -8,6 +8,7 @@ shuffled: for real pretraining, tokenize once into token shards (scripts.prepare
 build_data reads through components/shard_batches.py in a shuffled, layout-independent order.
 """
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -158,8 +159,24 @@ def _load_local(files: list[Path], streaming: bool, cache_dir: Path):
     builder = BUILDER_BY_SUFFIX[files[0].suffix]
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], streaming=streaming,
-                                 cache_dir=str(cache_dir / "datasets"), **options)
+    with _no_progress_bars():
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files],
+                                     streaming=streaming, cache_dir=str(cache_dir / "datasets"),
+                                     **options)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """datasets' "Generating train split" bar, drawn when local files first go into its Arrow
+    cache, lands in the training log between the config and step 1, where it reads as trouble
+    (and check_files has just read the files without one). Off for these calls only."""
+    already_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not already_off:
+            datasets.enable_progress_bars()
 
 
 def _pick_split(splits, split: str, val_every: int, source: str) -> Documents:
@@ -218,7 +235,7 @@ class TokenWindows:
 
     def __init__(self, documents: Documents, tokenizer: Tokenizer, seq_len: int, dp_rank: int = 0,
                  dp_world: int = 1, max_token_id: int | None = None, text_field: str = "text",
-                 num_workers: int = 0):
+                 num_workers: int = 0, name: str = "the documents"):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}: must be >= 1")
         if not 0 <= dp_rank < dp_world:
@@ -232,6 +249,7 @@ class TokenWindows:
         self.max_token_id = max_token_id
         self.text_field = text_field
         self.num_workers = num_workers
+        self.name = name  # the source, in messages
         self._documents = documents
         if isinstance(documents, datasets.IterableDataset):
             # By example, so document i of the stream goes to rank i % dp_world as without
@@ -351,6 +369,10 @@ class TokenWindows:
         return {"epoch": self._epoch, "document": document, "token_offset": token_offset,
                 "dp_rank": self.dp_rank, "dp_world": self.dp_world}
 
+    def read_more_than_once(self, state: dict) -> list[str]:
+        """[the source's name] when this rank had begun reading its documents again at the state."""
+        return [self.name] if state["epoch"] > 0 else []
+
     def load_state_dict(self, state: dict) -> None:
         if not {"epoch", "document", "token_offset", "dp_rank", "dp_world"} <= set(state):
             raise ValueError(f"data state of another kind of source (keys {sorted(state)}), not text documents")
@@ -449,6 +471,14 @@ class Batches:
     def load_state_dict(self, state: dict) -> None:
         self.windows.load_state_dict(state)
 
+    def read_more_than_once(self, state: dict | None = None) -> list[str]:
+        """The sources of which more was read up to the state (default: now) than they hold
+        (none for synthetic tokens, which never repeat)."""
+        state = self.state_dict() if state is None else state
+        if isinstance(self.windows, TokenWindows):
+            return self.windows.read_more_than_once(state)
+        return []
+
     def resume_at_batch(self, n_batches: int) -> None:
         """Position a synthetic stream after n_batches of this rank, whatever layout saved the
         checkpoint (its windows are indexed globally). Text streams cannot be re-sharded."""
@@ -498,5 +528,6 @@ def build_data(data: Data, *, split: str, tokenizer: Tokenizer, seq_len: int, lo
                                on_bad_document=data.on_bad_document)
     windows = TokenWindows(documents, tokenizer, seq_len, dp_rank=dp_rank, dp_world=dp_world,
                            max_token_id=max_token_id, text_field=data.text_field,
-                           num_workers=data.num_workers if split == "train" else 0)
+                           num_workers=data.num_workers if split == "train" else 0,
+                           name=f"{data.source} ({split})")
     return Prefetched(Batches(windows, local_batch_size))

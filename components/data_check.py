@@ -48,7 +48,8 @@ class _NoField(str):
     fields: list[str]
 
 
-class MissingTextField(KeyError):
+class MissingTextField(KeyError, ValueError):
+    # A ValueError too: a data mistake, which the trainer's command line shows as one line.
     # KeyError would print its message in quotes, as if it were a key.
     def __str__(self) -> str:
         return str(self.args[0])

@@ -63,6 +63,10 @@ class Prefetched:
         self.batches.resume_at_batch(n_batches)
         self._state = self.batches.state_dict()
 
+    def read_more_than_once(self) -> list[str]:
+        """The sources read more than once up to the last batch taken (not the thread's)."""
+        return self.batches.read_more_than_once(self._state)
+
     def describe(self) -> str:
         return self.batches.describe()
 

@@ -84,17 +84,30 @@ class Mixture:
         return (self.quotas / MIXTURE_BLOCK).tolist()
 
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        if block not in self._blocks:
-            if len(self._blocks) > 4:
-                self._blocks.clear()
+        # never read back from the cache after writing it: the prefetch thread may clear it
+        found = self._blocks.get(block)
+        if found is None:
             order = permute(np.arange(MIXTURE_BLOCK), MIXTURE_BLOCK, _keys(self.seed, "mixture", block))
             source = self._slots[order]
             number = np.empty(MIXTURE_BLOCK, dtype=np.int64)
             for s in range(len(self.quotas)):
                 places = np.flatnonzero(source == s)
                 number[places] = np.arange(places.size)
-            self._blocks[block] = source, number
-        return self._blocks[block]
+            found = source, number
+            if len(self._blocks) > 4:
+                self._blocks.clear()
+            self._blocks[block] = found
+        return found
+
+    def counts(self, windows: int) -> np.ndarray:
+        """How many of global windows [0, windows) each source gets."""
+        if len(self.quotas) == 1:
+            return np.array([windows])
+        blocks, rest = divmod(windows, MIXTURE_BLOCK)
+        counts = blocks * self.quotas
+        if rest:
+            counts = counts + np.bincount(self._block(blocks)[0][:rest], minlength=len(self.quotas))
+        return counts
 
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For global windows g: their sources, and their numbers among their sources' windows."""
@@ -221,6 +234,13 @@ class ShardBatches:
                           f"{self.windows_per_epoch}, seed {self.seed}: continuing after global window "
                           f"{state['global_windows']} of the new order, which may repeat or skip windows")
         self._global = int(state["global_windows"])
+
+    def read_more_than_once(self, state: dict) -> list[str]:
+        """The sources ("folder (split)") of which more windows were read, by all ranks together
+        up to the state, than one pass over them holds."""
+        read = self.mixture.counts(int(state["global_windows"]))
+        return [f"{s.folder} ({s.split})" for s, n, w in zip(self.sources, read, self.windows_per_epoch)
+                if n > w]
 
     def resume_at_batch(self, n_batches: int) -> None:
         """After n_batches micro-batches of this layout (a rank without a state of its own)."""

@@ -16,6 +16,7 @@ import tokenizers
 from components.config import TokenizerName
 
 TOKENIZER_NAMES = typing.get_args(TokenizerName)
+TOKENIZER_FILE = "tokenizer.json"  # what a folder given as a tokenizer's path holds
 
 # Tried in order when the caller names no token. "<|endoftext|>" is in both lists because GPT-2 style
 # tokenizers use that one token to mark both ends of a document.
@@ -74,8 +75,13 @@ class HFTokenizer:
     tokenizer has. `found` says where each came from."""
 
     def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None):
+        """path: the tokenizer.json, or a folder holding one (a Hugging Face model folder)."""
         self.path = Path(path).expanduser()
-        if not self.path.is_file():
+        if self.path.is_dir():
+            if not (self.path / TOKENIZER_FILE).is_file():
+                raise FileNotFoundError(f"tokenizer folder {self.path} holds no {TOKENIZER_FILE}")
+            self.path = self.path / TOKENIZER_FILE
+        elif not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {self.path}")
         self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
@@ -242,14 +248,39 @@ def _bytes_to_unicode() -> dict[int, str]:
 BYTE_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")  # ids 256, 257, 258
 
 
+def with_training_framing(tokenizer_json: str, bos: str, eos: str) -> str:
+    """A tokenizer.json whose post-processor frames text as training did, for an exported
+    folder (transformers applies it when asked for special tokens, its default): a text gets bos
+    first, as every document began; a pair is two documents, "bos A eos bos B", joined as
+    training joined them. No eos after the last text, so that a prompt continues its document
+    (append eos to score a whole document as training did). ByteLevel post-processors (offsets
+    only) are kept; any other framing (e.g. "<s> $A </s>") is replaced: the model never saw it.
+    The rest of the file is unchanged."""
+    from tokenizers import processors
+
+    tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
+    ids = {token: tokenizer.token_to_id(token) for token in (bos, eos)}
+    missing = [token for token, token_id in ids.items() if token_id is None]
+    if missing:
+        raise ValueError(f"the tokenizer has no token {missing[0]!r} to frame documents with")
+    spec = json.loads(tokenizer_json)
+    old = spec.get("post_processor") or {}
+    kept = [p for p in old.get("processors", [old]) if p.get("type") == "ByteLevel"]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=[f"{bos}:0", "$A:0"], pair=[f"{bos}:0", "$A:0", f"{eos}:0", f"{bos}:1", "$B:1"],
+        special_tokens=list(ids.items()))
+    framing = json.loads(tokenizer.to_str())["post_processor"]
+    spec["post_processor"] = {"type": "Sequence", "processors": kept + [framing]} if kept else framing
+    return tokenizers.Tokenizer.from_str(json.dumps(spec)).to_str(pretty=True)
+
+
 def byte_tokenizer_json() -> str:
     """The byte tokenizer as a tokenizer.json (for an exported Hugging Face folder): the same ids
     for any text, bos/eos/pad at 256/257/258 under Llama 3's names (so HFTokenizer finds them),
-    and a post-processor that puts bos first when asked for special tokens, as training framed
-    every document. Byte-level BPE without merges: each byte is its own token. (A text that
-    holds one of those names literally gets its special id, as Hugging Face tokenizers do;
-    ByteTokenizer encodes it as bytes.)"""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    and training's framing (with_training_framing). Byte-level BPE without merges: each byte is
+    its own token. (A text that holds one of those names literally gets its special id, as
+    Hugging Face tokenizers do; ByteTokenizer encodes it as bytes.)"""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
     vocab = {c: b for b, c in _bytes_to_unicode().items()}
     tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -257,10 +288,7 @@ def byte_tokenizer_json() -> str:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t in BYTE_SPECIAL_TOKENS])
-    bos = BYTE_SPECIAL_TOKENS[0]
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ByteTokenizer.bos_id)])
-    return tokenizer.to_str()
+    return with_training_framing(tokenizer.to_str(), *BYTE_SPECIAL_TOKENS[:2])
 
 
 def build_tokenizer(name: str, path: str | None = None, bos_token: str | None = None,
@@ -271,7 +299,8 @@ def build_tokenizer(name: str, path: str | None = None, bos_token: str | None = 
         return ByteTokenizer()
     if name == "hf":
         if not path:
-            raise ValueError('tokenizer "hf" needs the path of a tokenizer.json: set [tokenizer] path')
+            raise ValueError('tokenizer "hf" needs the path of a tokenizer.json (or of a folder holding '
+                             'one): set [tokenizer] path')
         tokenizer = HFTokenizer(path, bos_token=bos_token or None, eos_token=eos_token or None)
         if log is not None:
             log(tokenizer.describe())

@@ -182,7 +182,8 @@ def band_verdict(steps, curves: dict, reference: str, seed: str, judged: list[st
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.compare_losses", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders or metrics.jsonl files; A first")
     parser.add_argument("--verdict", choices=("auto", "absolute", "band"), default="auto",
                         help="absolute: every step within --tolerance; band: smoothed curves "

@@ -7,12 +7,15 @@
 
 --checkpoint: a DCP step folder, the folder of a run's step-<N> folders (the latest), or a
 Hugging Face folder. The data comes through the trainer's own pipeline (components/data.py
-build_data): by default the run's [data] source and its held-out validation split, cut into
+build_data): by default the run's [data] source (or [[data.mixture]]) and its held-out
+validation split, cut into
 windows of the run's seq_len, as many batches as its validation scored on each of its
 data-parallel ranks' shares: at a step where the run validated, the numbers are its val_loss and
 val_bpb. --source takes any source the trainer
 takes. Loss and bits per byte are train.py's evaluate(): the plain
 cross-entropy, and bpb = summed losses (nats) / (ln 2 x the UTF-8 bytes of the target tokens).
+A split shorter than the batches asked is read again from its start; a note names it, and the
+--json record says read_more_than_once.
 """
 
 import argparse
@@ -46,7 +49,8 @@ def data_parallel_ranks(folder: Path, cfg: JobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a DCP step folder, a run's checkpoint folder (latest) or a Hugging "
                              "Face folder")
@@ -97,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         if seq_len > loaded.model.rope_cache.shape[0]:
             raise ValueError(f"--seq-len {seq_len} exceeds the model's {loaded.args.max_seq_len}")
         source = opts.source or cfg.data.source
-        data = dataclasses.replace(  # the run's data, or --source alone (not the run's mixture)
-            cfg.data, source=source, mixture=[] if opts.source else cfg.data.mixture,
+        mixture = [] if opts.source else cfg.data.mixture  # --source alone replaces a mixture
+        # what was scored, as --data.mixture spells a mixture
+        scored = ",".join(f"{m.source}:{m.weight:g}" for m in mixture) or source
+        data = dataclasses.replace(
+            cfg.data, source=source, mixture=mixture,
             synthetic=False, val_every=opts.val_every or cfg.data.val_every,
             cache_dir=opts.cache_dir or cfg.data.cache_dir)
         # a run on several data-parallel ranks validated each rank's share of the documents
@@ -122,18 +129,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 1
     tokens = steps * dp * batch_size * seq_len
-    wrapped = any(b.state_dict().get("epoch", 0) > 0 for b in shares)
+    repeated = sorted({name for b in shares for name in b.read_more_than_once()})
+    for b in shares:
+        b.close()
     ranks = f" on each of the run's {dp} data-parallel ranks" if dp > 1 else ""
     print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-          + f" | {steps} batches x {batch_size} x {seq_len} tokens{ranks} of {source} "
-            f"({opts.split}) | {loaded.folder} | {seconds:.1f} s")
-    if wrapped:
-        print(f"evaluate: note: the {opts.split} split holds fewer tokens than {tokens:,}: it was "
-              "read more than once (fewer --steps would not repeat)", file=sys.stderr)
+          + f" | {steps} batches x {batch_size} x {seq_len} tokens{ranks} of "
+            f"{'mixture ' if mixture else ''}{scored} ({opts.split}) | {loaded.folder} | "
+            f"{seconds:.1f} s")
+    if repeated:
+        print(f"evaluate: note: {', '.join(repeated)}: fewer tokens than the {tokens:,} scored, "
+              "so windows were read more than once (fewer --steps would not repeat)",
+              file=sys.stderr)
     if opts.json:
-        record = {**metrics, "tokens": tokens, "source": source, "split": opts.split,
+        record = {**metrics, "tokens": tokens, "source": scored, "split": opts.split,
                   "seq_len": seq_len, "checkpoint": str(loaded.folder),
-                  "read_more_than_once": wrapped}
+                  "read_more_than_once": bool(repeated)}
+        if mixture:
+            record["mixture"] = [dataclasses.asdict(m) for m in mixture]
         Path(opts.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 

@@ -8,10 +8,12 @@ step-<N> folders picks the latest). The run's config.toml in it says the flavor,
 and the tokenizer, so nothing else is needed; for a checkpoint without one (a `torch.save` file
 of a state dict, torchtitan's) pass --flavor and --vocab-size.
 
-The folder gets the weights (safetensors; shards with an index above --max-shard-size),
-config.json and generation_config.json with the tokenizer's bos/eos ids, and the tokenizer:
-the run's tokenizer.json (with its tokenizer_config.json and special_tokens_map.json when they
-sit beside it), or for the built-in byte tokenizer an equivalent tokenizer.json. The q/k rows
+The folder gets the weights in --dtype, bfloat16 by default (float32 keeps them exactly as
+trained; safetensors, shards with an index above --max-shard-size), config.json and
+generation_config.json with the tokenizer's bos/eos ids, and the tokenizer: the run's
+tokenizer.json (with its tokenizer_config.json and special_tokens_map.json when they sit beside
+it), or for the built-in byte tokenizer an equivalent tokenizer.json, framing text as training
+did (bos first, in transformers too). The q/k rows
 are permuted for transformers' RoPE layout (models/hf.py); the exported model gives the same
 logits (tests/test_export_hf.py). A run with [loss] logit_scale or softcap is refused:
 LlamaForCausalLM has neither.
@@ -36,7 +38,8 @@ if not __package__:  # run as a file: the repository root (models) is not import
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from components.tokenizer import ByteTokenizer, HFTokenizer, byte_tokenizer_json  # noqa: E402
+from components.tokenizer import (ByteTokenizer, HFTokenizer, byte_tokenizer_json,  # noqa: E402
+                                  with_training_framing)
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
 from scripts.lib import checkpoints  # noqa: E402
@@ -109,26 +112,50 @@ def _hint(state, args, mismatched, unexpected, missing) -> str:
 # ----------------------------------------------------------------------------------- exporting
 
 def tokenizer_files(tokenizer, max_len: int) -> dict[str, bytes]:
-    """The files that make a folder's tokenizer: a copy of an HF tokenizer's tokenizer.json
-    (and its tokenizer_config.json / special_tokens_map.json when they sit beside it), or for
-    the byte tokenizer a tokenizer.json that encodes to the same ids."""
+    """The files that make a folder's tokenizer, framing text as training did (bos first;
+    components/tokenizer.py with_training_framing): the byte tokenizer as a tokenizer.json that
+    encodes to the same ids, or an HF tokenizer's tokenizer.json with that post-processor, and
+    its tokenizer_config.json / special_tokens_map.json when they sit beside it, naming the bos
+    and eos that training used."""
     files = {}
     if isinstance(tokenizer, ByteTokenizer):
         files["tokenizer.json"] = byte_tokenizer_json().encode()
         names = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
                  "pad_token": "<|pad|>"}
     else:
-        files["tokenizer.json"] = tokenizer.path.read_bytes()
-        for name in _TOKENIZER_SIDE_FILES:
-            if (tokenizer.path.parent / name).is_file():
-                files[name] = (tokenizer.path.parent / name).read_bytes()
         names = {"bos_token": tokenizer.id_to_token(tokenizer.bos_id),
                  "eos_token": tokenizer.id_to_token(tokenizer.eos_id)}
+        files["tokenizer.json"] = with_training_framing(
+            tokenizer.path.read_text(encoding="utf-8"), names["bos_token"],
+            names["eos_token"]).encode()
+        for name in _TOKENIZER_SIDE_FILES:
+            if (tokenizer.path.parent / name).is_file():
+                files[name] = _with_specials((tokenizer.path.parent / name).read_bytes(), names)
     if "tokenizer_config.json" not in files:
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **names,
                   "model_max_length": max_len, "clean_up_tokenization_spaces": False}
         files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     return files
+
+
+def _with_specials(content: bytes, names: dict[str, str]) -> bytes:
+    """A tokenizer_config.json / special_tokens_map.json naming training's bos and eos, and
+    without add_bos_token / add_eos_token: with either set, transformers 5 rebuilds the
+    post-processor from them (no separator between a pair's texts, and no bos unless
+    add_bos_token is true) instead of using tokenizer.json's. Unparsable files are copied."""
+    try:
+        values = json.loads(content)
+    except ValueError:
+        return content
+    if not isinstance(values, dict):
+        return content
+    for key, token in names.items():
+        if key in values:
+            value = values[key]
+            values[key] = {**value, "content": token} if isinstance(value, dict) else token
+    for key in ("add_bos_token", "add_eos_token"):
+        values.pop(key, None)
+    return (json.dumps(values, indent=2, ensure_ascii=False) + "\n").encode()
 
 
 def export(state_dict: dict[str, Tensor], args: LlamaArgs, out_dir: str | os.PathLike,
@@ -205,13 +232,15 @@ def parse_size(text: str) -> int:
 # ----------------------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m scripts.export_hf",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.export_hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a DCP checkpoint folder (<dump>/checkpoint/step-<N>), the folder of "
                              "step-<N> folders (latest), or a torch.save state dict file")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                        help="the weights' dtype in the folder (default: bfloat16; float32 keeps "
+                             "them as trained)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest safetensors file; more weights go into shards + an index")
     parser.add_argument("--flavor", choices=sorted(FLAVORS),

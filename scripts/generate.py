@@ -25,7 +25,8 @@ from scripts.lib.checkpoints import DTYPES, pick_device, pick_dtype  # noqa: E40
 from models.generation import check_sampling, generate  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a DCP step folder, a run's checkpoint folder (latest) or a Hugging "
                              "Face folder")

@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-streaming", action="store_true",
                         help="read the dataset file by file, without a local copy (one unit per file)")
     parser.add_argument("--tokenizer", required=True, metavar="PATH|byte",
-                        help='a tokenizer.json, or "byte" for the built-in byte tokenizer')
+                        help='a tokenizer.json (or a folder holding one), or "byte" for the built-in '
+                             'byte tokenizer')
     parser.add_argument("--bos-token", default="", help="the tokenizer's bos token (default: found)")
     parser.add_argument("--eos-token", default="", help="the tokenizer's eos token (default: found)")
     parser.add_argument("--out", required=True, type=Path, help="the shard folder")

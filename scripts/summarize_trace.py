@@ -23,7 +23,8 @@ def kernel_totals(trace: dict, width: int) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python3 -m scripts.summarize_trace", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("trace", help="a Chrome trace JSON written by torch.profiler")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--width", type=int, default=90, help="characters of each kernel name kept")

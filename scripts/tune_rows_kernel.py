@@ -18,8 +18,8 @@ from scripts.lib.timing import median_ms  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(prog="python3 -m scripts.tune_rows_kernel",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m scripts.tune_rows_kernel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)
     args = p.parse_args()

@@ -269,6 +269,12 @@ def test_a_config_error_is_one_line_and_exit_status_2():
 @pytest.mark.parametrize("argv,message", [
     (["--config", "/nonexistent.toml"], "config error: --config /nonexistent.toml: no such file"),
     (["--training.steps"], "config error: --training.steps needs a value"),
+    (["--checkpoint.enable", "--job.dump_folder", "X"],  # the flag that lacks it, not 'X'
+     "config error: --checkpoint.enable needs a value: the next argument, --job.dump_folder, is "
+     "another flag (write --checkpoint.enable true or false)"),
+    (["--job.dump_folder", "--config", "c.toml"],
+     "config error: --job.dump_folder needs a value: the next argument, --config, is another flag "
+     "(a value that starts with -- goes as --job.dump_folder=VALUE)"),
     (["--loss.impl", "fused"], "config error: [loss] impl = 'fused': expected one of 'flce', 'unfused', "
                                "'torch_chunked' (did you mean 'unfused'?)"),
     (["--config", "{bad}"], "config error: {bad}: invalid TOML: Expected ']' at the end of a table "
@@ -339,6 +345,70 @@ def test_settings_checked_before_the_model_is_built_are_config_errors(tmp_path, 
     assert train.command_line() == 2
     out = capsys.readouterr()
     assert out.err.startswith(message.format(tmp=tmp_path)) and out.err.count("\n") == 1, out.err
+
+
+def _data_mistake(tmp_path: Path, mistake: str) -> list[str]:
+    """The command-line arguments of a run that makes it (its files written here)."""
+    import json
+
+    import numpy as np
+    import torch
+    from shard_cases import train_tokenizer, write_token_shards
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": "a document"}) + "\n")
+    if mistake == "wrong shard path":
+        return ["--data.source", str(tmp_path / "shards")]
+    if mistake == "shards of another tokenizer":
+        import random
+        tokenizer = train_tokenizer(tmp_path / "tokenizer.json", random.Random(0))
+        write_token_shards(tmp_path / "shards", [np.arange(300)], tokenizer.vocab_size, tokenizer)
+        return ["--data.source", str(tmp_path / "shards")]
+    if mistake == "a .jsonl in a mixture":
+        return ["--data.mixture", f"{corpus}:1"]
+    if mistake == "no such text field":
+        return ["--data.source", str(corpus), "--data.text_field", "body",
+                "--data.cache_dir", str(tmp_path / "cache")]
+    assert mistake == "initial_load_path of another vocabulary"
+    from models import FLAVORS, Llama
+    from scripts import export_hf
+    import dataclasses
+    args = dataclasses.replace(FLAVORS["debug"], vocab_size=600)
+    with torch.device("meta"):
+        state = Llama(args, seq_len=1).state_dict()
+    state = {k: torch.zeros(v.shape) for k, v in state.items()}
+    export_hf.export(state, args, tmp_path / "hf", "float32")
+    return ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--model.vocab_size", "520"]
+
+
+@pytest.mark.parametrize("mistake,error,message", [
+    ("wrong shard path", FileNotFoundError, "config error: data source not found: {tmp}/shards"),
+    ("shards of another tokenizer", ValueError,
+     "config error: {tmp}/shards: its shards were made with another tokenizer"),
+    ("a .jsonl in a mixture", ValueError,
+     "config error: [[data.mixture]] source '{tmp}/corpus.jsonl': not a token shard folder"),
+    ("no such text field", KeyError,
+     "config error: {tmp}/corpus.jsonl: the documents have no field 'body' (their fields: text)"),
+    ("initial_load_path of another vocabulary", ValueError,
+     "config error: [checkpoint] initial_load_path = {tmp}/hf: {tmp}/hf holds another model "
+     "than [model] configures (this run vs the folder's config.json): vocab_size 520 vs 600"),
+])
+def test_data_mistakes_are_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, mistake,
+                                                      error, message):
+    """Found once the data or the weights are opened, and as much the run's settings' fault:
+    one stderr line with the error's own message, exit status 2 (they were 15-22-line
+    tracebacks with status 1)."""
+    import train
+    argv = _data_mistake(tmp_path, mistake) + [
+        "--job.dump_folder", str(tmp_path / "run"), "--job.print_config", "false",
+        "--training.device", "cpu", "--data.num_workers", "0"]
+    with pytest.raises(error):
+        train.main(argv)
+    monkeypatch.setattr("sys.argv", ["train.py", *argv])
+    capsys.readouterr()
+    assert train.command_line() == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(tmp=tmp_path)) and err.count("\n") == 1, err
 
 
 def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):

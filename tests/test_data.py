@@ -566,3 +566,20 @@ def test_a_state_past_the_end_of_the_documents_is_named(tmp_path, rng, streaming
     with pytest.raises(ValueError, match=rf"data state points at document {share + 1}\b"):
         resumed(share + 1)
     assert resumed(share).state_dict()["epoch"] == 1
+
+
+@pytest.mark.parametrize("bars_were_off", [False, True])
+def test_local_files_load_without_datasets_progress_bar(tmp_path, capfd, bars_were_off):
+    """datasets drew "Generating train split" into the training log when a file first went
+    into its Arrow cache; the bars are off for that call only, as they were before it."""
+    before = datasets.are_progress_bars_disabled()
+    (datasets.disable_progress_bars if bars_were_off else datasets.enable_progress_bars)()
+    try:
+        corpus = write_jsonl(tmp_path / "corpus.jsonl", ["one", "two", "three"])
+        documents = load_documents(str(corpus), "train", val_every=2,
+                                   cache_dir=tmp_path / "cache")
+        assert documents["text"] == ["two"]
+        assert "Generating" not in capfd.readouterr().err
+        assert datasets.are_progress_bars_disabled() == bars_were_off
+    finally:
+        (datasets.disable_progress_bars if before else datasets.enable_progress_bars)()

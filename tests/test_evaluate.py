@@ -154,3 +154,54 @@ def test_evaluate_reproduces_a_two_rank_runs_validation(tmp_path, capsys):
     for key in ("val_loss", "val_bpb"):
         assert record[key] == pytest.approx(val[key], abs=1e-6)
     assert record["tokens"] == 2 * 2 * 2 * 64
+
+
+def test_a_mixture_run_names_its_mixture_and_a_repeated_validation_split(tmp_path, capsys):
+    """Evaluating a mixture run scores the mixture and says so (it printed "stdlib"); a
+    validation split shorter than the batches asked is reported, by the trainer at its first
+    evaluation and by evaluate.py (which said read_more_than_once: false on shards)."""
+    import random as random_module
+
+    from shard_cases import random_texts, write_jsonl
+    from scripts import prepare_data
+
+    rng = random_module.Random(0)
+    # validation splits of 99 (web) and 9 (code) windows of 64: 10 steps x 4 read 20 of each
+    for name, count in (("web", 150), ("code", 20)):
+        write_jsonl(tmp_path / f"{name}.jsonl", random_texts(rng, count))
+        assert prepare_data.main(["--source", str(tmp_path / f"{name}.jsonl"), "--tokenizer",
+                                  "byte", "--out", str(tmp_path / name), "--workers", "1",
+                                  "--no-progress", "--val-every", "4"]) == 0
+    mixture = f"{tmp_path / 'web'}:0.5,{tmp_path / 'code'}:0.5"
+    dump = tmp_path / "run"
+    capsys.readouterr()
+    assert train.main(["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+                       "--loss.impl", "unfused", "--training.seq_len", "64",
+                       "--training.local_batch_size", "4", "--training.steps", "2",
+                       "--lr_scheduler.warmup_steps", "1", "--data.mixture", mixture,
+                       "--validation.enable", "true", "--validation.freq", "1",
+                       "--validation.steps", "10", "--checkpoint.enable", "true",
+                       "--job.print_config", "false", "--job.dump_folder", str(dump)]) == 0
+    logged = capsys.readouterr().out
+    code = f"{tmp_path / 'code'} (validation)"
+    assert logged.count("warning: [validation] steps = 10") == 1  # once, not every evaluation
+    assert code in logged and f"{tmp_path / 'web'} (validation)" not in logged
+
+    out = tmp_path / "eval.json"
+    assert load_script("evaluate").main(["--checkpoint", str(dump / "checkpoint"),
+                                         "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert f"of mixture {mixture} (validation)" in printed.out and "stdlib" not in printed.out
+    assert f"note: {code}: fewer tokens than the 2,560 scored" in printed.err
+    record = json.loads(out.read_text())
+    assert (record["source"], record["read_more_than_once"]) == (mixture, True)
+    assert record["mixture"] == [{"source": str(tmp_path / "web"), "weight": 0.5},
+                                 {"source": str(tmp_path / "code"), "weight": 0.5}]
+    (val,) = [r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())
+              if "val_loss" in r and r["step"] == 2]
+    assert record["val_loss"] == pytest.approx(val["val_loss"], abs=1e-6)
+    # fewer steps read each window once
+    assert load_script("evaluate").main(["--checkpoint", str(dump / "checkpoint"), "--steps", "1",
+                                         "--json", str(out)]) == 0
+    assert not json.loads(out.read_text())["read_more_than_once"]
+    assert "note:" not in capsys.readouterr().err

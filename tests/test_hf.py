@@ -12,6 +12,7 @@ import copy as copy_module
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -289,5 +290,65 @@ def test_every_rank_stops_with_rank_0s_error(hf_folder, tmp_path):
                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
                             capture_output=True, text=True)
     assert result.returncode != 0
+    # one line (local rank 0 prints it), and every rank exits with the config error's status 2
+    assert result.stderr.count("config error: [checkpoint] initial_load_path = ") == 1
     for rank in (0, 1):
-        assert f"[rank{rank}]: ValueError: [checkpoint] initial_load_path" in result.stderr
+        assert re.search(rf"rank\s+: {rank} \(local_rank: {rank}\)\n\s+exitcode\s+: 2 ",
+                         result.stderr), result.stderr
+
+
+def test_continued_pretraining_from_an_export_takes_its_tokenizer_and_vocab(tmp_path, capsys):
+    """An export of a run with its own BPE and [model] vocab_size 600 (above the debug
+    flavor's 512) continues with nothing but initial_load_path, on shards of that tokenizer:
+    the tokenizer (same fingerprint, so the shards are accepted) and the vocab size come from
+    the folder, the log says so, config.toml records them, and the first loss is the folder's
+    model's on the first batch. (It was a vocab mismatch, and shards of another tokenizer.)"""
+    import random as random_module
+
+    from components.config import load_config
+    from components.tokenizer import HFTokenizer
+    from scripts import export_hf, prepare_data
+    from shard_cases import random_texts, train_tokenizer, write_jsonl
+
+    rng = random_module.Random(0)
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", rng)
+    write_jsonl(tmp_path / "corpus.jsonl", random_texts(rng, 40))
+    shards = tmp_path / "shards"
+    assert prepare_data.main(["--source", str(tmp_path / "corpus.jsonl"), "--tokenizer",
+                              str(tmp_path / "tokenizer.json"), "--out", str(shards),
+                              "--workers", "1", "--no-progress"]) == 0
+    args = dataclasses.replace(FLAVORS["debug"], vocab_size=600)
+    torch.manual_seed(0)
+    trained = Llama(args, seq_len=SEQ_LEN)
+    trained.init_weights()
+    folder = export_hf.export({f"model.{k}": v for k, v in trained.state_dict().items()}, args,
+                              tmp_path / "hf", "float32", bos_token_id=tokenizer.bos_id,
+                              eos_token_id=tokenizer.eos_id,
+                              extra_files=export_hf.tokenizer_files(tokenizer, args.max_seq_len))
+    (folder / "tokenizer_config.json").unlink()  # the bos/eos come from config.json's ids
+
+    dump = tmp_path / "continued"
+    argv = [a for a in TRAIN if a not in ("--model.vocab_size", str(VOCAB))]
+    argv = [a for a in argv if a not in ("--data.synthetic", "true")]
+    capsys.readouterr()
+    assert train.main(argv + ["--data.source", str(shards), "--checkpoint.initial_load_path",
+                              str(folder), "--job.dump_folder", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert (f'from [checkpoint] initial_load_path {folder} (the run does not set them): '
+            f'[tokenizer] name = "hf", path = "{folder}", bos_token = \'<|begin_of_text|>\', '
+            f"eos_token = '<|end_of_text|>'; [model] vocab_size = 600\n") in out
+    assert (f"checkpoint: the weights come from [checkpoint] initial_load_path {folder} "
+            "(a Hugging Face folder)") in out
+    saved = load_config(["--config", str(dump / "config.toml")])
+    assert (saved.tokenizer.name, saved.tokenizer.path, saved.model.vocab_size) == (
+        "hf", str(folder), 600)
+    assert HFTokenizer(folder, "<|begin_of_text|>", "<|end_of_text|>").fingerprint() == \
+        tokenizer.fingerprint()
+
+    inputs, labels = next(build_data(Data(source=str(shards)), split="train", tokenizer=tokenizer,
+                                     seq_len=SEQ_LEN, local_batch_size=4, seed=0,
+                                     max_token_id=600))
+    with torch.no_grad():
+        logits = trained.logits(trained(inputs))
+    expected = F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()).item()
+    assert abs(first_loss(dump) - expected) < 1e-5

@@ -4,6 +4,7 @@ signal -> requeue logic (fake srun/scontrol; tests/test_slurm.py runs it on a re
 compare_losses.py's absolute and noise-band verdicts on synthetic and real metrics, and short
 real CPU runs through compare_fused_vs_unfused.sh."""
 
+import ast
 import json
 import math
 import os
@@ -113,6 +114,12 @@ def test_help_prints_the_usage_and_changes_no_file(script, flag, tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "usage" in result.stdout.lower() and script.stem in result.stdout, result.stdout
+    if script.suffix == ".py":  # as it is run, and the whole docstring, not its first line
+        assert f" -m scripts.{script.stem}" in result.stdout.splitlines()[0], result.stdout
+        lines = [line.strip() for line in ast.get_docstring(ast.parse(script.read_text()),
+                                                            clean=True).splitlines()]
+        shown = [line.strip() for line in result.stdout.splitlines()]
+        assert lines[-1] in shown and lines[2] in shown, result.stdout
     assert files_under(tmp_path) == before
     assert repo_status() == repo_before
 

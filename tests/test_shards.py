@@ -279,3 +279,10 @@ def test_a_token_id_the_shard_dtype_cannot_hold_names_the_file(tmp_path):
                                                r"shards' uint16"):
         writer.add(np.array([1, 70000]), np.array([2]))
     writer.abandon()
+
+
+def test_mixture_counts_are_the_windows_located_in_each_source():
+    mixture = Mixture([0.6, 0.3, 0.1], seed=5)
+    source, _ = mixture.locate(np.arange(2 * MIXTURE_BLOCK + 77))
+    for windows in (0, 1, 100, MIXTURE_BLOCK, 2 * MIXTURE_BLOCK + 77):
+        assert mixture.counts(windows).tolist() == np.bincount(source[:windows], minlength=3).tolist()

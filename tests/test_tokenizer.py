@@ -163,6 +163,25 @@ def test_hf_tokenizer_with_only_a_bos_in_its_template_finds_eos_by_name(tmp_path
                                "eos": "'<|end_of_text|>' (id 1, a common name)"}
 
 
+def test_hf_tokenizer_path_may_be_the_folder_holding_tokenizer_json(tmp_path, rng):
+    """As [tokenizer] path's doc says (and a Hugging Face model folder is): the trainer, the
+    scripts and prepare_data all take the folder."""
+    from components.config import load_config
+    from scripts.lib.checkpoints import run_tokenizer
+
+    train_byte_level_bpe(rng, ["<s>", "</s>", "<eod>"]).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<eod>"}')
+    tokenizer = build_tokenizer("hf", str(tmp_path))
+    assert tokenizer.path == tmp_path / "tokenizer.json"
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 2)  # eos from the config beside it
+    cfg = load_config(["--tokenizer.name", "hf", "--tokenizer.path", str(tmp_path)])
+    assert run_tokenizer(cfg).fingerprint() == tokenizer.fingerprint()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer folder .*/empty holds no "
+                                                r"tokenizer\.json"):
+        build_tokenizer("hf", str(tmp_path / "empty"))
+
+
 def test_build_tokenizer_rejects_unknown_names_and_a_missing_path():
     with pytest.raises(ValueError, match=r"unknown tokenizer name 'sentencepiece'.*byte, hf"):
         build_tokenizer("sentencepiece")

@@ -168,8 +168,8 @@ def run_tokenizer(cfg: JobConfig, path: str | None = None):
     """The run's tokenizer ([tokenizer]); path replaces [tokenizer] path when given."""
     tokenizer_path = path or cfg.tokenizer.path
     if (cfg.tokenizer.name == "hf" and tokenizer_path
-            and not Path(tokenizer_path).expanduser().is_file()):
-        raise FileNotFoundError(f"the run's [tokenizer] path {tokenizer_path!r} is not a file from "
+            and not Path(tokenizer_path).expanduser().exists()):
+        raise FileNotFoundError(f"the run's [tokenizer] path {tokenizer_path!r} does not exist from "
                                 f"here ({Path.cwd()}): run from the run's directory or pass "
                                 "--tokenizer PATH")
     return build_tokenizer(cfg.tokenizer.name, tokenizer_path or None,
