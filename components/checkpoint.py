@@ -18,9 +18,10 @@ Nothing is lost to a kill at any point:
   timeline, into `superseded-<time>-from-step-<N>/` rather than letting this run prune or
   overwrite them, or a later resume pick them.
 
-Trust: rank files are read with `torch.load(weights_only=True)` (tensors and plain data only)
-and train_state.json is JSON, but DCP reads its own `.metadata` with pickle, which can run
-code. Load checkpoint folders only from sources you would run code from.
+Trust: loading a checkpoint runs no code from it. Rank files are read with
+`torch.load(weights_only=True)` (tensors and plain data only), train_state.json is JSON, and
+DCP's pickled `.metadata` and non-tensor entries go through components/safe_dcp.py, which admits
+only DCP's metadata classes and plain data.
 """
 
 import functools
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
+from components import safe_dcp
 from components.config import Checkpoint
 from components.float8 import plain_weights
 
@@ -129,7 +131,7 @@ def list_checkpoints(folder: Path) -> dict[int, Path]:
 
 def check_model_shapes(path: Path, model_sd: dict) -> None:
     """A clear error when the checkpoint was saved from a model of another shape."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meta = safe_dcp.read_metadata(path).state_dict_metadata
     saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(saved))
     if missing:
@@ -332,7 +334,7 @@ class Checkpointer:
     def _load_full(self, path: Path) -> TrainState:
         state = self._state()
         check_model_shapes(path, state["model"])
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        safe_dcp.load(state, path, no_dist=not dist.is_initialized())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         train_state = json.loads((path / "train_state.json").read_text())
@@ -375,7 +377,7 @@ class Checkpointer:
                                     "folder (no config.json)")
         model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
-        dcp.load({"model": model_sd}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        safe_dcp.load({"model": model_sd}, path, no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
 
     def _load_hf_folder(self, path: Path) -> None:

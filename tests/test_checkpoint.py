@@ -5,6 +5,7 @@ tests/test_faults.py kills saves at precise points."""
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -229,6 +230,63 @@ def test_a_planted_pickle_in_a_rank_file_is_not_run(tmp_path):
     torch.save(genuine, rank_file)  # the genuine file resumes
     assert train.main(BASE + ["--training.steps", "6", "--job.dump_folder", str(dump)]) == 0
     assert max(losses(dump)) == 6
+
+
+def test_a_planted_pickle_in_dcp_files_is_not_run(tmp_path):
+    """DCP pickles its .metadata and a state dict's non-tensor entries (the optimizer's
+    param_groups): planted ones are refused, by the trainer and by the scripts' reader, before
+    they run anything; the genuine files still load."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from scripts.lib.checkpoints import load_model_state
+
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "4", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    step = dump / "checkpoint" / "step-4"
+    marker = tmp_path / "code-ran"
+    resume = BASE + ["--training.steps", "6", "--job.dump_folder", str(dump)]
+
+    genuine = (step / ".metadata").read_bytes()
+    (step / ".metadata").write_bytes(pickle.dumps(_TouchesAFile(marker)))
+    _rewrite_manifest(step)  # as a planter would: the checksums are against damage, not intent
+    refused = r"\.metadata names pathlib\.Path\.touch, which is not one of DCP's metadata classes"
+    with pytest.raises(ValueError, match=refused):
+        train.main(resume)
+    with pytest.raises(ValueError, match=refused):
+        load_model_state(step)
+    assert not marker.exists()
+    (step / ".metadata").write_bytes(genuine)
+    _rewrite_manifest(step)
+
+    full = tmp_path / "full.pt"
+    dcp_to_torch_save(step, full)
+    state = torch.load(full, weights_only=False)  # the test's own file
+    saved_files = {p.name: p.read_bytes() for p in step.iterdir() if p.name.endswith(".distcp")}
+    state["optimizer"]["param_groups"][0]["weight_decay"] = _TouchesAFile(marker)
+    for name in saved_files:
+        (step / name).unlink()
+    torch.distributed.checkpoint.save(state, checkpoint_id=str(step), no_dist=True)
+    _rewrite_manifest(step)
+    with pytest.raises(ValueError, match=r"entry optimizer\.param_groups\.0\.weight_decay of the "
+                                         r"checkpoint holds objects other than plain data"):
+        train.main(resume)
+    assert not marker.exists()
+    assert set(load_model_state(step)) and not marker.exists()  # reads the model's tensors only
+    for name, data in saved_files.items():
+        (step / name).write_bytes(data)
+    (step / ".metadata").write_bytes(genuine)
+    _rewrite_manifest(step)
+    assert train.main(resume) == 0 and max(losses(dump)) == 6
+
+
+def _rewrite_manifest(step: Path) -> None:
+    """The checksum manifest for the files now in `step` (none before the manifest existed)."""
+    try:
+        from components.checkpoint_manifest import write_manifest
+    except ImportError:
+        return
+    write_manifest(step)
 
 
 @pytest.mark.slow

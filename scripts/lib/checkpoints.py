@@ -26,6 +26,7 @@ import tokenizers
 import torch
 from torch import Tensor
 
+from components import safe_dcp
 from components.config import JobConfig, load_config
 from components.tokenizer import HFTokenizer, build_tokenizer
 from models import FLAVORS, Llama, LlamaArgs, build_rope_cache
@@ -97,12 +98,8 @@ def _load_dcp_model(path: Path) -> dict[str, Tensor]:
 
     if hf.is_hf_folder(path):
         raise ValueError(f"{path} is a Hugging Face folder, not a DCP checkpoint")
-    reader = dcp.FileSystemReader(str(path))
-    try:
-        metadata = reader.read_metadata()
-    except Exception as e:
-        raise ValueError(f"checkpoint {str(path)!r}: cannot read its DCP metadata "
-                         f"({type(e).__name__}: {e})") from e
+    reader = safe_dcp.SafeReader(str(path))
+    metadata = reader.read_metadata()  # a clear error when damaged; runs no code from the file
     # DCP flattens nested dicts to dotted keys; planner_data maps each to its path of dict keys.
     paths = metadata.planner_data or {}
     tensor_meta = {k: m for k, m in metadata.state_dict_metadata.items()
@@ -127,7 +124,7 @@ def _load_dcp_model(path: Path) -> dict[str, Tensor]:
                for k in selected}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(buffers, storage_reader=reader, no_dist=True)
+        dcp.load(buffers, storage_reader=reader, planner=safe_dcp.SafeLoadPlanner(), no_dist=True)
     return {selected[k]: v for k, v in buffers.items()}
 
 
