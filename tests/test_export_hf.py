@@ -277,10 +277,30 @@ def test_existing_output_is_kept_unless_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_hf.export(state, DEBUG, out)
     assert (out / "old.txt").exists()
-    export_hf.export(state, DEBUG, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
-                                                     "model.safetensors"]
+    (out / "old.txt").unlink()
+    export_hf.export(state, DEBUG, out, overwrite=True)  # an empty folder
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export_hf.json",
+                                                     "generation_config.json", "model.safetensors"]
+    export_hf.export(state, DEBUG, out, overwrite=True)  # an earlier export
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temp or old folders left
+
+
+def test_overwrite_replaces_only_an_earlier_export(tmp_path, capsys):
+    """--out naming another run's dump folder, or another checkpoint: --overwrite refuses,
+    naming what is there, and leaves it as it was."""
+    state = _debug_state()
+    torch.save(state, tmp_path / "state.pt")
+    other_run = tmp_path / "other-run"
+    (other_run / "checkpoint" / "step-2").mkdir(parents=True)
+    (other_run / "metrics.jsonl").write_text("{}\n")
+    for out in (other_run, other_run / "checkpoint"):
+        assert export_hf.main(["--checkpoint", str(tmp_path / "state.pt"), "--flavor", "debug",
+                               "--out", str(out), "--overwrite"]) == 1
+        err = capsys.readouterr().err
+        assert f"output {str(out)!r} holds " in err and "no export_hf.json" in err, err
+        assert err.count("\n") == 1, err  # one line, before the checkpoint is read
+    assert (other_run / "metrics.jsonl").is_file() and (other_run / "checkpoint/step-2").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-run", "state.pt"]
 
 
 # ------------------------------------------------------------------------ a trainer's checkpoint
