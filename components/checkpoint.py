@@ -16,7 +16,8 @@ Nothing is lost to a kill at any point:
   never touches the checkpoint just written;
 - resuming from a step before the latest (load_step) moves the later step folders, another
   timeline, into `superseded-<time>-from-step-<N>/` rather than letting this run prune or
-  overwrite them, or a later resume pick them.
+  overwrite them, or a later resume pick them. The checkpoints of such a run record its
+  load_step: the same command again (a requeued job) resumes from them, not from load_step.
 
 Trust: loading a checkpoint runs no code from it. Rank files are read with
 `torch.load(weights_only=True)` (tensors and plain data only), train_state.json is JSON, and
@@ -144,14 +145,27 @@ def check_model_shapes(path: Path, model_sd: dict) -> None:
                              f"built from this config has {tuple(tensor.shape)} (check [model])")
 
 
+def _written_with_load_step(path: Path) -> Optional[int]:
+    """The [checkpoint] load_step of the run that wrote this checkpoint (None: -1 or unknown)."""
+    try:
+        return json.loads((path / "train_state.json").read_text()).get("load_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]] = None
                  ) -> Optional[int]:
     """The step a run resumes from ([checkpoint] load_step; -1: the latest), None when there is
-    none; an error naming load_step when it names a missing one. Cheap: the trainer asks before
-    it builds the model."""
+    none; an error naming load_step when it names a missing one. A load_step that this timeline
+    has passed (the latest checkpoint was written by a run with the same load_step: the same
+    command, restarted or requeued) gives the latest, or a requeued job would go back to it for
+    ever. Cheap: the trainer asks before it builds the model."""
     found = list_checkpoints(folder) if found is None else found
     if found:
         step = max(found) if cfg.load_step == -1 else cfg.load_step
+        if (cfg.load_step >= 0 and max(found) > cfg.load_step
+                and _written_with_load_step(found[max(found)]) == cfg.load_step):
+            step = max(found)
         if step not in found:
             raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint "
                                     f"{folder}/step-{step} (have {sorted(found)})")
@@ -202,9 +216,10 @@ class Checkpointer:
                    rank_state)
         _write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
         if self.rank == 0:
+            # load_step: a later run with the same one resumes from here (see step_to_load)
             _write_synced(tmp / "train_state.json", json.dumps(
-                {"step": step, "tokens_seen": tokens_seen,
-                 "scheduler": self.scheduler.state_dict()}).encode())
+                {"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict(),
+                 **({"load_step": self.cfg.load_step} if self.cfg.load_step >= 0 else {})}).encode())
             _write_synced(tmp / "config.toml", self.config_toml.encode())
         _fault_point("after_rank_files", step)
         no_dist = not dist.is_initialized()
@@ -306,6 +321,12 @@ class Checkpointer:
             found = list_checkpoints(self.folder)
             step = step_to_load(self.cfg, self.folder, found)
         if step is not None:
+            if self.cfg.load_step >= 0 and step != self.cfg.load_step and self.rank == 0:
+                print(f"[checkpoint] load_step = {self.cfg.load_step} was passed: a run with this "
+                      f"load_step went on from step {self.cfg.load_step} to step {step} (this "
+                      f"command, restarted or requeued), so it resumes from step-{step}. To go back "
+                      f"to step {self.cfg.load_step} again, move the later step folders out of "
+                      f"{self.folder}", flush=True)
             resumed = self._load_full(found[step])
         elif self.cfg.initial_load_path:
             self._load_model_only(Path(self.cfg.initial_load_path))

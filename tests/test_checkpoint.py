@@ -311,6 +311,27 @@ def test_rollback_sets_later_checkpoints_aside_and_keeps_what_it_writes(tmp_path
     assert steps[-3:] == [5, 6, 7]
 
 
+def test_a_kept_load_step_resumes_from_the_latest_once_passed(tmp_path, capsys):
+    """A requeued job keeps its command line: with --checkpoint.load_step 2 kept, the second run
+    resumes where the first (which went back to step 2) stopped, saying so, instead of going
+    back to step 2 again (and setting its checkpoints aside) for ever."""
+    dump = tmp_path / "run"
+    every_2 = ["--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
+    assert train.main(BASE + ["--training.steps", "6", *every_2]) == 0
+    rollback = BASE + ["--training.steps", "5", "--checkpoint.load_step", "2", *every_2]
+    with pytest.warns(UserWarning, match="continues from step 2: moved the later checkpoint"):
+        assert train.main(rollback) == 0  # saves step-4 and step-5 of the new timeline
+    capsys.readouterr()
+    assert train.main(rollback) == 0  # the same command, requeued
+    out = capsys.readouterr().out
+    assert ("[checkpoint] load_step = 2 was passed: a run with this load_step went on from step 2 "
+            "to step 5") in out and f"resumed from {dump}/checkpoint/step-5" in out, out
+    steps = [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 3, 4, 5]  # nothing trained twice
+    assert sorted(list_checkpoints(dump / "checkpoint")) == [2, 4, 5]
+    assert len([p for p in (dump / "checkpoint").iterdir() if p.name.startswith("superseded-")]) == 1
+
+
 @pytest.mark.slow
 def test_an_async_save_is_committed_once_written(tmp_path):
     """2 gloo processes with async saves every 8 steps, killed with SIGKILL a few steps after
