@@ -6,6 +6,10 @@ iterator position and RNG states) and the resolved `config.toml`. A run with no 
 its own can start from `initial_load_path`'s model weights: a DCP step folder, or a Hugging Face
 LlamaForCausalLM folder (safetensors, read through the reader the trainer passes in).
 
+Nothing damaged is resumed: each save writes checksums.json (components/checkpoint_manifest.py),
+and a resume falls back to the previous checkpoint, naming the file, when a file of the chosen one
+is missing or does not match.
+
 Nothing is lost to a kill at any point:
 - a save is written to `step-<N>.tmp/` and renamed to `step-<N>/` by rank 0 as soon as DCP
   reports it written (DCP writes `.metadata` only after gathering every rank's write results,
@@ -48,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from components import safe_dcp
+from components.checkpoint_manifest import ChecksummingWriter, find_damage
 from components.config import Checkpoint
 from components.float8 import plain_weights
 
@@ -223,8 +228,11 @@ class Checkpointer:
             _write_synced(tmp / "config.toml", self.config_toml.encode())
         _fault_point("after_rank_files", step)
         no_dist = not dist.is_initialized()
+        own_files = [f"rank-{self.rank}.pt"] + (["train_state.json", "config.toml"]
+                                                if self.rank == 0 else [])
+        writer = ChecksummingWriter(tmp, self.rank, own_files)  # checksums.json for load()
         if self.cfg.async_mode == "async":
-            written = dcp.async_save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist,
+            written = dcp.async_save(self._state(), storage_writer=writer, no_dist=no_dist,
                                      process_group=self._async_group)
             written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse
             self._pending = Future()
@@ -235,7 +243,7 @@ class Checkpointer:
             _fault_point("async_started", step)
         else:
             try:
-                dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
+                dcp.save(self._state(), storage_writer=writer, no_dist=no_dist)
             except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
                 if _interrupted(e):  # the user's second Ctrl-C, not a failed write
                     raise KeyboardInterrupt from e
@@ -327,12 +335,36 @@ class Checkpointer:
                       f"command, restarted or requeued), so it resumes from step-{step}. To go back "
                       f"to step {self.cfg.load_step} again, move the later step folders out of "
                       f"{self.folder}", flush=True)
+            step = self._intact(found, step)
             resumed = self._load_full(found[step])
         elif self.cfg.initial_load_path:
             self._load_model_only(Path(self.cfg.initial_load_path))
         if self.cfg.enable and self.rank == 0:
             self._set_aside_after(resumed.step if resumed else 0)
         return resumed
+
+    def _intact(self, found: dict[int, Path], step: int) -> int:
+        """step, or when a file of it is damaged or missing (its checksums.json says) the latest
+        intact earlier checkpoint, with a warning naming the file; an error naming it when
+        load_step asked for that checkpoint or none is intact. The ranks agree."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        damaged = []
+        while (damage := find_damage(found[step], self.rank, world)) is not None:
+            earlier = sorted(s for s in found if s < step)
+            if step == self.cfg.load_step:
+                raise ValueError(f"[checkpoint] load_step = {step}: {damage}; set load_step to "
+                                 + (f"an earlier step (have {earlier})" if earlier else "-1"))
+            damaged.append(damage)
+            if not earlier:
+                raise ValueError(f"[checkpoint] no intact checkpoint in {self.folder}: "
+                                 f"{'; '.join(damaged)}. Nothing was moved or deleted; set "
+                                 "[checkpoint] folder or load_step, or remove the damaged folders "
+                                 "to start afresh")
+            if self.rank == 0:
+                warnings.warn(f"[checkpoint] not resuming from {found[step]}: {damage}; falling "
+                              f"back to step-{earlier[-1]}")
+            step = earlier[-1]
+        return step
 
     def _set_aside_after(self, step: int) -> None:
         """Step folders after the one this run starts from belong to another timeline (a rollback

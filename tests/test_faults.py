@@ -4,11 +4,13 @@ named point of its step-4 save, synchronous or asynchronous, or of the pruning a
 failing write, RLIMIT_FSIZE making writes past 1 MB fail with EFBIG. Then the same command
 resumes from the latest committed checkpoint, a half-written one is never picked, what was
 committed before the fault is still there unchanged, and the run ends at the loss of a run that
-went straight through."""
+went straight through. A committed checkpoint damaged afterwards (bytes overwritten, a file
+missing, emptied or cut short) is named and the previous one resumed."""
 
 import filecmp
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -105,3 +107,45 @@ def test_a_failed_async_save_stops_the_run_at_the_next_log_step(tmp_path, nproc)
     last = metric_rows(dump)[-1]["step"]
     assert 10 <= last < 20, f"stopped after step {last}"
     assert list_checkpoints(dump / "checkpoint") == {}
+
+
+def _overwrite_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 256] = os.urandom(256)
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {  # what is done to a file of step-4, and how the warning describes it
+    "overwritten": (_overwrite_middle, "does not match its checksum"),
+    "missing": (Path.unlink, r"is missing \(the save wrote it\)"),
+    "emptied": (lambda path: path.write_bytes(b""), "has 0 bytes"),
+    "cut_short": (lambda path: path.write_bytes(path.read_bytes()[:-100]), r"has \d+ bytes, \d+ when"),
+    "garbled": (lambda path: path.write_bytes(b"x" * path.stat().st_size),
+                "does not match its checksum"),
+}
+
+
+@pytest.mark.parametrize("file,damage", [
+    ("__0_0.distcp", "overwritten"),  # 256 bytes of the weights: resumed into NaN losses before
+    ("rank-0.pt", "missing"),  # the data restarted from its beginning ("the world size grew")
+    ("__0_0.distcp", "emptied"),
+    (".metadata", "cut_short"),
+    ("train_state.json", "garbled"),
+])
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumed(tmp_path, straight, file,
+                                                                    damage):
+    dump = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(straight / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+    harm, described = DAMAGE[damage]
+    harm(dump / "checkpoint" / "step-4" / file)
+    with pytest.warns(UserWarning, match=rf"not resuming from {dump}/checkpoint/step-4: "
+                                         rf"{dump}/checkpoint/step-4/{re.escape(file)} {described}"
+                                         r".*; falling back to step-2"):
+        assert train.main(ARGS + ["--job.dump_folder", str(dump)]) == 0
+    resumed = metric_rows(dump)
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]
+    assert abs(resumed[-1]["loss"] - metric_rows(straight)[-1]["loss"]) <= 1e-6
+    aside = [p for p in (dump / "checkpoint").iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1 and (aside[0] / "step-4").is_dir()  # set aside, not deleted
