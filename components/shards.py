@@ -172,6 +172,11 @@ class TokenShards:
         self.tokens = int(self.starts[-1])
         self.documents = sum(s["documents"] for s in shards)
 
+    def file_at(self, position: int) -> Path:
+        """The shard file holding token `position` of the stream."""
+        shards = [s for s in self.index["splits"][self.split]["shards"] if s["tokens"]]
+        return self.folder / shards[int(np.searchsorted(self.starts, position, side="right")) - 1]["file"]
+
     def read(self, start: int, stop: int, out: np.ndarray) -> None:
         """Tokens [start, stop) of the stream into out (any integer dtype)."""
         i = int(np.searchsorted(self.starts, start, side="right")) - 1

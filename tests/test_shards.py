@@ -279,3 +279,23 @@ def test_a_token_id_the_shard_dtype_cannot_hold_names_the_file(tmp_path):
                                                r"shards' uint16"):
         writer.add(np.array([1, 70000]), np.array([2]))
     writer.abandon()
+
+
+def test_a_token_id_past_the_vocabulary_names_the_shard(tmp_path, rng):
+    """A shard changed after index.json vouched for its ids: the batch that reads the bad id is an
+    error naming the shard file, not an IndexError in the model's embedding."""
+    generator = np.random.default_rng(rng.randrange(2**31))
+    folder, _ = stream_shards(tmp_path / "s", generator, [50, 60], vocab=200)
+    shard = folder / "train" / "00001-00000.tokens.npy"
+    tokens = np.load(shard, mmap_mode="r+")
+    tokens[7] = 300  # as damage would
+    tokens.flush()
+    del tokens
+    loader = build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
+                        local_batch_size=4, max_token_id=BYTE.vocab_size)
+    with pytest.raises(ShardFormatError, match=rf"{shard}: token id 300, out of range for the "
+                                               r"model's vocab size \d+ \(its index.json says at "
+                                               r"most \d+\)"):
+        for _ in range(20):  # an epoch reads every window
+            next(iter(loader))
+    loader.close()
