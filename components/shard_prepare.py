@@ -26,6 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
+from components import lock
 from components.data_check import NAMED, BadDocumentError, MissingTextField, read_documents
 from components.document_tokens import frame_texts, worker_context
 from components.shards import (FORMAT, INDEX, PLAN, SPLITS, VERSION, ShardFormatError, ShardWriter,
@@ -143,7 +144,22 @@ _job: dict = {}
 
 
 def _start_job(job: dict) -> None:
+    lock.close_inherited()  # a forked worker must not hold prepare.lock
+    _die_with(job["parent"])
     _job.update(job)
+
+
+def _die_with(parent: int) -> None:
+    """A worker ends when the main process does, even killed with kill -9 (else it would tokenize
+    on, writing into the folder, under PID 1): on Linux the kernel sends SIGKILL when the parent
+    dies; prepare_unit also checks between batches."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before prctl
+        os._exit(1)
 
 
 def usable_cpus() -> int:
@@ -200,9 +216,14 @@ def _parquet_documents(path: Path, text_field: str, first_group: int, stop_group
 
 def _fault_point(unit: str) -> None:
     """Test-only: FLCE_TEST_PREPARE_KILL=<unit> kills the whole run (its process group) while that
-    unit is half written, as a kill -9 or a lost node would."""
+    unit is half written, as a kill -9 or a lost node would; FLCE_TEST_PREPARE_STALL=<unit> makes
+    the worker hang there (for a test to kill the main process under it)."""
     if os.environ.get("FLCE_TEST_PREPARE_KILL") == unit:
         os.killpg(os.getpgid(0), signal.SIGKILL)
+    if os.environ.get("FLCE_TEST_PREPARE_STALL") == unit:
+        time.sleep(120)
+    if _job.get("parent") not in (None, os.getppid()):  # the main process died (no PDEATHSIG)
+        os._exit(1)
 
 
 def prepare_unit(unit: Unit) -> dict:
@@ -353,19 +374,17 @@ def _clean_leftovers(out: Path) -> None:
 
 @contextlib.contextmanager
 def _locked(out: Path):
-    import fcntl
-
+    """One run per folder: prepare.lock names its holder; a killed holder's lock (its workers die
+    with it and never hold it) is taken over with a warning naming it."""
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / "prepare.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise PrepareError(f"{out} is being written by another prepare_data.py run") from None
+    path = out / "prepare.lock"
+    fd = lock.lock_file(path, lambda holder: PrepareError(
+        f"{out} is being written by another prepare_data.py run ({holder}; lock file {path}): "
+        "wait for it to end or write to another --out"))
     try:
         yield
     finally:
-        os.close(fd)
+        lock.release(fd)
 
 
 def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: int, files: dict | None = None,
@@ -392,7 +411,7 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
     context = worker_context()
     progress, tokens = context.Value("q", 0), context.Value("q", 0)
     job = dict(out=out, settings=settings, tokenizer=tokenizer, dataset=dataset, progress=progress,
-               progress_tokens=tokens)
+               progress_tokens=tokens, parent=os.getpid())
     bar = None
     if progress_bar:
         from tqdm import tqdm
