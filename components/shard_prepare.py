@@ -62,9 +62,12 @@ def held_out(text: str, val_every: int) -> bool:
 
 # ----------------------------------------------------------------------------- planning
 
-def local_files(sources: list[str]) -> list[Path]:
-    """Files, folders (their .jsonl/.json/.parquet/.txt files, hidden ones left out) and globs."""
+def local_files(sources: list[str], out: Path | None = None) -> list[Path]:
+    """Files, folders (their .jsonl/.json/.parquet/.txt files, hidden ones left out) and globs;
+    nothing inside `out`, the shard folder being written (its .json files are not sources, even
+    when it sits in a source folder)."""
     files = []
+    out = Path(out).expanduser().resolve() if out is not None else None
     for source in sources:
         expanded = os.path.expanduser(source)
         matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [expanded]
@@ -80,8 +83,10 @@ def local_files(sources: list[str]) -> list[Path]:
             elif not glob.has_magic(expanded):
                 raise PrepareError(f"--source {source}: unsupported file type {match.suffix!r}; expected "
                                    f"one of {', '.join(SUFFIXES)}")
+        found = [p for p in found if out is None or not p.resolve().is_relative_to(out)]
         if not found:
-            raise PrepareError(f"--source {source}: no {'/'.join(SUFFIXES)} files there")
+            raise PrepareError(f"--source {source}: no {'/'.join(SUFFIXES)} files there"
+                               + (f" (outside --out {out})" if out is not None else ""))
         files += found
     return sorted(set(p.resolve() for p in files))
 

@@ -224,6 +224,19 @@ def test_sources_that_are_not_there_are_named(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_an_out_folder_inside_a_source_folder_is_not_read_as_a_source(tmp_path, rng, capsys):
+    """--out inside a --source folder: its own prepare.json, units/*.json and index.json are not
+    sources on the next run (the re-run refused 'source files: 1 -> 10' before)."""
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", random_texts(rng, 40))
+    args = ["--source", tmp_path / "corpus", "--tokenizer", "byte", "--out", tmp_path / "corpus" / "shards",
+            "--workers", 1, *SMALL_UNITS]
+    assert prepare(*args) == 0
+    assert prepare(*args) == 0, capsys.readouterr().err
+    assert "complete already, nothing to do" in capsys.readouterr().out
+    assert list(read_index(tmp_path / "corpus" / "shards")["source"]["files"]) == [
+        str((tmp_path / "corpus" / "a.jsonl").resolve())]
+
+
 def test_the_progress_bar_counts_bytes_in_binary_units(tmp_path, rng, capsys):
     """The bar's unit_scale/unit_divisor once sat inside a comment: it counted raw bytes."""
     write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 80))
