@@ -228,7 +228,12 @@ def log_resume(path: Path, cfg: JobConfig) -> None:
     if not saved.is_file():
         log(f"  ({saved} is missing: cannot list config changes)")
         return
-    changes = config_changes(saved.read_text(), cfg)
+    try:
+        changes = config_changes(saved.read_text(), cfg)
+    except (OSError, ValueError) as e:  # only informative: the run goes on
+        log(f"  warning: {saved} cannot be read ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}): not listing the config changes since it")
+        return
     if changes:
         log("config changes since the checkpoint (this run's values are used):")
         for change in changes:

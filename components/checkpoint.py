@@ -33,7 +33,6 @@ import functools
 import io
 import json
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -336,7 +335,14 @@ class Checkpointer:
                       f"to step {self.cfg.load_step} again, move the later step folders out of "
                       f"{self.folder}", flush=True)
             step = self._intact(found, step)
-            resumed = self._load_full(found[step])
+            try:
+                resumed = self._load_full(found[step])
+            except safe_dcp.DamagedCheckpointError as e:  # no checksums.json (an older save)
+                earlier = sorted(s for s in found if s < step)
+                raise safe_dcp.DamagedCheckpointError(
+                    f"{e}. Resume from an earlier checkpoint: [checkpoint] load_step = "
+                    + (f"one of {earlier}" if earlier else "-1 after moving it out of "
+                       f"{self.folder}")) from e
         elif self.cfg.initial_load_path:
             self._load_model_only(Path(self.cfg.initial_load_path))
         if self.cfg.enable and self.rank == 0:
@@ -349,7 +355,10 @@ class Checkpointer:
         load_step asked for that checkpoint or none is intact. The ranks agree."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         damaged = []
-        while (damage := find_damage(found[step], self.rank, world)) is not None:
+        # config.toml only lists the config changes since the checkpoint: train.py warns if it
+        # cannot be read, and resumes.
+        while (damage := find_damage(found[step], self.rank, world,
+                                     ignore=("config.toml",))) is not None:
             earlier = sorted(s for s in found if s < step)
             if step == self.cfg.load_step:
                 raise ValueError(f"[checkpoint] load_step = {step}: {damage}; set load_step to "
@@ -390,23 +399,33 @@ class Checkpointer:
         safe_dcp.load(state, path, no_dist=not dist.is_initialized())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        train_state = json.loads((path / "train_state.json").read_text())
-        self.scheduler.load_state_dict(train_state["scheduler"])
+        try:
+            train_state = json.loads((path / "train_state.json").read_text())
+            step, tokens_seen = int(train_state["step"]), int(train_state["tokens_seen"])
+            scheduler = train_state["scheduler"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise safe_dcp.DamagedCheckpointError(
+                f"{path / 'train_state.json'} is damaged ({type(e).__name__}: {e})") from None
+        self.scheduler.load_state_dict(scheduler)
         rank_file = path / f"rank-{self.rank}.pt"
         if rank_file.is_file():
             try:  # plain data only: unpickling arbitrary objects could run code
                 extra = torch.load(rank_file, weights_only=True)
-            except pickle.UnpicklingError as e:
-                raise ValueError(f"{rank_file} holds objects other than tensors and plain data; "
-                                 "not loading it, since unpickling them could run code (this "
-                                 "trainer never writes such a file)") from e
-            self._load_data_state(extra["data"], train_state["step"])
+            except Exception as e:
+                if safe_dcp.names_a_global(e):
+                    raise safe_dcp.UnsafeCheckpointError(
+                        f"{rank_file} holds objects other than tensors and plain data; not "
+                        "loading it, since unpickling them could run code (this trainer never "
+                        "writes such a file)") from e
+                raise safe_dcp.DamagedCheckpointError(  # not a zip, cut short, garbled
+                    f"{rank_file} is damaged ({type(e).__name__})") from None
+            self._load_data_state(extra["data"], step)
             torch.set_rng_state(extra["rng"])
             if extra["cuda_rng"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(extra["cuda_rng"])
         else:
-            self._load_data_state(None, train_state["step"])
-        return TrainState(train_state["step"], train_state["tokens_seen"])
+            self._load_data_state(None, step)
+        return TrainState(step, tokens_seen)
 
     def _load_data_state(self, state: Optional[dict], step: int) -> None:
         try:

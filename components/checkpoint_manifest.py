@@ -102,12 +102,12 @@ class ChecksummingWriter(dcp.FileSystemWriter):
 
 
 def find_damage(folder: Path, rank: int = 0, world: int = 1,
-                names: Optional[Iterable[str]] = None) -> Optional[str]:
+                names: Optional[Iterable[str]] = None, ignore: Iterable[str] = ()) -> Optional[str]:
     """What is wrong with a checkpoint folder, naming the file, or None when every file listed
-    in its checksums.json (or those of `names`) is there, of its size and hash. A folder without
-    one (written before checksums were) passes. With world > 1 every rank calls it: each hashes
-    a share of the files and they agree on the answer (one all_gather_object)."""
-    problems = _problems(Path(folder), rank, world, names)
+    in its checksums.json (or those of `names`, less those of `ignore`) is there, of its size
+    and hash. A folder without one (written before checksums were) passes. With world > 1 every
+    rank calls it: each hashes a share of the files and they agree (one all_gather_object)."""
+    problems = _problems(Path(folder), rank, world, names, set(ignore))
     if world > 1 and dist.is_initialized():
         everyone = [None] * world
         dist.all_gather_object(everyone, problems)
@@ -115,7 +115,8 @@ def find_damage(folder: Path, rank: int = 0, world: int = 1,
     return problems[0] if problems else None
 
 
-def _problems(folder: Path, rank: int, world: int, names: Optional[Iterable[str]]) -> list[str]:
+def _problems(folder: Path, rank: int, world: int, names: Optional[Iterable[str]],
+              ignore: set[str]) -> list[str]:
     path = folder / MANIFEST
     if not path.is_file():
         return []
@@ -128,7 +129,7 @@ def _problems(folder: Path, rank: int, world: int, names: Optional[Iterable[str]
         return [f"{path} is damaged ({type(e).__name__}: {e})"]
     if algorithm not in HASHES:  # xxhash missing here: the sizes are checked still
         algorithm = None
-    wanted = sorted(listed if names is None else set(names) & set(listed))
+    wanted = sorted((set(listed) if names is None else set(names) & set(listed)) - ignore)
     problems = []
     for i, name in enumerate(wanted):
         file, (size, digest) = folder / name, listed[name]

@@ -16,6 +16,7 @@ Tensors are read by DCP itself with `weights_only=True` already.
 import inspect
 import io
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -37,6 +38,10 @@ _ALLOWED = {
 
 class UnsafeCheckpointError(ValueError):
     """A checkpoint file names something other than plain data: not loaded."""
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file cannot be read (cut short, emptied, overwritten): the message names it."""
 
 
 class _Refused(pickle.UnpicklingError):
@@ -72,10 +77,10 @@ def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
             "unpickling it could run code (DCP never writes such a file)") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
             KeyError) as e:
-        raise ValueError(f"{file} is damaged ({type(e).__name__}: {e or 'truncated'}): not a "
-                         "DCP metadata file") from None
+        raise DamagedCheckpointError(f"{file} is damaged ({type(e).__name__}: "
+                                     f"{e or 'cut short'}): not a DCP metadata file") from None
     if not isinstance(metadata, dcp_metadata.Metadata):
-        raise ValueError(f"{file} holds a {type(metadata).__name__}, not DCP metadata")
+        raise DamagedCheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
 
 
@@ -92,17 +97,26 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+def names_a_global(error: BaseException) -> bool:
+    """Whether torch.load(weights_only=True) refused a pickle for what it names (a planted
+    object), rather than for being damaged (cut short, garbled)."""
+    return isinstance(error, pickle.UnpicklingError) and bool(re.search(
+        r"Unsupported (global|class)|not an allowed global|unrecognized function", str(error)))
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, refusing non-tensor entries that are not plain data."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except Exception as e:
+            what = f"entry {read_item.dest_index.fqn} of the checkpoint"
+            if not names_a_global(e):
+                raise DamagedCheckpointError(f"{what} is damaged ({type(e).__name__})") from None
             raise UnsafeCheckpointError(
-                f"entry {read_item.dest_index.fqn} of the checkpoint holds objects other than plain "
-                f"data ({first}): not loading it, since unpickling them could run code") from None
+                f"{what} holds objects other than plain data: not loading it, since unpickling "
+                "them could run code") from None
         value.seek(0)
         super().load_bytes(read_item, value)
 
@@ -119,7 +133,8 @@ def load(state: dict, path: str | Path, no_dist: bool, planner=None) -> None:
             if isinstance(cause, (UnsafeCheckpointError, KeyboardInterrupt)):
                 raise cause from None
         cause = causes[0] if causes else e
-        raise ValueError(f"{path}: reading the checkpoint failed ({_why(path, cause)})") from e
+        raise DamagedCheckpointError(f"{path}: reading the checkpoint failed "
+                                     f"({_why(path, cause)})") from e
 
 
 def _why(path: str | Path, cause: BaseException) -> str:

@@ -401,8 +401,12 @@ def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: in
         done = {p.stem for p in (out / UNITS).glob("*.json")}
         todo = [u for u in units if u.name not in done]
         if not todo and (out / INDEX).is_file():
-            log(f"{out}: complete already, nothing to do")
-            return json.loads((out / INDEX).read_text())
+            try:
+                index = json.loads((out / INDEX).read_text())
+                log(f"{out}: complete already, nothing to do")
+                return index
+            except ValueError:  # damaged: written again from the units below
+                log(f"{out / INDEX} is damaged: writing it again from the finished units")
         if todo:
             log(f"{out}: {len(todo)} of {len(units)} units to tokenize with {min(workers, len(todo))} "
                 f"worker process(es)" + (f" ({len(units) - len(todo)} done before)" if done else ""))

@@ -62,7 +62,13 @@ def read_index(folder: str | Path) -> dict:
                                    f"scripts.prepare_data again with the same arguments to finish them")
         raise ShardFormatError(f"{folder}: not a token shard folder (no {INDEX}); make one with "
                                f"scripts.prepare_data")
-    index = json.loads((folder / INDEX).read_text())
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        index.get("format")
+    except (ValueError, AttributeError) as e:  # cut short, or not JSON at all
+        raise ShardFormatError(f"{folder / INDEX}: damaged, not a token shard index ({e}); "
+                               f"prepare the folder again (scripts.prepare_data with the same "
+                               f"arguments rewrites it)") from None
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ShardFormatError(f"{folder}/{INDEX}: format {index.get('format')!r} version "
                                f"{index.get('version')!r}; this trainer reads {FORMAT!r} version {VERSION}")

@@ -403,3 +403,31 @@ def test_shard_size_parsing():
     assert export_hf.parse_size("1000") == 1000
     with pytest.raises(ValueError, match="expected e.g. 5GB"):
         export_hf.parse_size("lots")
+
+
+def test_damaged_files_name_themselves(tmp_path, capsys):
+    """A checkpoint weight file overwritten after the save (its checksums.json says so), a
+    safetensors file whose header is garbage ("header too large"), a shard index cut short:
+    each is an error naming the file, not a bare library error or silently wrong weights."""
+    folder = _train(tmp_path / "run")
+    distcp = folder / "step-2" / "__0_0.distcp"
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 256] = bytes(256)
+    distcp.write_bytes(bytes(data))
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert f"export_hf: error: {distcp} does not match its checksum: damaged" in err, err
+    assert not (tmp_path / "hf").exists()
+
+    state = _debug_state()
+    export_hf.export(state, DEBUG, tmp_path / "one", dtype="float32")
+    weights = tmp_path / "one" / "model.safetensors"
+    weights.write_bytes((10**12).to_bytes(8, "little") + weights.read_bytes()[8:])
+    with pytest.raises(ValueError, match=rf"{weights}: damaged, not a readable safetensors file "
+                                         r"\(Error while deserializing header: header too large\)"):
+        hf.load_hf_weights(tmp_path / "one", DEBUG)
+    export_hf.export(state, DEBUG, tmp_path / "shards", dtype="float32", max_shard_bytes=10**6)
+    index = tmp_path / "shards" / hf.INDEX
+    index.write_text(index.read_text()[:100])
+    with pytest.raises(ValueError, match=rf"{index}: damaged, not a safetensors index"):
+        hf.load_hf_weights(tmp_path / "shards", DEBUG)

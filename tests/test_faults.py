@@ -149,3 +149,37 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_resumed(tmp_path, st
     assert abs(resumed[-1]["loss"] - metric_rows(straight)[-1]["loss"]) <= 1e-6
     aside = [p for p in (dump / "checkpoint").iterdir() if p.name.startswith("superseded-")]
     assert len(aside) == 1 and (aside[0] / "step-4").is_dir()  # set aside, not deleted
+
+
+@pytest.mark.parametrize("file,damage,named", [
+    ("__0_0.distcp", "emptied", r"__0_0\.distcp missing or shorter than its metadata says"),
+    (".metadata", "cut_short", r"\.metadata is damaged \(UnpicklingError"),
+    ("train_state.json", "garbled", r"train_state\.json is damaged \(JSONDecodeError"),
+    ("rank-0.pt", "garbled", r"rank-0\.pt is damaged"),
+])
+def test_a_damaged_file_of_a_checkpoint_without_checksums_is_named(tmp_path, straight, file, damage,
+                                                                   named):
+    """A checkpoint saved before checksums.json existed: the damaged file is named, with the way
+    out, instead of a bare EOFError or JSONDecodeError."""
+    dump = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(straight / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+        (dump / "checkpoint" / f"step-{step}" / "checksums.json").unlink()
+    DAMAGE[damage][0](dump / "checkpoint" / "step-4" / file)
+    with pytest.raises(ValueError, match=rf"{dump}/checkpoint/step-4.*{named}.*Resume from an "
+                                         r"earlier checkpoint: \[checkpoint\] load_step = one of "
+                                         r"\[2\]$"):
+        train.main(ARGS + ["--job.dump_folder", str(dump)])
+
+
+def test_an_unreadable_config_toml_in_a_checkpoint_is_a_warning(tmp_path, straight, capsys):
+    """The checkpoint's config.toml only lists the config changes since it: unreadable, the run
+    says so and resumes (it crashed after 'resumed from')."""
+    dump = tmp_path / "run"
+    shutil.copytree(straight / "checkpoint" / "step-4", dump / "checkpoint" / "step-4")
+    (dump / "checkpoint" / "step-4" / "config.toml").write_bytes(b"[training\n\xff")
+    assert train.main(ARGS + ["--job.dump_folder", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {dump}/checkpoint/step-4" in out
+    assert f"warning: {dump}/checkpoint/step-4/config.toml cannot be read (" in out
+    assert [r["step"] for r in metric_rows(dump)] == [5, 6]

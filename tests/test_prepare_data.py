@@ -320,3 +320,19 @@ def test_kill_9_of_the_main_process_ends_its_workers_and_frees_the_folder(tmp_pa
     with pytest.warns(UserWarning, match=rf"taking over {out}/prepare.lock from pid {run.pid} on "):
         assert prepare(*args) == 0
     assert read_index(out)["splits"]["train"]["documents"] > 0
+
+
+def test_a_damaged_index_is_named_and_written_again(tmp_path, rng, capsys):
+    write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 30))
+    args = ["--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out", tmp_path / "shards",
+            "--workers", 1, *SMALL_UNITS]
+    assert prepare(*args) == 0
+    index = tmp_path / "shards" / "index.json"
+    whole = json.loads(index.read_text())
+    index.write_text(index.read_text()[:50])
+    with pytest.raises(ShardFormatError, match=rf"{index}: damaged, not a token shard index"):
+        read_index(tmp_path / "shards")
+    assert prepare(*args) == 0
+    assert f"{index} is damaged: writing it again" in capsys.readouterr().out
+    assert {k: v for k, v in read_index(tmp_path / "shards").items() if k != "created"} == \
+        {k: v for k, v in whole.items() if k != "created"}

@@ -192,6 +192,12 @@ def test_folders_that_cannot_be_read_are_named(tmp_path, rng):
     with pytest.raises(ShardFormatError, match="out of range for the model's vocab size 10"):
         build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
                    local_batch_size=1, max_token_id=10)
+    index = (folder / "index.json").read_text()
+    (folder / "index.json").write_text(index[:len(index) // 2])  # cut short
+    with pytest.raises(ShardFormatError, match=rf"{folder}/index.json: damaged, not a token shard "
+                                               r"index \(.*\); prepare the folder again"):
+        TokenShards(folder)
+    (folder / "index.json").write_text(index)
     shard = folder / "train" / "00001-00000.tokens.npy"
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(ShardFormatError, match="00001-00000.tokens.npy: .* bytes, expected .*truncated"):

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from components import safe_dcp
+from components.checkpoint_manifest import find_damage
 from components.config import JobConfig, load_config
 from components.tokenizer import HFTokenizer, build_tokenizer
 from models import FLAVORS, Llama, LlamaArgs, build_rope_cache
@@ -93,13 +94,11 @@ def load_model_state(path: str | os.PathLike) -> dict[str, Tensor]:
 
 def _load_dcp_model(path: Path) -> dict[str, Tensor]:
     """The tensors under the top-level "model" entry (the top-level ones when there is none)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if hf.is_hf_folder(path):
         raise ValueError(f"{path} is a Hugging Face folder, not a DCP checkpoint")
-    reader = safe_dcp.SafeReader(str(path))
-    metadata = reader.read_metadata()  # a clear error when damaged; runs no code from the file
+    metadata = safe_dcp.read_metadata(path)  # a clear error when damaged; runs no code from it
     # DCP flattens nested dicts to dotted keys; planner_data maps each to its path of dict keys.
     paths = metadata.planner_data or {}
     tensor_meta = {k: m for k, m in metadata.state_dict_metadata.items()
@@ -119,12 +118,19 @@ def _load_dcp_model(path: Path) -> dict[str, Tensor]:
         # or torchtitan's layout, which puts the optimizer etc. in nested entries beside them).
         selected = {k: k for k in tensor_meta
                     if not isinstance(paths.get(k), (tuple, list)) or len(paths[k]) == 1}
+    # The files these entries are in, checked against the save's checksums.json when it has one.
+    needed = {info.relative_path for index, info in (metadata.storage_data or {}).items()
+              if index.fqn in selected}
+    damage = find_damage(path, names=needed)
+    if damage is not None:
+        raise safe_dcp.DamagedCheckpointError(f"{damage}; read an earlier checkpoint (another "
+                                              f"step-<N> folder of {path.parent})")
     # Load only the selected entries, into full-size CPU tensors (sharded saves are reassembled).
     buffers = {k: torch.empty(tensor_meta[k].size, dtype=tensor_meta[k].properties.dtype)
                for k in selected}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(buffers, storage_reader=reader, planner=safe_dcp.SafeLoadPlanner(), no_dist=True)
+        safe_dcp.load(buffers, path, no_dist=True)
     return {selected[k]: v for k, v in buffers.items()}
 
 
