@@ -17,6 +17,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+if __name__ == "__main__":  # before the imports below: a stop signal during them is kept
+    from components.stop_request import remember_stop_signals
+    remember_stop_signals()
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor

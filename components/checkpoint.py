@@ -218,13 +218,18 @@ class Checkpointer:
         torch.save({"data": self.data.state_dict(), "rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                    rank_state)
-        _write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
-        if self.rank == 0:
-            # load_step: a later run with the same one resumes from here (see step_to_load)
-            _write_synced(tmp / "train_state.json", json.dumps(
-                {"step": step, "tokens_seen": tokens_seen, "scheduler": self.scheduler.state_dict(),
-                 **({"load_step": self.cfg.load_step} if self.cfg.load_step >= 0 else {})}).encode())
-            _write_synced(tmp / "config.toml", self.config_toml.encode())
+        try:
+            _write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
+            if self.rank == 0:
+                # load_step: a later run with the same one resumes from here (see step_to_load)
+                _write_synced(tmp / "train_state.json", json.dumps(
+                    {"step": step, "tokens_seen": tokens_seen,
+                     "scheduler": self.scheduler.state_dict(),
+                     **({"load_step": self.cfg.load_step} if self.cfg.load_step >= 0 else {})
+                     }).encode())
+                _write_synced(tmp / "config.toml", self.config_toml.encode())
+        except OSError as e:  # a full disk, before DCP writes anything
+            raise _save_failed(final, e) from e
         _fault_point("after_rank_files", step)
         no_dist = not dist.is_initialized()
         own_files = [f"rank-{self.rank}.pt"] + (["train_state.json", "config.toml"]

@@ -169,6 +169,34 @@ def test_preemption_signal_saves_and_resumes(tmp_path, sig):
     assert code == 0 and max(losses(dump)) == stopped_at + 2
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt")).split()[1], 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_during_the_imports_is_kept(tmp_path, sig):
+    """SLURM's warning (or a requeue's SIGTERM) may come while the trainer is still importing
+    torch (seconds): it stops after the first step with a checkpoint and exit 0, so a requeued
+    job resumes, instead of dying with -15 (under torchrun: a ChildFailedError)."""
+    dump = tmp_path / "run"
+    proc = _spawn(dump, "--training.steps", "100000", "--checkpoint.interval", "100000")
+    started = time.time()
+    # train.py catches the signal from its first lines on; the old one only after its imports
+    # (about 3 s here): 1 s in, it was importing
+    while not _catches(proc.pid, sig) and time.time() < started + 1:
+        time.sleep(0.005)
+    assert not (dump / "metrics.jsonl").exists()  # the loop has not begun
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert f"received {sig.name}: stopped after step 1, checkpoint in {dump}/checkpoint/step-1" in out
+    assert sorted(list_checkpoints(dump / "checkpoint")) == [1]
+
+
 @pytest.mark.slow
 def test_kill_9_during_saves_leaves_loadable_checkpoints(tmp_path):
     dump = tmp_path / "run"

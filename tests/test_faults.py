@@ -49,6 +49,13 @@ def _disk_of_1_mb() -> None:  # in the child, before it runs train.py
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 
 
+def _disk_of_4_kb() -> None:  # full before the rank file (6.7 KB) is written
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 10, 4 << 10))
+
+
+DISKS = {"disk_full": _disk_of_1_mb, "disk_full_at_rank_file": _disk_of_4_kb}
+
+
 @pytest.mark.parametrize("async_mode,fault,extra,committed", [
     ("disabled", "after_rank_files@4", [], [2]),
     ("disabled", "before_commit@4", [], [2]),
@@ -58,6 +65,7 @@ def _disk_of_1_mb() -> None:  # in the child, before it runs train.py
     ("async", "async_started@4", [], [2]),  # killed while DCP's thread writes
     ("async", "before_commit@4", [], [2]),
     ("async", "disk_full", [], [2]),
+    ("async", "disk_full_at_rank_file", [], [2]),  # was a bare OSError
 ])
 def test_a_fault_loses_nothing(tmp_path, straight, async_mode, fault, extra, committed):
     dump = tmp_path / "run"
@@ -66,9 +74,8 @@ def test_a_fault_loses_nothing(tmp_path, straight, async_mode, fault, extra, com
     run = ARGS + ["--checkpoint.async_mode", async_mode, *extra, "--job.dump_folder", str(dump)]
     env = {**os.environ, "FLCE_FAULT_POINT": fault, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *run], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300,
-                          preexec_fn=_disk_of_1_mb if fault == "disk_full" else None)
-    if fault == "disk_full":
+                          capture_output=True, text=True, timeout=300, preexec_fn=DISKS.get(fault))
+    if fault in DISKS:
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert f"[checkpoint] writing {dump / 'checkpoint' / 'step-4'} failed" in proc.stderr
     else:
