@@ -354,7 +354,9 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     accum = cfg.training.gradient_accumulation_steps
     ckpt = Checkpointer(cfg.checkpoint, dump, model, optimizer, scheduler, train_batches, accum,
                         rank, to_toml(cfg), read_hf_folder=lambda folder: {
-                            f"model.{k}": v for k, v in load_hf_weights(folder, args).items()})
+                            f"model.{k}": v for k, v in load_hf_weights(folder, args).items()},
+                        tokenizer={"fingerprint": tokenizer.fingerprint(),
+                                   "vocab_size": tokenizer.vocab_size})
     if cfg.checkpoint.async_mode == "async":  # its saves use a gloo group of their own
         note_process_group("gloo", world)
     start_step, tokens_seen = 1, 0

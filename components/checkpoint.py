@@ -183,10 +183,14 @@ def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]]
 class Checkpointer:
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model, optimizer, scheduler, data,
                  batches_per_step: int, rank: int, config_toml: str,
-                 read_hf_folder: Optional[Callable[[Path], dict]] = None):
+                 read_hf_folder: Optional[Callable[[Path], dict]] = None,
+                 tokenizer: Optional[dict] = None):
         """read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
-        named as in get_model_state_dict(model); the trainer passes models/hf.py's reader."""
+        named as in get_model_state_dict(model); the trainer passes models/hf.py's reader.
+        tokenizer: {"fingerprint", "vocab_size"} of the run's tokenizer, kept in train_state.json
+        so that generate/evaluate can refuse another vocabulary (scripts/lib/checkpoints.py)."""
         self.cfg = cfg
+        self.tokenizer = tokenizer
         self.read_hf_folder = read_hf_folder
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
@@ -225,6 +229,7 @@ class Checkpointer:
                 _write_synced(tmp / "train_state.json", json.dumps(
                     {"step": step, "tokens_seen": tokens_seen,
                      "scheduler": self.scheduler.state_dict(),
+                     **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
                      **({"load_step": self.cfg.load_step} if self.cfg.load_step >= 0 else {})
                      }).encode())
                 _write_synced(tmp / "config.toml", self.config_toml.encode())

@@ -72,6 +72,12 @@ def read_index(folder: str | Path) -> dict:
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ShardFormatError(f"{folder}/{INDEX}: format {index.get('format')!r} version "
                                f"{index.get('version')!r}; this trainer reads {FORMAT!r} version {VERSION}")
+    for split in index.get("splits", {}).values():  # (a shard may be a link to another disk)
+        for shard in split.get("shards", []):
+            file = str(shard.get("file", ""))
+            if Path(file).is_absolute() or ".." in Path(file).parts:
+                raise ShardFormatError(f"{folder}/{INDEX}: names shard {file!r}, outside the folder; "
+                                       "not reading it")
     return index
 
 

@@ -263,6 +263,10 @@ def read_safetensors(folder: str | os.PathLike) -> dict[str, Tensor]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{folder / INDEX}: no weight_map")
         files = sorted(set(weight_map.values()))
+        for name in files:  # file names in the folder: an index must not reach outside it
+            if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
+                raise ValueError(f"{folder / INDEX}: names {name!r}, not a file name in the "
+                                 "folder; not reading outside it")
     elif (folder / SINGLE_FILE).is_file():
         files = [SINGLE_FILE]
     else:

@@ -431,3 +431,18 @@ def test_damaged_files_name_themselves(tmp_path, capsys):
     index.write_text(index.read_text()[:100])
     with pytest.raises(ValueError, match=rf"{index}: damaged, not a safetensors index"):
         hf.load_hf_weights(tmp_path / "shards", DEBUG)
+
+
+def test_an_index_naming_files_outside_its_folder_is_refused(tmp_path):
+    """model.safetensors.index.json naming ../ read a file outside the folder."""
+    export_hf.export(_debug_state(), DEBUG, tmp_path / "hf", dtype="float32", max_shard_bytes=10**6)
+    index = tmp_path / "hf" / hf.INDEX
+    spec = json.loads(index.read_text())
+    first = sorted(set(spec["weight_map"].values()))[0]
+    (tmp_path / "hf" / first).rename(tmp_path / "outside.safetensors")
+    spec["weight_map"] = {k: "../outside.safetensors" if v == first else v
+                          for k, v in spec["weight_map"].items()}
+    index.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=rf"{index}: names '\.\./outside\.safetensors', not a "
+                                         r"file name in the folder; not reading outside it"):
+        hf.load_hf_weights(tmp_path / "hf", DEBUG)

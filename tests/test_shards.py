@@ -305,3 +305,17 @@ def test_a_token_id_past_the_vocabulary_names_the_shard(tmp_path, rng):
         for _ in range(20):  # an epoch reads every window
             next(iter(loader))
     loader.close()
+
+
+def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path, rng):
+    """index.json naming ../ (or an absolute path) read token files outside its folder."""
+    generator = np.random.default_rng(rng.randrange(2**31))
+    folder, _ = stream_shards(tmp_path / "s", generator, [50, 60])
+    shutil.copytree(folder / "train", tmp_path / "elsewhere")
+    index = json.loads((folder / "index.json").read_text())
+    for named in ("../elsewhere/00000-00000.tokens.npy", str(tmp_path / "elsewhere/00000-00000.tokens.npy")):
+        index["splits"]["train"]["shards"][0]["file"] = named
+        (folder / "index.json").write_text(json.dumps(index))
+        with pytest.raises(ShardFormatError, match=rf"index.json: names shard '{named}', outside the "
+                                                   r"folder; not reading it"):
+            TokenShards(folder)

@@ -15,6 +15,7 @@ tokenizer paths in config.toml are read from the current directory, as the run d
 """
 
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -221,6 +222,38 @@ def hf_tokenizer(folder: Path, path: str | None = None) -> HFTokenizer:
     return HFTokenizer(path, **names)
 
 
+def _trained_tokenizer(folder: Path, config: JobConfig | None) -> tuple[str, int, str] | None:
+    """(fingerprint, vocab size, what) of the tokenizer the run trained with: recorded in the
+    checkpoint's train_state.json, else (config given) the run's [tokenizer] when it is at hand;
+    None when neither tells."""
+    try:
+        record = json.loads((folder / "train_state.json").read_text()).get("tokenizer")
+        return str(record["fingerprint"]), int(record["vocab_size"]), "the run's tokenizer"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    if config is None:
+        return None
+    try:
+        run = run_tokenizer(config)
+    except (OSError, ValueError):
+        return None
+    return run.fingerprint(), run.vocab_size, f"the run's tokenizer {config.tokenizer.path}"
+
+
+def _check_vocabulary(tokenizer, path, fingerprint: str, vocab_size: int,
+                      what: str = "the run's tokenizer") -> None:
+    """Another vocabulary than the model's makes every id mean another token: garbage out."""
+    if tokenizer.fingerprint() == fingerprint:
+        return
+    given = f"the tokenizer {path}" if path else "the tokenizer"
+    if tokenizer.vocab_size != vocab_size:
+        differs = f"has {tokenizer.vocab_size} ids, {what} had {vocab_size}"
+    else:
+        differs = f"has {vocab_size} ids as {what} had, but other tokens or bos/eos ids"
+    raise ValueError(f"{given} {differs}: the model's ids would mean other tokens; pass the "
+                     "tokenizer the model was trained with")
+
+
 def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32,
                seq_len: int | None = None, tokenizer_path: str | None = None) -> LoadedModel:
     """A checkpoint (DCP, a folder of them, or a Hugging Face folder) as a Llama in eval mode,
@@ -234,6 +267,10 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
         args = hf.args_from_hf_config(hf.read_config(folder), str(folder / hf.CONFIG))
         state = hf.load_hf_weights(folder, args)
         tokenizer = hf_tokenizer(folder, tokenizer_path)
+        if tokenizer_path and (folder / "tokenizer.json").is_file():
+            own = hf_tokenizer(folder)
+            _check_vocabulary(tokenizer, tokenizer_path, own.fingerprint(), own.vocab_size,
+                              "the folder's tokenizer.json")
     else:
         config = run_config(folder)
         if config is None:
@@ -242,7 +279,14 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
         args = model_args(config)
         state = load_model_state(folder)
         tokenizer = run_tokenizer(config, tokenizer_path)
+        trained = _trained_tokenizer(folder, config if tokenizer_path else None)
+        if trained is not None:
+            _check_vocabulary(tokenizer, tokenizer_path or config.tokenizer.path, *trained)
         logit_scale, softcap = config.loss.logit_scale, config.loss.softcap or None
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(f"the tokenizer{f' {tokenizer_path}' if tokenizer_path else ''} has "
+                         f"{tokenizer.vocab_size} ids, the model {args.vocab_size}: not the "
+                         "model's vocabulary; pass the tokenizer it was trained with")
     seq_len = min(seq_len or args.max_seq_len, args.max_seq_len)
     with torch.device("meta"):
         model = Llama(args, seq_len=seq_len)
