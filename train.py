@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from components.bad_steps import BadSteps, too_many_bad_steps
 from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
 from components.config import (ConfigError, JobConfig, config_changes, config_checks,
-                               is_config_error, load_config, to_toml, wants_help)
+                               load_config, refusal_line, to_toml, wants_help)
 from components.config_docs import help_text
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
@@ -338,9 +338,10 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     data_kwargs = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len,
                        local_batch_size=cfg.training.local_batch_size, dp_rank=dims.dp_rank(rank),
                        dp_world=dims.dp, seed=cfg.training.seed, max_token_id=args.vocab_size)
-    train_batches = build_data(cfg.data, split="train", **data_kwargs)
-    val_batches = (build_data(cfg.data, split="validation", **data_kwargs)
-                   if cfg.validation.enable else None)
+    with config_checks():  # a [data] source that cannot be read
+        train_batches = build_data(cfg.data, split="train", **data_kwargs)
+        val_batches = (build_data(cfg.data, split="validation", **data_kwargs)
+                       if cfg.validation.enable else None)
     log(train_batches.describe())
     train_iter = iter(train_batches)
     # Every evaluation scores the same held-out batches, so validation losses are comparable.
@@ -438,15 +439,17 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
 
 
 def command_line() -> int:
-    """main() for `python3 train.py` / torchrun: a config error is one line on stderr (once per
+    """main() for `python3 train.py` / torchrun: a config error, or another refusal the user
+    caused (a dump folder in use, data that cannot be read), is one line on stderr (once per
     node: every rank has the same command line) and exit status 2, without a traceback."""
     try:
         return main()
     except Exception as e:
-        if not is_config_error(e):
+        line = refusal_line(e)
+        if line is None:
             raise
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            print("config error: " + " ".join(str(e).split()), file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
         return 2
 
 

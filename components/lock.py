@@ -33,7 +33,7 @@ _held: set[int] = set()  # the descriptors of the locks this process holds
 
 
 class DumpFolderInUse(RuntimeError):
-    pass
+    user_error = True  # one line and exit status 2 from train.py, no traceback
 
 
 def _holder(fd: int) -> str:
