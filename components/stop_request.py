@@ -37,6 +37,7 @@ class StopRequest:
         self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
         if _early:  # after the handlers are set: no signal falls in between
             self.signal_name = _early[-1]
+            _early.clear()  # taken over once
         return self
 
     def __exit__(self, *exc_info) -> None:
