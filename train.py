@@ -17,6 +17,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+if __name__ == "__main__":  # before the imports below: a stop signal during them is kept
+    from components.stop_request import remember_stop_signals
+    remember_stop_signals()
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -24,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from components.bad_steps import BadSteps, too_many_bad_steps
 from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
 from components.config import (ConfigError, JobConfig, config_changes, config_checks,
-                               is_config_error, load_config, to_toml, wants_help)
+                               load_config, refusal_line, to_toml, wants_help)
 from components.config_docs import help_text
 from components.data import build_data
 from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
@@ -256,7 +260,12 @@ def log_resume(path: Path, cfg: JobConfig) -> None:
     if not saved.is_file():
         log(f"  ({saved} is missing: cannot list config changes)")
         return
-    changes = config_changes(saved.read_text(), cfg)
+    try:
+        changes = config_changes(saved.read_text(), cfg)
+    except (OSError, ValueError) as e:  # only informative: the run goes on
+        log(f"  warning: {saved} cannot be read ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}): not listing the config changes since it")
+        return
     if changes:
         log("config changes since the checkpoint (this run's values are used):")
         for change in changes:
@@ -382,7 +391,9 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     ckpt = Checkpointer(cfg.checkpoint, dump, model, optimizer, scheduler, train_batches, accum,
                         rank, to_toml(cfg), read_hf_folder=lambda folder: {
                             f"model.{k}": v for k, v in load_hf_weights(folder, args).items()},
-                        dp_rank=dims.dp_rank(rank))
+                        dp_rank=dims.dp_rank(rank),
+                        tokenizer={"fingerprint": tokenizer.fingerprint(),
+                                   "vocab_size": tokenizer.vocab_size})
     if cfg.checkpoint.async_mode == "async":  # its saves use a gloo group of their own
         note_process_group("gloo", world)
     start_step, tokens_seen = 1, 0
@@ -468,15 +479,17 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
 
 
 def command_line() -> int:
-    """main() for `python3 train.py` / torchrun: a config error is one line on stderr (once per
+    """main() for `python3 train.py` / torchrun: a config error, or another refusal the user
+    caused (a dump folder in use, data that cannot be read), is one line on stderr (once per
     node: every rank has the same command line) and exit status 2, without a traceback."""
     try:
         return main()
     except Exception as e:
-        if not is_config_error(e):
+        line = refusal_line(e)
+        if line is None:
             raise
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            print("config error: " + " ".join(str(e).split()), file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
         return 2
 
 

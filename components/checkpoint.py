@@ -6,6 +6,10 @@ iterator position and RNG states) and the resolved `config.toml`. A run with no 
 its own can start from `initial_load_path`'s model weights: a DCP step folder, or a Hugging Face
 LlamaForCausalLM folder (safetensors, read through the reader the trainer passes in).
 
+Nothing damaged is resumed: each save writes checksums.json (components/checkpoint_manifest.py),
+and a resume falls back to the previous checkpoint, naming the file, when a file of the chosen one
+is missing or does not match.
+
 Nothing is lost to a kill at any point:
 - a save is written to `step-<N>.tmp/` and renamed to `step-<N>/` by rank 0 as soon as DCP
   reports it written (DCP writes `.metadata` only after gathering every rank's write results,
@@ -16,11 +20,13 @@ Nothing is lost to a kill at any point:
   never touches the checkpoint just written;
 - resuming from a step before the latest (load_step) moves the later step folders, another
   timeline, into `superseded-<time>-from-step-<N>/` rather than letting this run prune or
-  overwrite them, or a later resume pick them.
+  overwrite them, or a later resume pick them. The checkpoints of such a run record its
+  load_step: the same command again (a requeued job) resumes from them, not from load_step.
 
-Trust: rank files are read with `torch.load(weights_only=True)` (tensors and plain data only)
-and train_state.json is JSON, but DCP reads its own `.metadata` with pickle, which can run
-code. Load checkpoint folders only from sources you would run code from.
+Trust: loading a checkpoint runs no code from it. Rank files are read with
+`torch.load(weights_only=True)` (tensors and plain data only), train_state.json is JSON, and
+DCP's pickled `.metadata` and non-tensor entries go through components/safe_dcp.py, which admits
+only DCP's metadata classes and plain data.
 """
 
 import contextlib
@@ -28,7 +34,6 @@ import functools
 import io
 import json
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -46,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
+from components import safe_dcp
+from components.checkpoint_manifest import ChecksummingWriter, find_damage
 from components.config import Checkpoint
 from components.float8 import plain_weights
 
@@ -144,7 +151,7 @@ def list_checkpoints(folder: Path) -> dict[int, Path]:
 
 def check_model_shapes(path: Path, model_sd: dict) -> None:
     """A clear error when the checkpoint was saved from a model of another shape."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meta = safe_dcp.read_metadata(path).state_dict_metadata
     saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(saved))
     if missing:
@@ -157,14 +164,27 @@ def check_model_shapes(path: Path, model_sd: dict) -> None:
                              f"built from this config has {tuple(tensor.shape)} (check [model])")
 
 
+def _written_with_load_step(path: Path) -> Optional[int]:
+    """The [checkpoint] load_step of the run that wrote this checkpoint (None: -1 or unknown)."""
+    try:
+        return json.loads((path / "train_state.json").read_text()).get("load_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]] = None
                  ) -> Optional[int]:
     """The step a run resumes from ([checkpoint] load_step; -1: the latest), None when there is
-    none; an error naming load_step when it names a missing one. Cheap: the trainer asks before
-    it builds the model."""
+    none; an error naming load_step when it names a missing one. A load_step that this timeline
+    has passed (the latest checkpoint was written by a run with the same load_step: the same
+    command, restarted or requeued) gives the latest, or a requeued job would go back to it for
+    ever. Cheap: the trainer asks before it builds the model."""
     found = list_checkpoints(folder) if found is None else found
     if found:
         step = max(found) if cfg.load_step == -1 else cfg.load_step
+        if (cfg.load_step >= 0 and max(found) > cfg.load_step
+                and _written_with_load_step(found[max(found)]) == cfg.load_step):
+            step = max(found)
         if step not in found:
             raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint "
                                     f"{folder}/step-{step} (have {sorted(found)})")
@@ -179,12 +199,15 @@ class Checkpointer:
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model, optimizer, scheduler, data,
                  batches_per_step: int, rank: int, config_toml: str,
                  read_hf_folder: Optional[Callable[[Path], dict]] = None,
-                 dp_rank: Optional[int] = None):
+                 dp_rank: Optional[int] = None, tokenizer: Optional[dict] = None):
         """read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
         named as in get_model_state_dict(model); the trainer passes models/hf.py's reader.
         dp_rank: this rank's data-parallel rank, whose saved data state it resumes (None: the
-        state of the same global rank)."""
+        state of the same global rank).
+        tokenizer: {"fingerprint", "vocab_size"} of the run's tokenizer, kept in train_state.json
+        so that generate/evaluate can refuse another vocabulary (scripts/lib/checkpoints.py)."""
         self.cfg = cfg
+        self.tokenizer = tokenizer
         self.read_hf_folder = read_hf_folder
         self.folder = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
@@ -217,17 +240,27 @@ class Checkpointer:
         torch.save({"data": self.data.state_dict(), "rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                    rank_state)
-        _write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
-        if self.rank == 0:
-            _write_synced(tmp / "train_state.json", json.dumps(
-                {"step": step, "tokens_seen": tokens_seen,
-                 "scheduler": self.scheduler.state_dict()}).encode())
-            _write_synced(tmp / "config.toml", self.config_toml.encode())
+        try:
+            _write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
+            if self.rank == 0:
+                # load_step: a later run with the same one resumes from here (see step_to_load)
+                _write_synced(tmp / "train_state.json", json.dumps(
+                    {"step": step, "tokens_seen": tokens_seen,
+                     "scheduler": self.scheduler.state_dict(),
+                     **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
+                     **({"load_step": self.cfg.load_step} if self.cfg.load_step >= 0 else {})
+                     }).encode())
+                _write_synced(tmp / "config.toml", self.config_toml.encode())
+        except OSError as e:  # a full disk, before DCP writes anything
+            raise _save_failed(final, e) from e
         _fault_point("after_rank_files", step)
         no_dist = not dist.is_initialized()
+        own_files = [f"rank-{self.rank}.pt"] + (["train_state.json", "config.toml"]
+                                                if self.rank == 0 else [])
+        writer = ChecksummingWriter(tmp, self.rank, own_files)  # checksums.json for load()
         if self.cfg.async_mode == "async":
             with _one_process_quiet(no_dist):
-                written = dcp.async_save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist,
+                written = dcp.async_save(self._state(), storage_writer=writer, no_dist=no_dist,
                                          process_group=self._async_group)
             written = getattr(written, "upload_completion", written)  # an AsyncSaveResponse
             self._pending = Future()
@@ -239,7 +272,7 @@ class Checkpointer:
         else:
             try:
                 with _one_process_quiet(no_dist):
-                    dcp.save(self._state(), checkpoint_id=str(tmp), no_dist=no_dist)
+                    dcp.save(self._state(), storage_writer=writer, no_dist=no_dist)
             except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
                 if _interrupted(e):  # the user's second Ctrl-C, not a failed write
                     raise KeyboardInterrupt from e
@@ -325,7 +358,21 @@ class Checkpointer:
             found = list_checkpoints(self.folder)
             step = step_to_load(self.cfg, self.folder, found)
         if step is not None:
-            resumed = self._load_full(found[step])
+            if self.cfg.load_step >= 0 and step != self.cfg.load_step and self.rank == 0:
+                print(f"[checkpoint] load_step = {self.cfg.load_step} was passed: a run with this "
+                      f"load_step went on from step {self.cfg.load_step} to step {step} (this "
+                      f"command, restarted or requeued), so it resumes from step-{step}. To go back "
+                      f"to step {self.cfg.load_step} again, move the later step folders out of "
+                      f"{self.folder}", flush=True)
+            step = self._intact(found, step)
+            try:
+                resumed = self._load_full(found[step])
+            except safe_dcp.DamagedCheckpointError as e:  # no checksums.json (an older save)
+                earlier = sorted(s for s in found if s < step)
+                raise safe_dcp.DamagedCheckpointError(
+                    f"{e}. Resume from an earlier checkpoint: [checkpoint] load_step = "
+                    + (f"one of {earlier}" if earlier else "-1 after moving it out of "
+                       f"{self.folder}")) from e
         elif self.cfg.initial_load_path:
             kind = self._load_model_only(Path(self.cfg.initial_load_path))
             if self.rank == 0:
@@ -335,6 +382,32 @@ class Checkpointer:
         if self.cfg.enable and self.rank == 0:
             self._set_aside_after(resumed.step if resumed else 0)
         return resumed
+
+    def _intact(self, found: dict[int, Path], step: int) -> int:
+        """step, or when a file of it is damaged or missing (its checksums.json says) the latest
+        intact earlier checkpoint, with a warning naming the file; an error naming it when
+        load_step asked for that checkpoint or none is intact. The ranks agree."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        damaged = []
+        # config.toml only lists the config changes since the checkpoint: train.py warns if it
+        # cannot be read, and resumes.
+        while (damage := find_damage(found[step], self.rank, world,
+                                     ignore=("config.toml",))) is not None:
+            earlier = sorted(s for s in found if s < step)
+            if step == self.cfg.load_step:
+                raise ValueError(f"[checkpoint] load_step = {step}: {damage}; set load_step to "
+                                 + (f"an earlier step (have {earlier})" if earlier else "-1"))
+            damaged.append(damage)
+            if not earlier:
+                raise ValueError(f"[checkpoint] no intact checkpoint in {self.folder}: "
+                                 f"{'; '.join(damaged)}. Nothing was moved or deleted; set "
+                                 "[checkpoint] folder or load_step, or remove the damaged folders "
+                                 "to start afresh")
+            if self.rank == 0:
+                warnings.warn(f"[checkpoint] not resuming from {found[step]}: {damage}; falling "
+                              f"back to step-{earlier[-1]}")
+            step = earlier[-1]
+        return step
 
     def _set_aside_after(self, step: int) -> None:
         """Step folders after the one this run starts from belong to another timeline (a rollback
@@ -358,26 +431,36 @@ class Checkpointer:
         state = self._state()
         check_model_shapes(path, state["model"])
         with _one_process_quiet(not dist.is_initialized()):
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            safe_dcp.load(state, path, no_dist=not dist.is_initialized())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        train_state = json.loads((path / "train_state.json").read_text())
-        self.scheduler.load_state_dict(train_state["scheduler"])
+        try:
+            train_state = json.loads((path / "train_state.json").read_text())
+            step, tokens_seen = int(train_state["step"]), int(train_state["tokens_seen"])
+            scheduler = train_state["scheduler"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise safe_dcp.DamagedCheckpointError(
+                f"{path / 'train_state.json'} is damaged ({type(e).__name__}: {e})") from None
+        self.scheduler.load_state_dict(scheduler)
         rank_file = self._rank_file(path)
         if rank_file.is_file():
             try:  # plain data only: unpickling arbitrary objects could run code
                 extra = torch.load(rank_file, weights_only=True)
-            except pickle.UnpicklingError as e:
-                raise ValueError(f"{rank_file} holds objects other than tensors and plain data; "
-                                 "not loading it, since unpickling them could run code (this "
-                                 "trainer never writes such a file)") from e
-            self._load_data_state(extra["data"], train_state["step"])
+            except Exception as e:
+                if safe_dcp.names_a_global(e):
+                    raise safe_dcp.UnsafeCheckpointError(
+                        f"{rank_file} holds objects other than tensors and plain data; not "
+                        "loading it, since unpickling them could run code (this trainer never "
+                        "writes such a file)") from e
+                raise safe_dcp.DamagedCheckpointError(  # not a zip, cut short, garbled
+                    f"{rank_file} is damaged ({type(e).__name__})") from None
+            self._load_data_state(extra["data"], step)
             torch.set_rng_state(extra["rng"])
             if extra["cuda_rng"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(extra["cuda_rng"])
         else:
-            self._load_data_state(None, train_state["step"])
-        return TrainState(train_state["step"], train_state["tokens_seen"])
+            self._load_data_state(None, step)
+        return TrainState(step, tokens_seen)
 
     def _rank_file(self, path: Path) -> Path:
         """The rank file this rank resumes its data from: that of the first saved rank of its
@@ -419,8 +502,7 @@ class Checkpointer:
         model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
         with _one_process_quiet(not dist.is_initialized()):
-            dcp.load({"model": model_sd}, checkpoint_id=str(path),
-                     no_dist=not dist.is_initialized())
+            safe_dcp.load({"model": model_sd}, path, no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
         return "a DCP checkpoint"
 

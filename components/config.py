@@ -444,6 +444,17 @@ def is_config_error(error: BaseException) -> bool:
     return isinstance(error, ConfigError) or getattr(error, "from_config", False)
 
 
+def refusal_line(error: BaseException) -> Optional[str]:
+    """The one line for an error the user caused, shown without a traceback (exit status 2):
+    "config error: ..." for the config, "error: ..." for other refusals (their classes set
+    user_error: a dump folder in use, data that cannot be read); None for anything else."""
+    if is_config_error(error):
+        return "config error: " + " ".join(str(error).split())
+    if getattr(error, "user_error", False):
+        return "error: " + " ".join(str(error).split())
+    return None
+
+
 def _suggest(name: Any, valid, otherwise: Optional[str] = None) -> str:
     """" (did you mean 'x'?)" for the closest valid name; else otherwise, or the list of them."""
     if not valid:
@@ -598,6 +609,11 @@ def check_values(cfg: JobConfig) -> None:
                           "wavelengths), or 0 for the flavor's")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
+    if math.isnan(cfg.training.max_norm):  # every comparison with it is false: no clipping
+        raise ConfigError("[training] max_norm = nan: must be a number (0 or less: no clipping)")
+    if cfg.checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"[checkpoint] keep_latest_k = {cfg.checkpoint.keep_latest_k}: must be "
+                          ">= 0 (0: keep all)")
     _check_mixture(cfg.data)
     for name in cfg.model.converters:
         if cfg.model.converters.count(name) > 1:
@@ -625,7 +641,7 @@ def _check_mixture(data: Data) -> None:
     if data.mixture and data.source != Data.source:
         raise ConfigError(f"[data] source = {data.source!r} and [[data.mixture]] are both set: a mixture "
                           "takes the place of source, set one of them")
-    seen = set()
+    seen = {}
     for i, item in enumerate(data.mixture, 1):
         where = f"[[data.mixture]] #{i}"
         if not item.source:
@@ -634,9 +650,11 @@ def _check_mixture(data: Data) -> None:
             raise ConfigError(f"{where} ({item.source}): weight = {item.weight}: must be > 0")
         if not Path(item.source).expanduser().exists():
             raise ConfigError(f"{where}: source {item.source!r} does not exist")
-        if item.source in seen:
-            raise ConfigError(f"{where}: source {item.source!r} is listed twice")
-        seen.add(item.source)
+        folder = Path(item.source).expanduser().resolve()  # "shards/web" = "./shards/web/"
+        if folder in seen:
+            raise ConfigError(f"{where}: source {item.source!r} is listed twice (as "
+                              f"{seen[folder]!r} too)")
+        seen[folder] = item.source
 
 
 HELP = ("-h", "--help")

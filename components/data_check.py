@@ -40,7 +40,7 @@ Document = tuple[bytes, str, str | None]
 
 
 class BadDocumentError(ValueError):
-    pass
+    user_error = True  # one line and exit status 2 from train.py, no traceback
 
 
 class _NoField(str):
@@ -51,6 +51,8 @@ class _NoField(str):
 class MissingTextField(KeyError, ValueError):
     # A ValueError too: a data mistake, which the trainer's command line shows as one line.
     # KeyError would print its message in quotes, as if it were a key.
+    user_error = True  # one line and exit status 2 from train.py, no traceback
+
     def __str__(self) -> str:
         return str(self.args[0])
 

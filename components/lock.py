@@ -24,15 +24,16 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
 LOCK_FILE = "run.lock"
+_held: set[int] = set()  # the descriptors of the locks this process holds
 
 
 class DumpFolderInUse(RuntimeError):
-    pass
+    user_error = True  # one line and exit status 2 from train.py, no traceback
 
 
 def _holder(fd: int) -> str:
@@ -47,23 +48,33 @@ def _holder(fd: int) -> str:
 def acquire(folder: Path) -> Optional[int]:
     """Lock `folder` for this process; returns the lock's file descriptor (None where the
     filesystem cannot lock). Raises DumpFolderInUse when another process holds it."""
-    import fcntl  # POSIX only, like the rest of the trainer
-
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    return lock_file(path, lambda holder: DumpFolderInUse(
+        f"dump folder {folder} is in use by another run ({holder}; lock file {path}): wait for "
+        "it to end or set another --job.dump_folder"))
+
+
+def lock_file(path: Path, in_use: Callable[[str], Exception]) -> Optional[int]:
+    """flock `path` (created if need be) for this process and write this process's pid, host
+    and start time into it; returns its file descriptor (None where the filesystem cannot lock).
+    Raises in_use(the holder's description) when another process holds it; warns when taking
+    it over from one that ended without releasing it. Processes forked while it is held share
+    the lock: they must close the descriptor (or it outlives this process)."""
+    import fcntl  # POSIX only, like the rest of the trainer
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         time.sleep(0.2)  # a holder that has just started may not have written its details yet
         holder = _holder(fd)
         os.close(fd)
-        raise DumpFolderInUse(f"dump folder {folder} is in use by another run ({holder}; lock "
-                              f"file {path}): wait for it to end or set another --job.dump_folder")
+        raise in_use(holder) from None
     except OSError as e:
         os.close(fd)
         warnings.warn(f"cannot lock {path} ({e.strerror}): this filesystem does not support "
-                      "flock, so nothing stops a second run from using the same dump folder")
+                      "flock, so nothing stops a second process from using the same folder")
         return None
     if os.fstat(fd).st_size:
         warnings.warn(f"taking over {path} from {_holder(fd)}, which ended without releasing it")
@@ -71,11 +82,25 @@ def acquire(folder: Path) -> Optional[int]:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
+    _held.add(fd)
     return fd
+
+
+def close_inherited() -> None:
+    """In a process forked while locks were held: close its copies of their descriptors. An
+    flock belongs to the open file, which a fork shares: without this a worker left alive by a
+    killed parent would keep the lock, and the same command would find it held for ever."""
+    for fd in _held:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
 
 
 def release(fd: Optional[int]) -> None:
     if fd is not None:
+        _held.discard(fd)
         os.ftruncate(fd, 0)  # emptied before unlocking: the next holder finds no stale text
         os.close(fd)
 

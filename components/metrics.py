@@ -12,6 +12,7 @@ MetricsLogger writes, on rank 0 only:
 import datetime
 import json
 import math
+import shutil
 import sys
 import time
 import typing
@@ -295,8 +296,13 @@ class MetricsLogger:
                 self.lowest[key] = (step, value)
         record = {"step": step, "time": now}
         record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()  # a crash right after this loses nothing
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()  # a crash right after this loses nothing
+        except OSError as e:  # a full disk: say which file and how much room is left
+            free = shutil.disk_usage(self.dump_folder).free / 2**30
+            raise OSError(e.errno, f"[metrics] writing {self.jsonl_path} failed ({e.strerror}); "
+                                   f"{free:.1f} GiB free on its filesystem") from None
 
         print(self._stdout_line(step, values, now), file=sys.stdout, flush=True)
         if self._wandb_run is not None:
@@ -322,8 +328,11 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+            jsonl, self._jsonl = self._jsonl, None
+            try:
+                jsonl.close()
+            except OSError:  # the line that could not be written: log() said so already
+                pass
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None

@@ -22,7 +22,8 @@ def _check_range(name: str, value: float, low: float, high: float = math.inf,
     ok = ok and (value > low if low_open else value >= low)
     ok = ok and (value < high if high_open else value <= high)
     if not ok:
-        interval = ("(" if low_open else "[") + f"{low}, {high}" + (")" if high_open else "]")
+        closed = not high_open and math.isfinite(high)  # inf itself is never allowed
+        interval = ("(" if low_open else "[") + f"{low}, {high}" + ("]" if closed else ")")
         raise ValueError(f"{name}={value!r}: must be a finite number in {interval}")
 
 

@@ -40,7 +40,13 @@ class Prefetched:
         # The thread holds the batches, not this object: once this object is gone, it stops.
         self._thread = threading.Thread(target=_produce, args=(self.batches, self._queue, self._stop),
                                         name="data-prefetch", daemon=True)
-        weakref.finalize(self, self._stop.set)
+        # Stopped and joined when this object is collected, and at the latest at interpreter exit
+        # (atexit, before daemon threads are cut off): an error that ends the run without
+        # close() (a failed save) leaves the thread running, and Python 3.11 ends a daemon
+        # thread that wants the GIL back during finalization with pthread_exit; inside a torch
+        # op that unwinds through C++ frames and aborts the process (SIGABRT, "terminate called
+        # without an active exception") after the error was reported.
+        weakref.finalize(self, _stop_and_join, self._stop, self._thread)
         self._thread.start()
 
     def _halt(self) -> None:
@@ -73,6 +79,12 @@ class Prefetched:
     def close(self) -> None:
         self._halt()
         self.batches.close()
+
+
+def _stop_and_join(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread is not threading.current_thread() and thread.ident is not None:
+        thread.join(timeout=60)  # the batch in the making, then it sees stop
 
 
 def _produce(batches, out: queue.Queue, stop: threading.Event) -> None:

@@ -141,7 +141,11 @@ class ShardBatches:
     layout."""
 
     def __init__(self, sources: list[TokenShards], weights: list[float], seq_len: int,
-                 local_batch_size: int, seed: int, dp_rank: int = 0, dp_world: int = 1):
+                 local_batch_size: int, seed: int, dp_rank: int = 0, dp_world: int = 1,
+                 max_token_id: int | None = None):
+        """max_token_id: the model's vocab size; a batch holding an id as large (a shard changed
+        after its index.json was written, which vouches for it) is an error naming the shard,
+        not an index error in the embedding."""
         if seq_len < 1 or local_batch_size < 1:
             raise ValueError(f"seq_len={seq_len}, local_batch_size={local_batch_size}: both must be >= 1")
         if not 0 <= dp_rank < dp_world:
@@ -149,6 +153,7 @@ class ShardBatches:
         if len(sources) != len(weights):
             raise ValueError(f"{len(sources)} sources but {len(weights)} weights")
         self.sources = sources
+        self.max_token_id = max_token_id
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
         self.seed = seed
@@ -212,6 +217,14 @@ class ShardBatches:
         windows = np.empty((self.local_batch_size, self.seq_len + 1), dtype=np.int64)
         for j in range(self.local_batch_size):
             self.sources[source[j]].read(int(start[j]), int(start[j]) + self.seq_len + 1, windows[j])
+        if self.max_token_id is not None and int(windows.max()) >= self.max_token_id:
+            j, k = (int(i) for i in np.argwhere(windows >= self.max_token_id)[0])
+            shards = self.sources[source[j]]
+            raise ShardFormatError(
+                f"{shards.file_at(int(start[j]) + k)}: token id {int(windows[j, k])}, out of range "
+                f"for the model's vocab size {self.max_token_id} (its index.json says at most "
+                f"{shards.index['max_token_id']}): the shard was changed or damaged after it was "
+                "written; prepare the folder again")
         self._global += self.dp_world * self.local_batch_size
         # The next batch's pages are read by the kernel while this one trains.
         next_source, next_start = self._starts(self._rank_windows(self._global))
@@ -273,4 +286,5 @@ def build_shard_batches(*, sources: list[tuple[str, float]], split: str, tokeniz
                                    f"[validation] enable = false")
         shards.append(TokenShards(folder, split, index))
     return ShardBatches(shards, [w for _, w in sources], seq_len, local_batch_size,
-                        seed if split == "train" else VALIDATION_SEED, dp_rank, dp_world)
+                        seed if split == "train" else VALIDATION_SEED, dp_rank, dp_world,
+                        max_token_id)

@@ -26,6 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
+from components import lock
 from components.data_check import NAMED, BadDocumentError, MissingTextField, read_documents
 from components.document_tokens import frame_texts, worker_context
 from components.shards import (FORMAT, INDEX, PLAN, SPLITS, VERSION, ShardFormatError, ShardWriter,
@@ -61,9 +62,12 @@ def held_out(text: str, val_every: int) -> bool:
 
 # ----------------------------------------------------------------------------- planning
 
-def local_files(sources: list[str]) -> list[Path]:
-    """Files, folders (their .jsonl/.json/.parquet/.txt files, hidden ones left out) and globs."""
+def local_files(sources: list[str], out: Path | None = None) -> list[Path]:
+    """Files, folders (their .jsonl/.json/.parquet/.txt files, hidden ones left out) and globs;
+    nothing inside `out`, the shard folder being written (its .json files are not sources, even
+    when it sits in a source folder)."""
     files = []
+    out = Path(out).expanduser().resolve() if out is not None else None
     for source in sources:
         expanded = os.path.expanduser(source)
         matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [expanded]
@@ -79,8 +83,10 @@ def local_files(sources: list[str]) -> list[Path]:
             elif not glob.has_magic(expanded):
                 raise PrepareError(f"--source {source}: unsupported file type {match.suffix!r}; expected "
                                    f"one of {', '.join(SUFFIXES)}")
+        found = [p for p in found if out is None or not p.resolve().is_relative_to(out)]
         if not found:
-            raise PrepareError(f"--source {source}: no {'/'.join(SUFFIXES)} files there")
+            raise PrepareError(f"--source {source}: no {'/'.join(SUFFIXES)} files there"
+                               + (f" (outside --out {out})" if out is not None else ""))
         files += found
     return sorted(set(p.resolve() for p in files))
 
@@ -143,7 +149,22 @@ _job: dict = {}
 
 
 def _start_job(job: dict) -> None:
+    lock.close_inherited()  # a forked worker must not hold prepare.lock
+    _die_with(job["parent"])
     _job.update(job)
+
+
+def _die_with(parent: int) -> None:
+    """A worker ends when the main process does, even killed with kill -9 (else it would tokenize
+    on, writing into the folder, under PID 1): on Linux the kernel sends SIGKILL when the parent
+    dies; prepare_unit also checks between batches."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before prctl
+        os._exit(1)
 
 
 def usable_cpus() -> int:
@@ -200,9 +221,14 @@ def _parquet_documents(path: Path, text_field: str, first_group: int, stop_group
 
 def _fault_point(unit: str) -> None:
     """Test-only: FLCE_TEST_PREPARE_KILL=<unit> kills the whole run (its process group) while that
-    unit is half written, as a kill -9 or a lost node would."""
+    unit is half written, as a kill -9 or a lost node would; FLCE_TEST_PREPARE_STALL=<unit> makes
+    the worker hang there (for a test to kill the main process under it)."""
     if os.environ.get("FLCE_TEST_PREPARE_KILL") == unit:
         os.killpg(os.getpgid(0), signal.SIGKILL)
+    if os.environ.get("FLCE_TEST_PREPARE_STALL") == unit:
+        time.sleep(120)
+    if _job.get("parent") not in (None, os.getppid()):  # the main process died (no PDEATHSIG)
+        os._exit(1)
 
 
 def prepare_unit(unit: Unit) -> dict:
@@ -353,19 +379,17 @@ def _clean_leftovers(out: Path) -> None:
 
 @contextlib.contextmanager
 def _locked(out: Path):
-    import fcntl
-
+    """One run per folder: prepare.lock names its holder; a killed holder's lock (its workers die
+    with it and never hold it) is taken over with a warning naming it."""
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / "prepare.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise PrepareError(f"{out} is being written by another prepare_data.py run") from None
+    path = out / "prepare.lock"
+    fd = lock.lock_file(path, lambda holder: PrepareError(
+        f"{out} is being written by another prepare_data.py run ({holder}; lock file {path}): "
+        "wait for it to end or write to another --out"))
     try:
         yield
     finally:
-        os.close(fd)
+        lock.release(fd)
 
 
 def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: int, files: dict | None = None,
@@ -377,8 +401,12 @@ def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: in
         done = {p.stem for p in (out / UNITS).glob("*.json")}
         todo = [u for u in units if u.name not in done]
         if not todo and (out / INDEX).is_file():
-            log(f"{out}: complete already, nothing to do")
-            return json.loads((out / INDEX).read_text())
+            try:
+                index = json.loads((out / INDEX).read_text())
+                log(f"{out}: complete already, nothing to do")
+                return index
+            except ValueError:  # damaged: written again from the units below
+                log(f"{out / INDEX} is damaged: writing it again from the finished units")
         if todo:
             log(f"{out}: {len(todo)} of {len(units)} units to tokenize with {min(workers, len(todo))} "
                 f"worker process(es)" + (f" ({len(units) - len(todo)} done before)" if done else ""))
@@ -392,7 +420,7 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
     context = worker_context()
     progress, tokens = context.Value("q", 0), context.Value("q", 0)
     job = dict(out=out, settings=settings, tokenizer=tokenizer, dataset=dataset, progress=progress,
-               progress_tokens=tokens)
+               progress_tokens=tokens, parent=os.getpid())
     bar = None
     if progress_bar:
         from tqdm import tqdm

@@ -42,7 +42,7 @@ SPLITS = ("train", "validation")
 
 
 class ShardFormatError(ValueError):
-    pass
+    user_error = True  # one line and exit status 2 from train.py, no traceback
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -62,10 +62,22 @@ def read_index(folder: str | Path) -> dict:
                                    f"scripts.prepare_data again with the same arguments to finish them")
         raise ShardFormatError(f"{folder}: not a token shard folder (no {INDEX}); make one with "
                                f"scripts.prepare_data")
-    index = json.loads((folder / INDEX).read_text())
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        index.get("format")
+    except (ValueError, AttributeError) as e:  # cut short, or not JSON at all
+        raise ShardFormatError(f"{folder / INDEX}: damaged, not a token shard index ({e}); "
+                               f"prepare the folder again (scripts.prepare_data with the same "
+                               f"arguments rewrites it)") from None
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ShardFormatError(f"{folder}/{INDEX}: format {index.get('format')!r} version "
                                f"{index.get('version')!r}; this trainer reads {FORMAT!r} version {VERSION}")
+    for split in index.get("splits", {}).values():  # (a shard may be a link to another disk)
+        for shard in split.get("shards", []):
+            file = str(shard.get("file", ""))
+            if Path(file).is_absolute() or ".." in Path(file).parts:
+                raise ShardFormatError(f"{folder}/{INDEX}: names shard {file!r}, outside the folder; "
+                                       "not reading it")
     return index
 
 
@@ -171,6 +183,11 @@ class TokenShards:
         self.starts = np.cumsum([0] + [a.size for a in self._arrays], dtype=np.int64)
         self.tokens = int(self.starts[-1])
         self.documents = sum(s["documents"] for s in shards)
+
+    def file_at(self, position: int) -> Path:
+        """The shard file holding token `position` of the stream."""
+        shards = [s for s in self.index["splits"][self.split]["shards"] if s["tokens"]]
+        return self.folder / shards[int(np.searchsorted(self.starts, position, side="right")) - 1]["file"]
 
     def read(self, start: int, stop: int, out: np.ndarray) -> None:
         """Tokens [start, stop) of the stream into out (any integer dtype)."""

@@ -3,8 +3,20 @@
 import os
 import signal
 
-import torch
-import torch.distributed as dist
+# Imported before torch by train.py, so that remember_stop_signals() comes first: torch is
+# imported where it is used.
+_early: list[str] = []  # stop signals received before a StopRequest was entered
+
+
+def remember_stop_signals() -> None:
+    """train.py calls this before its imports (seconds, and more before the loop starts): a
+    SIGTERM or SIGUSR1 then (SLURM's warning, a requeue) is remembered and taken over by the
+    StopRequest, instead of killing the process before it could save (-15, or a torchrun
+    ChildFailedError)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: _early.append(signal.Signals(signum).name))
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # from torchrun (scripts/lib/torchrun.sh)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C aborts the imports
 
 
 class StopRequest:
@@ -23,6 +35,9 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
+        if _early:  # after the handlers are set: no signal falls in between
+            self.signal_name = _early[-1]
+            _early.clear()  # taken over once
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -42,6 +57,9 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
 
     def agreed(self, device) -> bool:
+        import torch
+        import torch.distributed as dist
+
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.signal_name is not None
         flag = torch.tensor(float(self.signal_name is not None), device=device)

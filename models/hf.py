@@ -252,14 +252,21 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
 
 def read_safetensors(folder: str | os.PathLike) -> dict[str, Tensor]:
     """Every tensor of a folder's model.safetensors, or of the shards its index names."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
     if (folder / INDEX).is_file():
-        weight_map = json.loads((folder / INDEX).read_text()).get("weight_map")
+        try:
+            weight_map = json.loads((folder / INDEX).read_text()).get("weight_map")
+        except (ValueError, AttributeError) as e:  # cut short, not JSON, or not an object
+            raise ValueError(f"{folder / INDEX}: damaged, not a safetensors index ({e})") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{folder / INDEX}: no weight_map")
         files = sorted(set(weight_map.values()))
+        for name in files:  # file names in the folder: an index must not reach outside it
+            if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
+                raise ValueError(f"{folder / INDEX}: names {name!r}, not a file name in the "
+                                 "folder; not reading outside it")
     elif (folder / SINGLE_FILE).is_file():
         files = [SINGLE_FILE]
     else:
@@ -268,9 +275,14 @@ def read_safetensors(folder: str | os.PathLike) -> dict[str, Tensor]:
     for name in files:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder}: {INDEX} names {name}, which is missing")
-        with safe_open(folder / name, framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(folder / name, framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except SafetensorError as e:  # "header too large", "incomplete metadata", ...
+            raise ValueError(f"{folder / name}: damaged, not a readable safetensors file ({e}); "
+                             "write the folder again (scripts/export_hf.py) or take another "
+                             "copy") from None
     return tensors
 
 

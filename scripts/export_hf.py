@@ -16,7 +16,8 @@ it), or for the built-in byte tokenizer an equivalent tokenizer.json, framing te
 did (bos first, in transformers too). The q/k rows
 are permuted for transformers' RoPE layout (models/hf.py); the exported model gives the same
 logits (tests/test_export_hf.py). A run with [loss] logit_scale or softcap is refused:
-LlamaForCausalLM has neither.
+LlamaForCausalLM has neither. export_hf.json marks the folder as this tool's (the checkpoint it
+came from, when): --overwrite replaces only such a folder, or an empty one.
 
 Python: `export(state_dict, args, out_dir, dtype, ...)`; scripts/lib/checkpoints.py reads the
 checkpoints.
@@ -30,6 +31,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root (models) is not importable
@@ -45,6 +47,8 @@ from models import hf  # noqa: E402
 from scripts.lib import checkpoints  # noqa: E402
 
 DTYPES = hf.DTYPES
+# Written into every exported folder: --overwrite replaces only folders holding it.
+MARKER = "export_hf.json"
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -162,12 +166,14 @@ def export(state_dict: dict[str, Tensor], args: LlamaArgs, out_dir: str | os.Pat
            dtype: torch.dtype | str = torch.bfloat16, *, bos_token_id: int | None = None,
            eos_token_id: int | None = None, overwrite: bool = False,
            extra_files: dict[str, bytes] | None = None,
-           max_shard_bytes: int = 5 * 2**30) -> Path:
+           max_shard_bytes: int = 5 * 2**30, source: str | None = None) -> Path:
     """Write `state_dict` (Llama names; a `model.` prefix is dropped) as a Hugging Face folder,
     with extra_files (name -> content, e.g. tokenizer_files()) beside the weights.
 
     The folder is written next to out_dir under a temporary name and renamed into place, so
-    out_dir is either complete or absent (or, with overwrite, the old one). Raises ValueError
+    out_dir is either complete or absent (or, with overwrite, the old one). It gets MARKER
+    (naming `source`, the checkpoint): overwrite replaces only an empty folder or one holding
+    it, an earlier export, and raises FileExistsError for anything else. Raises ValueError
     when the state dict does not fit `args` (missing, unexpected or misshapen keys).
     """
     if isinstance(dtype, str):
@@ -181,10 +187,7 @@ def export(state_dict: dict[str, Tensor], args: LlamaArgs, out_dir: str | os.Pat
     _check(state, args)
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        if not out_dir.is_dir() or any(out_dir.iterdir()):
-            raise FileExistsError(f"output {str(out_dir)!r} already exists (pass overwrite=True / "
-                                  "--overwrite to replace it)")
+    _check_replaceable(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -193,8 +196,10 @@ def export(state_dict: dict[str, Tensor], args: LlamaArgs, out_dir: str | os.Pat
                                     tmp, max_shard_bytes)
         del tensors
         generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+        marker = {"written_by": "scripts/export_hf.py", "source": source,
+                  "created": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         files = {"generation_config.json": (json.dumps(generation, indent=2) + "\n").encode(),
-                 **(extra_files or {})}
+                 **(extra_files or {}), MARKER: (json.dumps(marker, indent=2) + "\n").encode()}
         for name, content in files.items():
             (tmp / name).write_bytes(content)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, and safetensors its files 0600
@@ -211,6 +216,28 @@ def export(state_dict: dict[str, Tensor], args: LlamaArgs, out_dir: str | os.Pat
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
+    """out_dir may be written when it is absent or empty, and replaced (overwrite) only when it
+    is an earlier export: --out naming a run's dump folder or another checkpoint by mistake must
+    not delete it."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir() or out_dir.is_symlink():
+        raise FileExistsError(f"output {str(out_dir)!r} exists and is not a folder: not replacing "
+                              "it; pick another --out")
+    held = sorted(p.name for p in out_dir.iterdir())
+    if not held:
+        return
+    if not overwrite:
+        raise FileExistsError(f"output {str(out_dir)!r} already exists (pass overwrite=True / "
+                              "--overwrite to replace it)")
+    if MARKER not in held:
+        shown = ", ".join(held[:8]) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
+        raise FileExistsError(f"output {str(out_dir)!r} holds {shown}, and no {MARKER}: not "
+                              "written by this tool, so --overwrite does not replace it; remove it "
+                              "yourself or pick another --out")
 
 
 def _full_cpu(value: Tensor, dtype: torch.dtype) -> Tensor:
@@ -255,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="bos_token_id for config.json (default: the tokenizer's)")
     parser.add_argument("--eos-id", type=int, default=None,
                         help="eos_token_id for config.json (default: the tokenizer's)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--overwrite", action="store_true",
+                        help=f"replace an existing --out: an earlier export (it holds {MARKER}) "
+                             "or an empty folder, nothing else")
     opts = parser.parse_args(argv)
 
     try:
@@ -265,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             # --overwrite would replace it: the run's checkpoints (or whole dump folder) gone
             raise ValueError(f"--out {opts.out} holds the checkpoint being exported "
                              f"({folder}): write the folder elsewhere")
+        _check_replaceable(out, opts.overwrite)  # before reading the checkpoint, maybe for long
         cfg = checkpoints.run_config(folder) if folder.is_dir() else None
         if opts.flavor:
             args = FLAVORS[opts.flavor]
@@ -294,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         state = checkpoints.load_model_state(folder)
         out = export(state, args, opts.out, opts.dtype, bos_token_id=bos, eos_token_id=eos,
                      overwrite=opts.overwrite, extra_files=extra,
-                     max_shard_bytes=parse_size(opts.max_shard_size))
+                     max_shard_bytes=parse_size(opts.max_shard_size), source=str(folder))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 1

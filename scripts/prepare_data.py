@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         unit_bytes = int(args.unit_mb * 2**20)
         dataset, files = None, None
         if args.source:
-            paths = local_files(args.source)
+            paths = local_files(args.source, out=args.out)
             files = listing(paths)
             units = [u for number, path in enumerate(paths) for u in file_units(number, path, unit_bytes)]
             source = {"files": files}

@@ -5,6 +5,7 @@ tests/test_faults.py kills saves at precise points."""
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -168,6 +169,34 @@ def test_preemption_signal_saves_and_resumes(tmp_path, sig):
     assert code == 0 and max(losses(dump)) == stopped_at + 2
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt")).split()[1], 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_during_the_imports_is_kept(tmp_path, sig):
+    """SLURM's warning (or a requeue's SIGTERM) may come while the trainer is still importing
+    torch (seconds): it stops after the first step with a checkpoint and exit 0, so a requeued
+    job resumes, instead of dying with -15 (under torchrun: a ChildFailedError)."""
+    dump = tmp_path / "run"
+    proc = _spawn(dump, "--training.steps", "100000", "--checkpoint.interval", "100000")
+    started = time.time()
+    # train.py catches the signal from its first lines on; the old one only after its imports
+    # (about 3 s here): 1 s in, it was importing
+    while not _catches(proc.pid, sig) and time.time() < started + 1:
+        time.sleep(0.005)
+    assert not (dump / "metrics.jsonl").exists()  # the loop has not begun
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert f"received {sig.name}: stopped after step 1, checkpoint in {dump}/checkpoint/step-1" in out
+    assert sorted(list_checkpoints(dump / "checkpoint")) == [1]
+
+
 @pytest.mark.slow
 def test_kill_9_during_saves_leaves_loadable_checkpoints(tmp_path):
     dump = tmp_path / "run"
@@ -222,13 +251,70 @@ def test_a_planted_pickle_in_a_rank_file_is_not_run(tmp_path):
         isinstance(v, int) for v in genuine["data"].values())
     marker = tmp_path / "code-ran"
     torch.save({**genuine, "data": _TouchesAFile(marker)}, rank_file)
+    _rewrite_manifest(rank_file.parent)  # as a planter would
     with pytest.raises(ValueError, match=r"rank-0.pt holds objects other than tensors and plain "
                                          r"data; not loading it"):
         train.main(BASE + ["--training.steps", "6", "--job.dump_folder", str(dump)])
     assert not marker.exists()
     torch.save(genuine, rank_file)  # the genuine file resumes
+    _rewrite_manifest(rank_file.parent)
     assert train.main(BASE + ["--training.steps", "6", "--job.dump_folder", str(dump)]) == 0
     assert max(losses(dump)) == 6
+
+
+def test_a_planted_pickle_in_dcp_files_is_not_run(tmp_path):
+    """DCP pickles its .metadata and a state dict's non-tensor entries (the optimizer's
+    param_groups): planted ones are refused, by the trainer and by the scripts' reader, before
+    they run anything; the genuine files still load."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from scripts.lib.checkpoints import load_model_state
+
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "4", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    step = dump / "checkpoint" / "step-4"
+    marker = tmp_path / "code-ran"
+    resume = BASE + ["--training.steps", "6", "--job.dump_folder", str(dump)]
+
+    genuine = (step / ".metadata").read_bytes()
+    (step / ".metadata").write_bytes(pickle.dumps(_TouchesAFile(marker)))
+    _rewrite_manifest(step)  # as a planter would: the checksums are against damage, not intent
+    refused = r"\.metadata names pathlib\.Path\.touch, which is not one of DCP's metadata classes"
+    with pytest.raises(ValueError, match=refused):
+        train.main(resume)
+    with pytest.raises(ValueError, match=refused):
+        load_model_state(step)
+    assert not marker.exists()
+    (step / ".metadata").write_bytes(genuine)
+    _rewrite_manifest(step)
+
+    full = tmp_path / "full.pt"
+    dcp_to_torch_save(step, full)
+    state = torch.load(full, weights_only=False)  # the test's own file
+    saved_files = {p.name: p.read_bytes() for p in step.iterdir() if p.name.endswith(".distcp")}
+    state["optimizer"]["param_groups"][0]["weight_decay"] = _TouchesAFile(marker)
+    for name in saved_files:
+        (step / name).unlink()
+    torch.distributed.checkpoint.save(state, checkpoint_id=str(step), no_dist=True)
+    _rewrite_manifest(step)
+    with pytest.raises(ValueError, match=r"entry optimizer\.param_groups\.0\.weight_decay of the "
+                                         r"checkpoint holds objects other than plain data"):
+        train.main(resume)
+    assert not marker.exists()
+    assert set(load_model_state(step)) and not marker.exists()  # reads the model's tensors only
+    for name, data in saved_files.items():
+        (step / name).write_bytes(data)
+    (step / ".metadata").write_bytes(genuine)
+    _rewrite_manifest(step)
+    assert train.main(resume) == 0 and max(losses(dump)) == 6
+
+
+def _rewrite_manifest(step: Path) -> None:
+    """The checksums of the files now in `step`, as someone planting files would write them."""
+    from components.checkpoint_manifest import write_manifest
+
+    write_manifest(step)
 
 
 @pytest.mark.slow
@@ -251,6 +337,27 @@ def test_rollback_sets_later_checkpoints_aside_and_keeps_what_it_writes(tmp_path
     assert train.main(BASE + ["--training.steps", "7", *every_3]) == 0
     steps = [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
     assert steps[-3:] == [5, 6, 7]
+
+
+def test_a_kept_load_step_resumes_from_the_latest_once_passed(tmp_path, capsys):
+    """A requeued job keeps its command line: with --checkpoint.load_step 2 kept, the second run
+    resumes where the first (which went back to step 2) stopped, saying so, instead of going
+    back to step 2 again (and setting its checkpoints aside) for ever."""
+    dump = tmp_path / "run"
+    every_2 = ["--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
+    assert train.main(BASE + ["--training.steps", "6", *every_2]) == 0
+    rollback = BASE + ["--training.steps", "5", "--checkpoint.load_step", "2", *every_2]
+    with pytest.warns(UserWarning, match="continues from step 2: moved the later checkpoint"):
+        assert train.main(rollback) == 0  # saves step-4 and step-5 of the new timeline
+    capsys.readouterr()
+    assert train.main(rollback) == 0  # the same command, requeued
+    out = capsys.readouterr().out
+    assert ("[checkpoint] load_step = 2 was passed: a run with this load_step went on from step 2 "
+            "to step 5") in out and f"resumed from {dump}/checkpoint/step-5" in out, out
+    steps = [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 3, 4, 5]  # nothing trained twice
+    assert sorted(list_checkpoints(dump / "checkpoint")) == [2, 4, 5]
+    assert len([p for p in (dump / "checkpoint").iterdir() if p.name.startswith("superseded-")]) == 1
 
 
 @pytest.mark.slow

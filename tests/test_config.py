@@ -279,6 +279,10 @@ def test_a_config_error_is_one_line_and_exit_status_2():
                                "'torch_chunked' (did you mean 'unfused'?)"),
     (["--config", "{bad}"], "config error: {bad}: invalid TOML: Expected ']' at the end of a table "
                             "declaration (at line 1, column 10)"),
+    (["--training.max_norm", "nan"],  # was silently no clipping
+     "config error: [training] max_norm = nan: must be a number (0 or less: no clipping)"),
+    (["--checkpoint.keep_latest_k", "-1"],
+     "config error: [checkpoint] keep_latest_k = -1: must be >= 0 (0: keep all)"),
 ])
 def test_config_errors_from_the_command_line(tmp_path, monkeypatch, capsys, argv, message):
     """train.main() raises ConfigError (tests and other callers catch it); the command line
@@ -293,6 +297,44 @@ def test_config_errors_from_the_command_line(tmp_path, monkeypatch, capsys, argv
     assert train.command_line() == 2
     out = capsys.readouterr()
     assert out.err == message.format(bad=bad) + "\n" and out.out == ""
+
+
+def _refusal(tmp_path, monkeypatch, capsys, *argv) -> str:
+    """train.py's command line with argv: exit status 2 and one stderr line, returned."""
+    import train
+    monkeypatch.setattr("sys.argv", ["train.py", "--config", str(ROOT / "configs/debug.toml"),
+                                     "--training.device", "cpu", "--loss.impl", "unfused",
+                                     "--job.dump_folder", str(tmp_path / "run"), *argv])
+    assert train.command_line() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.rstrip("\n")
+
+
+def test_refusals_the_user_causes_are_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys):
+    """Not only config keys: a dump folder in use (a traceback of ~25 lines before), a data source
+    that cannot be read, an lr of inf (whose message offered "(0.0, inf]"), one mixture folder
+    spelt twice."""
+    import os
+    import socket
+
+    from components.lock import acquire, release
+
+    held = acquire(tmp_path / "run")
+    try:
+        assert _refusal(tmp_path, monkeypatch, capsys).startswith(
+            f"error: dump folder {tmp_path / 'run'} is in use by another run (pid {os.getpid()} on "
+            f"{socket.gethostname()}, started ")
+    finally:
+        release(held)
+    assert _refusal(tmp_path, monkeypatch, capsys, "--data.source", str(tmp_path / "nowhere")) == (
+        f"config error: data source not found: {tmp_path / 'nowhere'}")
+    assert _refusal(tmp_path, monkeypatch, capsys, "--optimizer.lr", "inf") == (
+        "config error: [optimizer] lr=inf: must be a finite number in (0.0, inf)")
+    (tmp_path / "web").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert _refusal(tmp_path, monkeypatch, capsys, "--data.mixture", "web:0.5,./web/:0.5") == (
+        "config error: [[data.mixture]] #2: source './web/' is listed twice (as 'web' too)")
 
 
 def test_docs_config_md_is_current():

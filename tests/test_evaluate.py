@@ -129,6 +129,44 @@ def test_evaluate_script_reproduces_the_runs_validation(run, tmp_path, capsys):
     assert "Hugging Face folder: pass --source" in capsys.readouterr().err
 
 
+def _other_tokenizer(path, vocab_size: int) -> Path:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["other words " * 20, "entirely different text"],
+                                  trainers.BpeTrainer(vocab_size=vocab_size,
+                                                      special_tokens=["<s>", "</s>"],
+                                                      show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path))
+    return path
+
+
+def test_another_vocabulary_than_the_runs_is_refused(run, tmp_path, capsys):
+    """generate/evaluate --tokenizer with another vocabulary gave garbage without a word: the
+    checkpoint records its run's tokenizer, and another one is refused with the two sizes (or,
+    of the same size, as other tokens); the run's own tokenizer file is accepted."""
+    generate, evaluate = load_script("generate"), load_script("evaluate")
+    checkpoint = str(run["dump"] / "checkpoint")
+    smaller = _other_tokenizer(tmp_path / "smaller.json", 300)
+    same_size = tmp_path / "same.json"  # the run's with two tokens' ids swapped
+    spec = json.loads(run["tokenizer"].path.read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    same_size.write_text(json.dumps(spec))
+    assert HFTokenizer(same_size).vocab_size == run["tokenizer"].vocab_size
+    for script, extra in ((generate, ["--prompt", "def", "--max-new-tokens", "2"]), (evaluate, [])):
+        assert script.main(["--checkpoint", checkpoint, "--tokenizer", str(smaller), *extra]) == 1
+        err = capsys.readouterr().err
+        assert (f"the tokenizer {smaller} has {HFTokenizer(smaller).vocab_size} ids, the run's "
+                f"tokenizer had {run['tokenizer'].vocab_size}: the model's ids would mean other "
+                "tokens") in err, err
+    assert generate.main(["--checkpoint", checkpoint, "--tokenizer", str(same_size), "--prompt",
+                          "def", "--max-new-tokens", "2"]) == 1
+    assert "but other tokens or bos/eos ids" in capsys.readouterr().err
+    assert generate.main(["--checkpoint", checkpoint, "--tokenizer", str(run["tokenizer"].path),
+                          "--prompt", "def", "--max-new-tokens", "2"]) == 0
+
+
 @pytest.mark.slow
 def test_evaluate_reproduces_a_two_rank_runs_validation(tmp_path, capsys):
     """Each data-parallel rank validates its own share of the documents: evaluating rank 0's

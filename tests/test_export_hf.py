@@ -281,10 +281,30 @@ def test_existing_output_is_kept_unless_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_hf.export(state, DEBUG, out)
     assert (out / "old.txt").exists()
-    export_hf.export(state, DEBUG, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
-                                                     "model.safetensors"]
+    (out / "old.txt").unlink()
+    export_hf.export(state, DEBUG, out, overwrite=True)  # an empty folder
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export_hf.json",
+                                                     "generation_config.json", "model.safetensors"]
+    export_hf.export(state, DEBUG, out, overwrite=True)  # an earlier export
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temp or old folders left
+
+
+def test_overwrite_replaces_only_an_earlier_export(tmp_path, capsys):
+    """--out naming another run's dump folder, or another checkpoint: --overwrite refuses,
+    naming what is there, and leaves it as it was."""
+    state = _debug_state()
+    torch.save(state, tmp_path / "state.pt")
+    other_run = tmp_path / "other-run"
+    (other_run / "checkpoint" / "step-2").mkdir(parents=True)
+    (other_run / "metrics.jsonl").write_text("{}\n")
+    for out in (other_run, other_run / "checkpoint"):
+        assert export_hf.main(["--checkpoint", str(tmp_path / "state.pt"), "--flavor", "debug",
+                               "--out", str(out), "--overwrite"]) == 1
+        err = capsys.readouterr().err
+        assert f"output {str(out)!r} holds " in err and "no export_hf.json" in err, err
+        assert err.count("\n") == 1, err  # one line, before the checkpoint is read
+    assert (other_run / "metrics.jsonl").is_file() and (other_run / "checkpoint/step-2").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-run", "state.pt"]
 
 
 # ------------------------------------------------------------------------ a trainer's checkpoint
@@ -482,3 +502,46 @@ def test_shard_size_parsing():
     assert export_hf.parse_size("1000") == 1000
     with pytest.raises(ValueError, match="expected e.g. 5GB"):
         export_hf.parse_size("lots")
+
+
+def test_damaged_files_name_themselves(tmp_path, capsys):
+    """A checkpoint weight file overwritten after the save (its checksums.json says so), a
+    safetensors file whose header is garbage ("header too large"), a shard index cut short:
+    each is an error naming the file, not a bare library error or silently wrong weights."""
+    folder = _train(tmp_path / "run")
+    distcp = folder / "step-2" / "__0_0.distcp"
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 256] = bytes(256)
+    distcp.write_bytes(bytes(data))
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert f"export_hf: error: {distcp} does not match its checksum: damaged" in err, err
+    assert not (tmp_path / "hf").exists()
+
+    state = _debug_state()
+    export_hf.export(state, DEBUG, tmp_path / "one", dtype="float32")
+    weights = tmp_path / "one" / "model.safetensors"
+    weights.write_bytes((10**12).to_bytes(8, "little") + weights.read_bytes()[8:])
+    with pytest.raises(ValueError, match=rf"{weights}: damaged, not a readable safetensors file "
+                                         r"\(Error while deserializing header: header too large\)"):
+        hf.load_hf_weights(tmp_path / "one", DEBUG)
+    export_hf.export(state, DEBUG, tmp_path / "shards", dtype="float32", max_shard_bytes=10**6)
+    index = tmp_path / "shards" / hf.INDEX
+    index.write_text(index.read_text()[:100])
+    with pytest.raises(ValueError, match=rf"{index}: damaged, not a safetensors index"):
+        hf.load_hf_weights(tmp_path / "shards", DEBUG)
+
+
+def test_an_index_naming_files_outside_its_folder_is_refused(tmp_path):
+    """model.safetensors.index.json naming ../ read a file outside the folder."""
+    export_hf.export(_debug_state(), DEBUG, tmp_path / "hf", dtype="float32", max_shard_bytes=10**6)
+    index = tmp_path / "hf" / hf.INDEX
+    spec = json.loads(index.read_text())
+    first = sorted(set(spec["weight_map"].values()))[0]
+    (tmp_path / "hf" / first).rename(tmp_path / "outside.safetensors")
+    spec["weight_map"] = {k: "../outside.safetensors" if v == first else v
+                          for k, v in spec["weight_map"].items()}
+    index.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=rf"{index}: names '\.\./outside\.safetensors', not a "
+                                         r"file name in the folder; not reading outside it"):
+        hf.load_hf_weights(tmp_path / "hf", DEBUG)

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -57,6 +58,18 @@ def test_a_fresh_run_sets_an_earlier_runs_jsonl_aside(tmp_path, capsys):
     assert re.fullmatch(r"metrics\.\d{8}-\d{6}(-2)?\.jsonl", earlier[1].name)
     out = capsys.readouterr().out
     assert out.count("held an earlier run's metrics: renamed it metrics.") == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_names_the_metrics_file_and_the_free_space(tmp_path):
+    """Writing metrics.jsonl on a full disk (here /dev/full, where every write fails with
+    ENOSPC) was a bare OSError from metrics.py."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    metrics = MetricsLogger(tmp_path, rank=0, total_steps=10)
+    with pytest.raises(OSError, match=rf"\[metrics\] writing {tmp_path}/metrics.jsonl failed "
+                                      r"\(No space left on device\); \d+\.\d GiB free"):
+        metrics.log(1, {"loss": 2.0})
+    metrics.close()
 
 
 def test_summary_values_are_the_last_and_lowest(tmp_path):

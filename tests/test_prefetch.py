@@ -1,9 +1,14 @@
 """The background thread that makes batches ahead: the state is that of the last batch taken (a
 checkpoint resumes where training is, not where the thread is), errors reach the training loop,
-and loading a state or closing stops the thread."""
+and loading a state or closing stops the thread, as does the end of the process when an error
+ends the run without close()."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +58,39 @@ def test_errors_reach_the_training_loop_and_close_stops_the_thread():
     assert len(set(threading.enumerate()) - threads) == 1
     working.close()
     assert set(threading.enumerate()) - threads == set()
+
+
+# A run that ends with an error (a failed save) and so never closes its batches, while the thread
+# is making one in torch ops that release the GIL.
+ENDS_WITH_AN_ERROR = """
+import torch
+from components.prefetch import Prefetched
+
+class Busy:
+    def __init__(self):
+        self.a = torch.randn(256, 256)
+    def state_dict(self):
+        return {}
+    def __next__(self):
+        for _ in range(200):
+            self.a = (self.a @ self.a).tanh()
+        return self.a
+
+batches = Prefetched(Busy())
+next(batches)
+raise RuntimeError("writing step-4 failed")
+"""
+
+
+@pytest.mark.slow
+def test_an_error_that_ends_the_run_does_not_abort_the_process_on_exit():
+    """The thread is stopped and joined at exit: Python 3.11 ended the daemon thread inside a
+    torch op with pthread_exit during finalization, which aborted the process (SIGABRT,
+    "terminate called without an active exception") after the error had been reported."""
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", ENDS_WITH_AN_ERROR], cwd=root, text=True,
+                              capture_output=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert proc.stderr.rstrip().endswith("RuntimeError: writing step-4 failed"), proc.stderr

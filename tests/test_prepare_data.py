@@ -2,6 +2,7 @@
 hash; parallel and resumable after a kill with the same result; other tokenizers and settings
 refused; bad documents named or skipped; Hugging Face datasets read whole or streamed."""
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -9,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -222,6 +224,19 @@ def test_sources_that_are_not_there_are_named(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_an_out_folder_inside_a_source_folder_is_not_read_as_a_source(tmp_path, rng, capsys):
+    """--out inside a --source folder: its own prepare.json, units/*.json and index.json are not
+    sources on the next run (the re-run refused 'source files: 1 -> 10' before)."""
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", random_texts(rng, 40))
+    args = ["--source", tmp_path / "corpus", "--tokenizer", "byte", "--out", tmp_path / "corpus" / "shards",
+            "--workers", 1, *SMALL_UNITS]
+    assert prepare(*args) == 0
+    assert prepare(*args) == 0, capsys.readouterr().err
+    assert "complete already, nothing to do" in capsys.readouterr().out
+    assert list(read_index(tmp_path / "corpus" / "shards")["source"]["files"]) == [
+        str((tmp_path / "corpus" / "a.jsonl").resolve())]
+
+
 def test_the_progress_bar_counts_bytes_in_binary_units(tmp_path, rng, capsys):
     """The bar's unit_scale/unit_divisor once sat inside a comment: it counted raw bytes."""
     write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 80))
@@ -247,3 +262,77 @@ def test_spawned_workers_make_the_same_shards(tmp_path, rng, monkeypatch):
                                      for p in (tmp_path / "spawned").rglob("*.npy"))
     for name in files:
         assert (tmp_path / "forked" / name).read_bytes() == (tmp_path / "spawned" / name).read_bytes()
+
+
+def _alive_children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_kill_9_of_the_main_process_ends_its_workers_and_frees_the_folder(tmp_path, rng, capsys):
+    """The workers of a run whose main process is killed with kill -9 die with it (they lived on
+    under PID 1, holding prepare.lock: the same command failed for ever, naming no one). While
+    the run lives a second one is refused naming its pid; once it is dead the same command takes
+    the lock over, saying from whom, and finishes."""
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", random_texts(rng, 60))
+    out = tmp_path / "shards"
+    args = ["--source", tmp_path / "corpus", "--tokenizer", "byte", "--out", out, "--workers", 2,
+            *SMALL_UNITS]
+    run = subprocess.Popen([sys.executable, "-m", "scripts.prepare_data", *map(str, args)], cwd=ROOT,
+                           env={**os.environ, "FLCE_TEST_PREPARE_STALL": "00000-00002"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        deadline = time.time() + 60
+        while not list((out / "train").glob("00000-00002*.tmp")) and time.time() < deadline:
+            time.sleep(0.05)
+        workers = _alive_children(run.pid)
+        assert len(workers) == 2, workers
+        assert prepare(*args) == 1
+        err = capsys.readouterr().err
+        assert f"{out} is being written by another prepare_data.py run (pid {run.pid} on " in err
+        run.kill()
+        run.wait(timeout=30)
+        deadline = time.time() + 10
+        while any(map(_alive, workers)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), "a worker outlived its killed main process"
+    finally:
+        for pid in [run.pid, *workers]:  # what the test started, whatever failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    with pytest.warns(UserWarning, match=rf"taking over {out}/prepare.lock from pid {run.pid} on "):
+        assert prepare(*args) == 0
+    assert read_index(out)["splits"]["train"]["documents"] > 0
+
+
+def test_a_damaged_index_is_named_and_written_again(tmp_path, rng, capsys):
+    write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 30))
+    args = ["--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out", tmp_path / "shards",
+            "--workers", 1, *SMALL_UNITS]
+    assert prepare(*args) == 0
+    index = tmp_path / "shards" / "index.json"
+    whole = json.loads(index.read_text())
+    index.write_text(index.read_text()[:50])
+    with pytest.raises(ShardFormatError, match=rf"{index}: damaged, not a token shard index"):
+        read_index(tmp_path / "shards")
+    assert prepare(*args) == 0
+    assert f"{index} is damaged: writing it again" in capsys.readouterr().out
+    assert {k: v for k, v in read_index(tmp_path / "shards").items() if k != "created"} == \
+        {k: v for k, v in whole.items() if k != "created"}

@@ -215,7 +215,8 @@ def test_torchrun_command_for_two_nodes(fake_torchrun):
         assert option(argv, "--nproc-per-node") == "8"
         assert option(argv, "--rdzv-backend") == "c10d"
         assert option(argv, "--shutdown-timeout") == "240"
-        assert "--signals-to-handle" not in argv  # SIGUSR1 must not reach torchrun's handler
+        # SIGUSR1 and SIGINT must not reach torchrun's handler: they go to the trainers
+        assert option(argv, "--signals-to-handle") == "SIGTERM,SIGHUP,SIGQUIT"
         script = argv.index(str(REPO / "train.py"))
         assert argv[script + 1:] == ["--config", "configs/llama_1b.toml", *overrides]
     # Same rendezvous (the first node, a port from the job id); node 0 hosts the store.
@@ -266,7 +267,8 @@ def test_first_node_without_a_slurm_config(fake_torchrun, tmp_path):
 def test_signal_options_follow_the_installed_torchrun():
     installed = run(["torchrun", "--help"]).stdout
     argv = torchrun_argv(slurm_env(0), torchrun_help=None)
-    assert "--signals-to-handle" not in argv
+    assert ("--signals-to-handle" in argv) == ("--signals-to-handle" in installed)
+    assert "USR1" not in " ".join(argv) and "SIGINT" not in " ".join(argv)
     assert ("--shutdown-timeout" in argv) == ("--shutdown-timeout" in installed)
 
 
@@ -291,6 +293,35 @@ def test_usr1_goes_to_the_trainers_not_torchrun(fake_torchrun, tmp_path, torchru
     assert job.returncode == 0, output  # the trainer's status, through torchrun
     assert (tmp_path / "torchrun_args").read_text().split()[-3:] == ["configs/llama_1b.toml",
                                                                       "--training.steps", "5"]
+
+
+@pytest.mark.slow
+def test_sigint_through_run_train_after_a_saved_stop_exits_0(tmp_path):
+    """kill -INT of run_train.sh with two trainers (torchrun, gloo): the trainers save and
+    stop, and the script exits 0 (torchrun, when it relayed the SIGINT, re-raised it: exit 1)."""
+    dump = tmp_path / "run"
+    job = subprocess.Popen(["scripts/run_train.sh", *SHORT, "--training.steps", "100000",
+                            "--loss.impl", "unfused", "--data.synthetic", "true",
+                            "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+                            "--checkpoint.enable", "true", "--checkpoint.interval", "100000",
+                            "--job.dump_folder", str(dump)], cwd=REPO, text=True,
+                           env={**os.environ, "NGPU": "2", "CONFIG": "configs/debug.toml",
+                                "OMP_NUM_THREADS": "1", "PYTHON": sys.executable},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not ((dump / "metrics.jsonl").is_file()
+                   and len((dump / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
+            time.sleep(0.1)
+        job.send_signal(signal.SIGINT)
+        output = job.communicate(timeout=180)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-3000:]
+    assert "received SIGINT: stopped after step" in output, output[-3000:]
+    assert len(list((dump / "checkpoint").glob("step-*"))) == 1
 
 
 @pytest.mark.parametrize("ngpu, expect", [

@@ -192,6 +192,12 @@ def test_folders_that_cannot_be_read_are_named(tmp_path, rng):
     with pytest.raises(ShardFormatError, match="out of range for the model's vocab size 10"):
         build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
                    local_batch_size=1, max_token_id=10)
+    index = (folder / "index.json").read_text()
+    (folder / "index.json").write_text(index[:len(index) // 2])  # cut short
+    with pytest.raises(ShardFormatError, match=rf"{folder}/index.json: damaged, not a token shard "
+                                               r"index \(.*\); prepare the folder again"):
+        TokenShards(folder)
+    (folder / "index.json").write_text(index)
     shard = folder / "train" / "00001-00000.tokens.npy"
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(ShardFormatError, match="00001-00000.tokens.npy: .* bytes, expected .*truncated"):
@@ -286,3 +292,37 @@ def test_mixture_counts_are_the_windows_located_in_each_source():
     source, _ = mixture.locate(np.arange(2 * MIXTURE_BLOCK + 77))
     for windows in (0, 1, 100, MIXTURE_BLOCK, 2 * MIXTURE_BLOCK + 77):
         assert mixture.counts(windows).tolist() == np.bincount(source[:windows], minlength=3).tolist()
+
+
+def test_a_token_id_past_the_vocabulary_names_the_shard(tmp_path, rng):
+    """A shard changed after index.json vouched for its ids: the batch that reads the bad id is an
+    error naming the shard file, not an IndexError in the model's embedding."""
+    generator = np.random.default_rng(rng.randrange(2**31))
+    folder, _ = stream_shards(tmp_path / "s", generator, [50, 60], vocab=200)
+    shard = folder / "train" / "00001-00000.tokens.npy"
+    tokens = np.load(shard, mmap_mode="r+")
+    tokens[7] = 300  # as damage would
+    tokens.flush()
+    del tokens
+    loader = build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
+                        local_batch_size=4, max_token_id=BYTE.vocab_size)
+    with pytest.raises(ShardFormatError, match=rf"{shard}: token id 300, out of range for the "
+                                               r"model's vocab size \d+ \(its index.json says at "
+                                               r"most \d+\)"):
+        for _ in range(20):  # an epoch reads every window
+            next(iter(loader))
+    loader.close()
+
+
+def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path, rng):
+    """index.json naming ../ (or an absolute path) read token files outside its folder."""
+    generator = np.random.default_rng(rng.randrange(2**31))
+    folder, _ = stream_shards(tmp_path / "s", generator, [50, 60])
+    shutil.copytree(folder / "train", tmp_path / "elsewhere")
+    index = json.loads((folder / "index.json").read_text())
+    for named in ("../elsewhere/00000-00000.tokens.npy", str(tmp_path / "elsewhere/00000-00000.tokens.npy")):
+        index["splits"]["train"]["shards"][0]["file"] = named
+        (folder / "index.json").write_text(json.dumps(index))
+        with pytest.raises(ShardFormatError, match=rf"index.json: names shard '{named}', outside the "
+                                                   r"folder; not reading it"):
+            TokenShards(folder)

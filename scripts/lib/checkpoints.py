@@ -15,6 +15,7 @@ tokenizer paths in config.toml are read from the current directory, as the run d
 """
 
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -26,6 +27,8 @@ import tokenizers
 import torch
 from torch import Tensor
 
+from components import safe_dcp
+from components.checkpoint_manifest import find_damage
 from components.config import JobConfig, load_config
 from components.tokenizer import HFTokenizer, build_tokenizer
 from models import FLAVORS, Llama, LlamaArgs, build_rope_cache, with_context
@@ -92,17 +95,11 @@ def load_model_state(path: str | os.PathLike) -> dict[str, Tensor]:
 
 def _load_dcp_model(path: Path) -> dict[str, Tensor]:
     """The tensors under the top-level "model" entry (the top-level ones when there is none)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if hf.is_hf_folder(path):
         raise ValueError(f"{path} is a Hugging Face folder, not a DCP checkpoint")
-    reader = dcp.FileSystemReader(str(path))
-    try:
-        metadata = reader.read_metadata()
-    except Exception as e:
-        raise ValueError(f"checkpoint {str(path)!r}: cannot read its DCP metadata "
-                         f"({type(e).__name__}: {e})") from e
+    metadata = safe_dcp.read_metadata(path)  # a clear error when damaged; runs no code from it
     # DCP flattens nested dicts to dotted keys; planner_data maps each to its path of dict keys.
     paths = metadata.planner_data or {}
     tensor_meta = {k: m for k, m in metadata.state_dict_metadata.items()
@@ -122,12 +119,19 @@ def _load_dcp_model(path: Path) -> dict[str, Tensor]:
         # or torchtitan's layout, which puts the optimizer etc. in nested entries beside them).
         selected = {k: k for k in tensor_meta
                     if not isinstance(paths.get(k), (tuple, list)) or len(paths[k]) == 1}
+    # The files these entries are in, checked against the save's checksums.json when it has one.
+    needed = {info.relative_path for index, info in (metadata.storage_data or {}).items()
+              if index.fqn in selected}
+    damage = find_damage(path, names=needed)
+    if damage is not None:
+        raise safe_dcp.DamagedCheckpointError(f"{damage}; read an earlier checkpoint (another "
+                                              f"step-<N> folder of {path.parent})")
     # Load only the selected entries, into full-size CPU tensors (sharded saves are reassembled).
     buffers = {k: torch.empty(tensor_meta[k].size, dtype=tensor_meta[k].properties.dtype)
                for k in selected}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(buffers, storage_reader=reader, no_dist=True)
+        safe_dcp.load(buffers, path, no_dist=True)
     return {selected[k]: v for k, v in buffers.items()}
 
 
@@ -220,6 +224,38 @@ def hf_tokenizer(folder: Path, path: str | None = None) -> HFTokenizer:
     return HFTokenizer(path, **names)
 
 
+def _trained_tokenizer(folder: Path, config: JobConfig | None) -> tuple[str, int, str] | None:
+    """(fingerprint, vocab size, what) of the tokenizer the run trained with: recorded in the
+    checkpoint's train_state.json, else (config given) the run's [tokenizer] when it is at hand;
+    None when neither tells."""
+    try:
+        record = json.loads((folder / "train_state.json").read_text()).get("tokenizer")
+        return str(record["fingerprint"]), int(record["vocab_size"]), "the run's tokenizer"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    if config is None:
+        return None
+    try:
+        run = run_tokenizer(config)
+    except (OSError, ValueError):
+        return None
+    return run.fingerprint(), run.vocab_size, f"the run's tokenizer {config.tokenizer.path}"
+
+
+def _check_vocabulary(tokenizer, path, fingerprint: str, vocab_size: int,
+                      what: str = "the run's tokenizer") -> None:
+    """Another vocabulary than the model's makes every id mean another token: garbage out."""
+    if tokenizer.fingerprint() == fingerprint:
+        return
+    given = f"the tokenizer {path}" if path else "the tokenizer"
+    if tokenizer.vocab_size != vocab_size:
+        differs = f"has {tokenizer.vocab_size} ids, {what} had {vocab_size}"
+    else:
+        differs = f"has {vocab_size} ids as {what} had, but other tokens or bos/eos ids"
+    raise ValueError(f"{given} {differs}: the model's ids would mean other tokens; pass the "
+                     "tokenizer the model was trained with")
+
+
 def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32,
                seq_len: int | None = None, tokenizer_path: str | None = None) -> LoadedModel:
     """A checkpoint (DCP, a folder of them, or a Hugging Face folder) as a Llama in eval mode,
@@ -233,6 +269,10 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
         args = hf.args_from_hf_config(hf.read_config(folder), str(folder / hf.CONFIG))
         state = hf.load_hf_weights(folder, args)
         tokenizer = hf_tokenizer(folder, tokenizer_path)
+        if tokenizer_path and (folder / "tokenizer.json").is_file():
+            own = hf_tokenizer(folder)
+            _check_vocabulary(tokenizer, tokenizer_path, own.fingerprint(), own.vocab_size,
+                              "the folder's tokenizer.json")
     else:
         config = run_config(folder)
         if config is None:
@@ -241,7 +281,14 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
         args = model_args(config)
         state = load_model_state(folder)
         tokenizer = run_tokenizer(config, tokenizer_path)
+        trained = _trained_tokenizer(folder, config if tokenizer_path else None)
+        if trained is not None:
+            _check_vocabulary(tokenizer, tokenizer_path or config.tokenizer.path, *trained)
         logit_scale, softcap = config.loss.logit_scale, config.loss.softcap or None
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(f"the tokenizer{f' {tokenizer_path}' if tokenizer_path else ''} has "
+                         f"{tokenizer.vocab_size} ids, the model {args.vocab_size}: not the "
+                         "model's vocabulary; pass the tokenizer it was trained with")
     seq_len = min(seq_len or args.max_seq_len, args.max_seq_len)
     with torch.device("meta"):
         model = Llama(args, seq_len=seq_len)
