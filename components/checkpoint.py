@@ -34,6 +34,7 @@ import functools
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 import signal

@@ -15,3 +15,13 @@ def rng() -> random.Random:
     seed = random.randrange(2**32)
     print(f"random seed {seed}")  # shown by pytest when a test fails
     return random.Random(seed)
+
+
+@pytest.fixture
+def float8_at_any_size(monkeypatch):
+    """The float8 GEMMs at every size: the loss otherwise runs bf16 GEMMs below
+    flce.ops.FLOAT8_MIN_TOKENS tokens and FLOAT8_MIN_WORK (where quantizing W costs more than
+    float8 saves), and the tests' shapes are smaller than that."""
+    import flce.ops
+    monkeypatch.setattr(flce.ops, "FLOAT8_MIN_TOKENS", 0)
+    monkeypatch.setattr(flce.ops, "FLOAT8_MIN_WORK", 0)

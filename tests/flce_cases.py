@@ -60,12 +60,3 @@ def rel_err(a, ref):
     a, ref = a.detach().cpu().double(), ref.detach().cpu().double()
     return ((a - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
-
-@pytest.fixture
-def float8_at_any_size(monkeypatch):
-    """The float8 GEMMs at every size: the loss otherwise runs bf16 GEMMs below
-    flce.ops.FLOAT8_MIN_TOKENS tokens and FLOAT8_MIN_WORK (where quantizing W costs more than
-    float8 saves), and the tests' shapes are smaller than that."""
-    import flce.ops
-    monkeypatch.setattr(flce.ops, "FLOAT8_MIN_TOKENS", 0)
-    monkeypatch.setattr(flce.ops, "FLOAT8_MIN_WORK", 0)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import flce
-from flce_cases import IMPL_DEVICES, cuda_only, float8_at_any_size, make_inputs, rel_err  # noqa: F401
+from flce_cases import IMPL_DEVICES, cuda_only, make_inputs, rel_err
 
 
 class TinyHead(nn.Module):

@@ -29,8 +29,8 @@ import flce
 from flce.float8 import E4M3, Float8Gemms, quantize_rows_torch
 from flce.options import LossOptions
 from flce.reference import chunk_rows
-from flce_cases import (IMPL_DEVICES, cuda_only, float64_reference, float8_at_any_size,  # noqa: F401
-                        loss_and_grads, make_inputs, rel_err)
+from flce_cases import (IMPL_DEVICES, cuda_only, float64_reference, loss_and_grads, make_inputs,
+                        rel_err)
 
 pytestmark = pytest.mark.usefixtures("float8_at_any_size")
 

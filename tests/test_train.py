@@ -21,7 +21,6 @@ import pytest
 import train
 from components.config import ConfigError
 from components.optim import lr_multiplier
-from flce_cases import float8_at_any_size  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "configs/debug.toml")
