@@ -79,3 +79,56 @@ def test_the_readmes_training_command_loads_its_config(monkeypatch):
     monkeypatch.chdir(REPO)  # the README runs it from the repository root
     config = load_config(argv[2:])
     assert config.data.source == "stdlib"  # the embedded, offline default
+
+
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+DOTTED = re.compile(r"^((?:flce|components|models|parallelisms)(?:\.[A-Za-z_]\w*)+)")
+REPO_PATH = re.compile(r"(?<![\w./-])((?:\.\./)*(?:flce|components|models|parallelisms|scripts|configs|"
+                       r"tests|docs|benchmarks|shared)/[\w./-]*\.(?:py|md|toml|sh|json|sbatch))")
+
+
+USER_FILES = {line.strip().lstrip("/") for line in (REPO / ".gitignore").read_text().splitlines()
+              if line.strip().endswith((".sh", ".toml", ".json"))}
+
+
+def code_spans(page: Path) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return CODE_SPAN.findall(text)
+
+
+def resolves(dotted: str) -> bool:
+    """Whether `a.b.C.d` names something: the longest importable module prefix, then attributes."""
+    import importlib
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_the_code_the_docs_name_exists():
+    """Names such as `flce.parallel.VocabParallelLinearLoss` and paths such as `flce/ops.py` in
+    the docs' inline code exist in the repository (parallelism.md named a module the class had
+    left; performance.md pointed at a file outside the repository)."""
+    missing = []
+    for page in PAGES:
+        where = page.relative_to(REPO)
+        for span in code_spans(page):
+            dotted = DOTTED.match(span)
+            if dotted and not resolves(dotted.group(1)):
+                missing.append(f"{where}: `{span}` names nothing importable")
+            for path in REPO_PATH.findall(span):
+                if path in USER_FILES:  # a file the docs ask the user to write
+                    continue
+                base = REPO if not path.startswith("..") else page.parent
+                resolved = (base / path).resolve()
+                if not resolved.is_relative_to(REPO) or not resolved.exists():
+                    missing.append(f"{where}: `{span}`: {path} is not a file of the repository")
+    assert missing == []
