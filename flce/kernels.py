@@ -78,7 +78,7 @@ def flce_rows_kernel(
     logits_ptr,        # [C, V] raw logits in, dlogits out (when COMPUTE_GRAD)
     stride_row,
     target_ptr,        # [C] int, global class ids
-    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens); not written when STATS_GIVEN
+    loss_ptr,          # [C] fp32 out: per-token loss (0 for ignored tokens); untouched when STATS_GIVEN
     max_ptr,           # [C] fp32: the row's max z and log sum exp(z - max), kept apart (lse
     log_sum_ptr,       # would lose z - lse's digits at large logits); out with STORE_STATS, in
                        # with STATS_GIVEN (a gradient pass after a statistics pass)
@@ -118,7 +118,8 @@ def flce_rows_kernel(
 
     if y == ignore_index:
         # Ignored rows still write every output: the chunk buffer is reused and feeds the GEMMs.
-        tl.store(loss_ptr + row, 0.0)
+        if not STATS_GIVEN:  # a gradient pass writes no loss
+            tl.store(loss_ptr + row, 0.0)
         if STORE_STATS:
             tl.store(max_ptr + row, 0.0)
             tl.store(log_sum_ptr + row, 0.0)

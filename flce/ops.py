@@ -251,8 +251,8 @@ def block_grads(logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, w
     fp8 = None
     if need_dx and float8 == "logits+dx":
         fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False)
-    scratch = torch.empty_like(stats[0])  # the gradient pass writes no loss (0 for ignored rows)
-    _row_fn(use_triton)(view, target, scratch, stats, row_weight, opts, True, True,
+    # a gradient pass writes no loss: its loss_out (here the row maxima) is left as it is
+    _row_fn(use_triton)(view, target, stats[0], stats, row_weight, opts, True, True,
                         fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max)
     dx = dw = db = None
     if fp8 is not None:
@@ -264,5 +264,5 @@ def block_grads(logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, w
     if need_dw:
         dw = torch.mm(view.t(), x)
     if need_db:
-        db = view.sum(0, dtype=scratch.dtype).to(bias.dtype)
+        db = view.sum(0, dtype=stats[0].dtype).to(bias.dtype)
     return dx, dw, db

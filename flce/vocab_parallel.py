@@ -113,9 +113,9 @@ def _chunk_grads_triton(logits: Tensor, target: Tensor, opts: LossOptions, vocab
     stats = torch.empty(C, 4, device=logits.device, dtype=torch.float32)
     launch_row_stats(logits, target, stats, opts, vocab_start)
     loss, row_stats = _combine(stats, target, opts, vocab_size, group)
-    scratch = torch.empty(C, device=logits.device, dtype=torch.float32)
     one = torch.ones((), device=logits.device, dtype=torch.float32)
-    launch_rows(logits, target, scratch, row_stats, one, opts, True, True,
+    # a gradient pass writes no loss: its loss_out (the row maxima) is left as it is
+    launch_rows(logits, target, row_stats[0], row_stats, one, opts, True, True,
                 vocab_start=vocab_start, vocab_total=vocab_size)
     return loss
 

@@ -49,6 +49,9 @@ def test_kernel_matches_torch_rows(opts, per_row_weight):
     # reduction "none" use
     out = _run(triton_rows, logits, target, weight, opts, stats_in=ref[1])
     torch.testing.assert_close(out[2], ref[2], rtol=2e-6, atol=2e-6)
+    # ... which writes no loss, not even for ignored rows: callers pass a buffer they still need
+    assert torch.isnan(out[0]).all() and torch.isnan(_run(chunk_rows, logits, target, weight, opts,
+                                                          stats_in=ref[1])[0]).all()
     # loss only: logits left untouched
     out = _run(triton_rows, logits, target, weight, opts, compute_grad=False)
     assert torch.equal(out[2], logits)
