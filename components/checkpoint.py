@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from components import safe_dcp
 from components.checkpoint_manifest import ChecksummingWriter, find_damage
-from components.config import Checkpoint
+from components.config import Checkpoint, JobConfig, to_toml
 from components.float8 import plain_weights
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -196,31 +196,62 @@ def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]]
     return None
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run resumes: the step ([checkpoint] load_step; None: none) and the complete
+    checkpoints it was chosen among. Found once, before the model is built, so that a wrong
+    load_step fails fast; Checkpointer.load() then resumes from it (the run lock keeps other runs
+    out of the folder in between)."""
+    step: Optional[int]
+    found: dict[int, Path]
+
+
+def find_resume_point(cfg: Checkpoint, folder: Path) -> ResumePoint:
+    """The step to resume from and the checkpoints found; none with [checkpoint] enable = false
+    (such a run neither saves nor resumes)."""
+    if not cfg.enable:
+        return ResumePoint(None, {})
+    found = list_checkpoints(folder)
+    return ResumePoint(step_to_load(cfg, folder, found), found)
+
+
 class Checkpointer:
-    def __init__(self, cfg: Checkpoint, dump_folder: Path, model, optimizer, scheduler, data,
-                 batches_per_step: int, rank: int, config_toml: str,
+    def __init__(self, cfg: JobConfig, model, optimizer, scheduler, data, rank: int,
+                 dp_rank: Optional[int] = None,
                  read_hf_folder: Optional[Callable[[Path], dict]] = None,
-                 dp_rank: Optional[int] = None, tokenizer: Optional[dict] = None):
-        """read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
+                 tokenizer: Optional[dict] = None):
+        """cfg: the run's config. Its [checkpoint] section says where, when and how to save;
+        the dump folder holds the checkpoint folder; each save keeps the whole config (config.toml)
+        and resumes the data at [training] gradient_accumulation_steps batches a step.
+        model, optimizer, scheduler, data: what a checkpoint saves and restores.
+        read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
         named as in get_model_state_dict(model); the trainer passes models/hf.py's reader.
         dp_rank: this rank's data-parallel rank, whose saved data state it resumes (None: the
         state of the same global rank).
         tokenizer: {"fingerprint", "vocab_size"} of the run's tokenizer, kept in train_state.json
         so that generate/evaluate can refuse another vocabulary (scripts/lib/checkpoints.py)."""
-        self.cfg = cfg
+        self.cfg = cfg.checkpoint
         self.tokenizer = tokenizer
         self.read_hf_folder = read_hf_folder
-        self.folder = Path(dump_folder) / cfg.folder
+        self.folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
-        self.batches_per_step = batches_per_step
+        self.batches_per_step = cfg.training.gradient_accumulation_steps
+        self.last_step = cfg.training.steps
         self.rank = rank
         self.dp_rank = dp_rank
-        self.config_toml = config_toml
+        self.config_toml = to_toml(cfg)
         self._pending: Optional[Future] = None  # an async save's commit
         # An async save finishes with collectives in a background thread: they get a group of
         # their own so they never interleave with the training's collectives.
         self._async_group = (dist.new_group(backend="gloo")
-                             if cfg.async_mode == "async" and dist.is_initialized() else None)
+                             if self.cfg.async_mode == "async" and dist.is_initialized() else None)
+
+    def saves_at(self, step: int, stopping: bool = False) -> bool:
+        """Whether this step ends with a save: every [checkpoint] interval steps, at the last
+        step, and when the run stops early (a stop signal); never with [checkpoint] enable =
+        false. The same answer on every rank."""
+        return self.cfg.enable and (stopping or step % self.cfg.interval == 0
+                                    or step == self.last_step)
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -347,17 +378,14 @@ class Checkpointer:
             _fault_point("mid_prune", newest)
             shutil.rmtree(doomed)
 
-    def load(self) -> Optional[TrainState]:
-        """Resume from load_step (-1: the latest) if there is a checkpoint, else start from
-        initial_load_path's model weights if given. Returns the state to resume at, or None.
-        With [checkpoint] enable = false a run neither saves nor resumes: step folders an
-        earlier run left in the dump folder are not this run's (initial_load_path still
-        loads)."""
+    def load(self, resume: ResumePoint) -> Optional[TrainState]:
+        """Resume from the resume point (find_resume_point: load_step, -1 the latest) if it has
+        a step, else start from initial_load_path's model weights if given. Returns the state
+        to resume at, or None. With [checkpoint] enable = false a run neither saves nor
+        resumes: step folders an earlier run left in the dump folder are not this run's
+        (initial_load_path still loads)."""
         resumed = None
-        step = None
-        if self.cfg.enable:
-            found = list_checkpoints(self.folder)
-            step = step_to_load(self.cfg, self.folder, found)
+        step, found = resume.step, resume.found
         if step is not None:
             if self.cfg.load_step >= 0 and step != self.cfg.load_step and self.rank == 0:
                 print(f"[checkpoint] load_step = {self.cfg.load_step} was passed: a run with this "
