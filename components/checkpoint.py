@@ -54,7 +54,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from components import safe_dcp
 from components.checkpoint_manifest import ChecksummingWriter, find_damage
-from components.config import Checkpoint, JobConfig, to_toml
+from components.config.schema import Checkpoint, JobConfig
+from components.config.parse import to_toml
 from components.float8 import plain_weights
 
 STEP_DIR = re.compile(r"^step-(\d+)$")

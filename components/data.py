@@ -25,7 +25,7 @@ import datasets
 import numpy as np
 import torch
 
-from components.config import Data
+from components.config.schema import Data
 from components.data_check import MissingTextField, check_files
 from components.document_tokens import Framed, TokenizerPool, frame_inline
 from components.prefetch import Prefetched

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from components.config import Float8
+from components.config.schema import Float8
 
 CONVERTER = "quantize.linear.float8"
 MIN_TORCHAO = (0, 16)  # tests pass with 0.16 to 0.18; 0.15 fails to import with torch 2.13

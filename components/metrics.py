@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from components.config import Metrics, WandbMode
+from components.config.schema import Metrics, WandbMode
 
 GIB = 2**30
 

@@ -17,7 +17,7 @@ _SWITCHES = {
     "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
     "math": torch.backends.cuda.enable_math_sdp,
 }
-# models imports nothing from components: components.config's SdpaBackend lists the same names
+# models imports nothing from components: components.config.schema's SdpaBackend lists the same names
 # (tests/test_config.py checks that they agree).
 BACKENDS = ("auto", *_SWITCHES)
 

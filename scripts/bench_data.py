@@ -33,7 +33,7 @@ if not __package__:  # run as a file: the repository root (components) is not im
 
 import numpy as np  # noqa: E402
 
-from components.config import Data, MixtureSource  # noqa: E402
+from components.config.schema import Data, MixtureSource  # noqa: E402
 from components.data import build_data, embedded_corpus  # noqa: E402
 from components.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
 from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from scripts.lib import checkpoints  # noqa: E402
 from scripts.lib.checkpoints import pick_device, pick_dtype  # noqa: E402
 import train  # noqa: E402
-from components.config import JobConfig  # noqa: E402
+from components.config.schema import JobConfig  # noqa: E402
 from components.data import build_data  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
 

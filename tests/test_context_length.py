@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import train
-from components.config import ConfigError, load_config
+from components.config.schema import ConfigError
+from components.config.parse import load_config
 from models import FLAVORS, Llama, with_context
 from models import hf
 

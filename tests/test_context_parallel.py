@@ -23,7 +23,8 @@ import torch
 
 import train
 from components.checkpoint import Checkpointer
-from components.config import ConfigError, load_config
+from components.config.schema import ConfigError
+from components.config.parse import load_config
 from parallelisms.context_parallel import check_context_parallel
 from parallelisms.mesh import ParallelDims
 from test_parallelisms import BASE, torchrun, weights

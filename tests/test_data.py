@@ -21,7 +21,7 @@ import torch
 from components import data, data_check
 from components.data import (STDLIB_CORPUS_BYTES, Batches, MissingTextField, SyntheticTokens, TokenWindows,
                              build_data, embedded_corpus, load_documents)
-from components.config import Data
+from components.config.schema import Data
 from components.data_check import BadDocumentError
 from components.tokenizer import ByteTokenizer
 

@@ -5,7 +5,7 @@ command names a config that loads."""
 import re
 from pathlib import Path
 
-from components.config import load_config
+from components.config.parse import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks/README.md"]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import train
-from components.config import Data
+from components.config.schema import Data
 from components.data import build_data
 from components.tokenizer import HFTokenizer
 

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import train  # noqa: E402
-from components.config import Data, Loss  # noqa: E402
+from components.config.schema import Data, Loss  # noqa: E402
 from components.data import build_data  # noqa: E402
 from components.document_tokens import frame_texts  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402

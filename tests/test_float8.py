@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 import train
-from components.config import ConfigError, Float8, Loss, load_config, to_toml
+from components.config.schema import ConfigError, Float8, Loss
+from components.config.parse import load_config, to_toml
 from components.float8 import check_fp8_device, convert_to_float8, has_fp8, is_float8_linear
 from models import Llama, LlamaArgs
 from parallelisms.mesh import ParallelDims

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import train  # noqa: E402
-from components.config import Data  # noqa: E402
+from components.config.schema import Data  # noqa: E402
 from components.data import build_data  # noqa: E402
 from components.tokenizer import ByteTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
@@ -305,7 +305,7 @@ def test_continued_pretraining_from_an_export_takes_its_tokenizer_and_vocab(tmp_
     model's on the first batch. (It was a vocab mismatch, and shards of another tokenizer.)"""
     import random as random_module
 
-    from components.config import load_config
+    from components.config.parse import load_config
     from components.tokenizer import HFTokenizer
     from scripts import export_hf, prepare_data
     from shard_cases import random_texts, train_tokenizer, write_jsonl

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import train
-from components.config import Data, MixtureSource
+from components.config.schema import Data, MixtureSource
 from components.data import build_data
 from components.shard_batches import MIXTURE_BLOCK, Mixture, ShardBatches, _keys, permute
 from components.shards import ShardFormatError, TokenShards, read_index

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import train
-from components.config import ConfigError
+from components.config.schema import ConfigError
 from components.optim import lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from components import safe_dcp
 from components.checkpoint_manifest import find_damage
-from components.config import JobConfig, load_config
+from components.config.schema import JobConfig
+from components.config.parse import load_config
 from components.tokenizer import HFTokenizer, build_tokenizer
 from models import FLAVORS, Llama, LlamaArgs, build_rope_cache, with_context
 from models import hf
