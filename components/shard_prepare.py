@@ -1,4 +1,4 @@
-"""Raw documents to token shards (the format: components/shards.py), in parallel worker processes,
+"""Raw documents to token shards (the format: components/data/shards.py), in parallel worker processes,
 resumably; scripts.prepare_data is the command line.
 
 The work is cut into units: a byte range of a .jsonl file, some row groups of a .parquet file, a
@@ -27,10 +27,11 @@ from typing import Iterator
 import numpy as np
 
 from components import lock
-from components.data_check import NAMED, BadDocumentError, MissingTextField, read_documents
-from components.document_tokens import frame_texts, worker_context
-from components.shards import (FORMAT, INDEX, PLAN, SPLITS, VERSION, ShardFormatError, ShardWriter,
-                               token_dtype)
+from components.data.checks import NAMED, BadDocumentError, MissingTextField, read_documents
+from components.data.document_tokens import frame_texts, worker_context
+from components.data import SPLITS
+from components.data.shards import (FORMAT, INDEX, PLAN, VERSION, ShardFormatError, ShardWriter,
+                                    token_dtype)
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 BATCH_BYTES = 1 << 20  # documents tokenized together

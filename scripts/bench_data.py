@@ -34,11 +34,12 @@ if not __package__:  # run as a file: the repository root (components) is not im
 import numpy as np  # noqa: E402
 
 from components.config.schema import Data, MixtureSource  # noqa: E402
-from components.data import build_data, embedded_corpus  # noqa: E402
-from components.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
+from components.data.build import build_data  # noqa: E402
+from components.data.sources import embedded_corpus  # noqa: E402
+from components.data.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
 from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402
                                       tokenizer_record, usable_cpus)
-from components.shards import TokenShards  # noqa: E402
+from components.data.shards import TokenShards  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from models import FLAVORS, flops_per_token  # noqa: E402
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402

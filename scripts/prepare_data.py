@@ -14,7 +14,7 @@ Every --val-every-th document (by a hash of its text) goes to the validation spl
 
 The same command again resumes a killed run (finished units are kept) and does nothing on a
 finished folder; a folder begun with another tokenizer or other settings is refused. The format
-is documented in components/shards.py; the trainer refuses shards of another tokenizer.
+is documented in components/data/shards.py; the trainer refuses shards of another tokenizer.
 """
 
 import argparse
@@ -25,11 +25,11 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root (components) is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.prepare_data ...")
 
-from components.data_check import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
+from components.data.checks import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
 from components.shard_prepare import (PrepareError, file_units, hf_units, listing, load_hf,  # noqa: E402
                                       local_files, prepare, settings_for, tokenizer_record,
                                       usable_cpus)
-from components.shards import ShardFormatError  # noqa: E402
+from components.data.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 
 

@@ -205,7 +205,8 @@ def test_modules_list_the_configs_choices():
     ones that cannot import it (models/ stands below components/) or keep their own order agree."""
     import typing
 
-    from components import data_check, loss, metrics, optim, tokenizer
+    from components import loss, metrics, optim, tokenizer
+    from components.data import checks as data_check
     from components.config import schema as config
     from models import sdpa
     from parallelisms import activation_checkpoint, tp

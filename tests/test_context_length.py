@@ -169,7 +169,7 @@ def test_trained_past_the_flavor_exports_and_imports_what_it_was_trained_at(tmp_
 
 
 def _first_batch(argv):
-    from components.data import build_data
+    from components.data.build import build_data
     from components.tokenizer import ByteTokenizer
     cfg = load_config(argv)
     return next(build_data(cfg.data, split="train", tokenizer=ByteTokenizer(), seq_len=SEQ,

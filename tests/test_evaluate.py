@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import train
 from components.config.schema import Data
-from components.data import build_data
+from components.data.build import build_data
 from components.tokenizer import HFTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

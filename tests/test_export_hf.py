@@ -23,8 +23,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import train  # noqa: E402
 from components.config.schema import Data, Loss  # noqa: E402
-from components.data import build_data  # noqa: E402
-from components.document_tokens import frame_texts  # noqa: E402
+from components.data.build import build_data  # noqa: E402
+from components.data.document_tokens import frame_texts  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
 from components.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402

@@ -26,7 +26,7 @@ pytest.importorskip("safetensors")
 
 import train  # noqa: E402
 from components.config.schema import Data  # noqa: E402
-from components.data import build_data  # noqa: E402
+from components.data.build import build_data  # noqa: E402
 from components.tokenizer import ByteTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402

@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from components.data import load_documents
-from components.shard_batches import build_shard_batches
-from components.shards import ShardFormatError, read_index
+from components.data.sources import load_documents
+from components.data.shard_batches import build_shard_batches
+from components.data.shards import ShardFormatError, read_index
 from components.tokenizer import ByteTokenizer
 from shard_cases import framed, held_out, random_texts, shard_documents, train_tokenizer, write_jsonl
 

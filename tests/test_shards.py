@@ -18,9 +18,9 @@ import torch
 
 import train
 from components.config.schema import Data, MixtureSource
-from components.data import build_data
-from components.shard_batches import MIXTURE_BLOCK, Mixture, ShardBatches, _keys, permute
-from components.shards import ShardFormatError, TokenShards, read_index
+from components.data.build import build_data
+from components.data.shard_batches import MIXTURE_BLOCK, Mixture, ShardBatches, _keys, permute
+from components.data.shards import ShardFormatError, TokenShards, read_index
 from components.tokenizer import ByteTokenizer
 from shard_cases import random_texts, shard_documents, train_tokenizer, write_jsonl, write_token_shards
 
@@ -279,7 +279,7 @@ def test_torchrun_gloo_two_processes_match_one_on_a_mixture(tmp_path, byte_shard
 
 
 def test_a_token_id_the_shard_dtype_cannot_hold_names_the_file(tmp_path):
-    from components.shards import ShardWriter
+    from components.data.shards import ShardWriter
     writer = ShardWriter(tmp_path / "train" / "00000-00000", np.dtype(np.uint16))
     with pytest.raises(ShardFormatError, match=r"00000-00000.*: token id 70000 does not fit the "
                                                r"shards' uint16"):

@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 import torch
 
-from components.shards import ShardFormatError, TokenShards, check_tokenizer, read_index
+from components.data.shards import ShardFormatError, TokenShards, check_tokenizer, read_index
 
 logger = logging.getLogger(__name__)
 
