@@ -37,11 +37,11 @@ from components.config.schema import Data, MixtureSource  # noqa: E402
 from components.data.build import build_data  # noqa: E402
 from components.data.sources import embedded_corpus  # noqa: E402
 from components.data.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
-from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402
-                                      tokenizer_record, usable_cpus)
 from components.data.shards import TokenShards  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from models import FLAVORS, flops_per_token  # noqa: E402
+from scripts.lib.prepare_shards import (file_units, listing, local_files, prepare,  # noqa: E402
+                                        settings_for, tokenizer_record, usable_cpus)
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 
 H200_BF16_PEAK = 989e12

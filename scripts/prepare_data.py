@@ -26,11 +26,11 @@ if not __package__:  # run as a file: the repository root (components) is not im
     sys.exit("run from the repository root as a module: python3 -m scripts.prepare_data ...")
 
 from components.data.checks import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
-from components.shard_prepare import (PrepareError, file_units, hf_units, listing, load_hf,  # noqa: E402
-                                      local_files, prepare, settings_for, tokenizer_record,
-                                      usable_cpus)
 from components.data.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
+from scripts.lib.prepare_shards import (PrepareError, file_units, hf_units, listing,  # noqa: E402
+                                        load_hf, local_files, prepare, settings_for,
+                                        tokenizer_record, usable_cpus)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from components.shard_prepare import held_out
+from scripts.lib.prepare_shards import held_out
 from components.data import SPLITS
 from components.data.shards import ShardWriter, token_dtype
 from components.tokenizer import HFTokenizer

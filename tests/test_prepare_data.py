@@ -250,7 +250,7 @@ def test_spawned_workers_make_the_same_shards(tmp_path, rng, monkeypatch):
     """macOS (and Windows) start worker processes by spawning, not forking: the workers then get
     the job (output folder, settings, tokenizer) through the pool's initializer, not a global set
     before a fork (a KeyError in every worker before)."""
-    import components.shard_prepare as shard_prepare
+    import scripts.lib.prepare_shards as shard_prepare
     write_jsonl(tmp_path / "corpus" / "a.jsonl", random_texts(rng, 60))
     args = ["--source", tmp_path / "corpus", "--tokenizer", "byte", "--workers", 2, *SMALL_UNITS]
     assert prepare(*args, "--out", tmp_path / "forked") == 0
