@@ -32,7 +32,7 @@ from components.config.parse import (config_changes, config_checks, load_config,
                                      to_toml, wants_help)
 from components.config.docs import help_text
 from components.data.build import build_data
-from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
+from components.float8_linear import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
 from components.initial_load import take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss

@@ -56,7 +56,7 @@ from components import safe_dcp
 from components.checkpoint_manifest import ChecksummingWriter, find_damage
 from components.config.schema import Checkpoint, JobConfig
 from components.config.parse import to_toml
-from components.float8 import plain_weights
+from components.float8_linear import plain_weights
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 

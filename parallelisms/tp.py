@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from components.config.schema import LossParallel
-from components.float8 import is_float8_tensorwise
+from components.float8_linear import is_float8_tensorwise
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss
 from models.args import LlamaArgs
 from models.llama import TransformerBlock

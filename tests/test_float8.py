@@ -27,7 +27,7 @@ from torch import nn
 import train
 from components.config.schema import ConfigError, Float8, Loss
 from components.config.parse import load_config, to_toml
-from components.float8 import check_fp8_device, convert_to_float8, has_fp8, is_float8_linear
+from components.float8_linear import check_fp8_device, convert_to_float8, has_fp8, is_float8_linear
 from models import Llama, LlamaArgs
 from parallelisms.mesh import ParallelDims
 
