@@ -40,6 +40,7 @@ from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_m
                                 peak_flops)
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
+from components.process import exit_process, process_group
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
@@ -52,35 +53,12 @@ from parallelisms.context_parallel import NoSharding, SequenceSharding, check_co
 from parallelisms.fsdp import apply_fsdp, precompute_float8_scales
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
-from parallelisms.teardown import exit_process, note_process_group
 from parallelisms.tp import apply_tp, check_tp_degree
 
 
 def log(msg: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(msg, flush=True)
-
-
-def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process. On CUDA even one
-    process gets a (single-rank) process group: FSDP then handles bf16 parameters uniformly.
-    device_type is [training] device: "auto" takes CUDA when there is one."""
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("[training] device = \"cuda\", but torch sees no CUDA device")
-    cuda = device_type != "cpu" and torch.cuda.is_available()
-    if "RANK" in os.environ:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-        note_process_group(dist.get_backend(), dist.get_world_size())
-        return dist.get_rank(), dist.get_world_size(), device
-    if cuda:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-        return 0, 1, torch.device("cuda", 0)
-    return 0, 1, torch.device("cpu")
 
 
 def model_args(cfg: JobConfig, vocab_floor: int, dims: ParallelDims) -> LlamaArgs:
@@ -324,19 +302,10 @@ def main(argv=None) -> int:
         return 0
     cfg = load_config(argv)
     # From here on a stop signal is remembered: it takes effect after the first training step.
-    with StopRequest(saves=cfg.checkpoint.enable) as stop:
-        rank, world, device = init_distributed(cfg.training.device)
-        finished = False
-        try:
-            with dump_folder_lock(cfg.job.dump_folder, rank):  # before anything is written there
-                exit_code = train(cfg, rank, world, device, stop)
-            finished = True
-            return exit_code
-        finally:  # also after an error: the next main() in this process can initialise again
-            if dist.is_initialized():
-                if finished:  # no rank tears gloo down while another talks to it (seen to abort)
-                    dist.barrier()
-                dist.destroy_process_group()
+    with StopRequest(saves=cfg.checkpoint.enable) as stop, \
+            process_group(cfg.training.device) as (rank, world, device), \
+            dump_folder_lock(cfg.job.dump_folder, rank):  # before anything is written there
+        return train(cfg, rank, world, device, stop)
 
 
 def check_before_building(cfg: JobConfig, rank: int, world: int
@@ -475,8 +444,6 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                             f"model.{k}": v for k, v in load_hf_weights(folder, args).items()},
                         tokenizer={"fingerprint": tokenizer.fingerprint(),
                                    "vocab_size": tokenizer.vocab_size})
-    if cfg.checkpoint.async_mode == "async":  # its saves use a gloo group of their own
-        note_process_group("gloo", world)
     start_step, tokens_seen = resume_run(cfg, ckpt, resume, optimizer, scheduler)
     # Not an optimizer step hook: loading a checkpoint runs a dummy optimizer step before the
     # weights are loaded, which would leave scales of the old weights for the first step.

@@ -57,6 +57,7 @@ from components.checkpoint_manifest import ChecksummingWriter, find_damage
 from components.config.schema import Checkpoint, JobConfig
 from components.config.parse import to_toml
 from components.float8_linear import plain_weights
+from components.process import note_process_group
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -244,8 +245,10 @@ class Checkpointer:
         self._pending: Optional[Future] = None  # an async save's commit
         # An async save finishes with collectives in a background thread: they get a group of
         # their own so they never interleave with the training's collectives.
-        self._async_group = (dist.new_group(backend="gloo")
-                             if self.cfg.async_mode == "async" and dist.is_initialized() else None)
+        self._async_group = None
+        if self.cfg.async_mode == "async" and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+            note_process_group("gloo", dist.get_world_size())  # see components/process.py
 
     def saves_at(self, step: int, stopping: bool = False) -> bool:
         """Whether this step ends with a save: every [checkpoint] interval steps, at the last

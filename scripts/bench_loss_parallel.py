@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 import flce  # noqa: E402
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss  # noqa: E402
-from parallelisms.teardown import exit_without_teardown  # noqa: E402
+from components.process import exit_without_teardown  # noqa: E402
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 from scripts.lib.timing import median_ms  # noqa: E402
 
@@ -166,4 +166,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown(0)  # the report is written; see parallelisms/teardown.py
+    exit_without_teardown(0)  # the report is written; see components/process.py

@@ -267,7 +267,7 @@ def test_torchrun_gloo_two_processes_match_one(tmp_path):
     assert len(single) == len(both) == 5
     for key in ("loss", "grad_norm"):
         assert max(abs(a[key] - b[key]) for a, b in zip(single, both)) <= 1e-5, key
-    # These processes leave through os._exit (parallelisms/teardown.py): only once wandb's
+    # These processes leave through os._exit (components/process.py): only once wandb's
     # offline run is written out.
     (history,) = (dist_dump / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"grad_norm" in history.read_bytes()
