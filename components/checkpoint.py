@@ -134,18 +134,26 @@ def _save_failed(final: Path, error: BaseException) -> RuntimeError:
                         "filesystem. The checkpoints committed before it are intact")
 
 
-def _is_complete(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / "train_state.json").is_file()
+def is_complete(path: Path, resumable: bool = True) -> bool:
+    """Whether a step folder holds a whole checkpoint: DCP writes .metadata last, once every
+    rank's files are written (and this trainer commits a save by renaming the folder after
+    that). Resuming also needs train_state.json (step, tokens, schedule), which this trainer
+    writes before .metadata; with resumable=False a folder of model weights alone (another
+    trainer's: torchtitan's) counts too, for what reads only the model
+    (scripts/lib/checkpoints.py)."""
+    return (path / ".metadata").is_file() and (not resumable
+                                               or (path / "train_state.json").is_file())
 
 
-def list_checkpoints(folder: Path) -> dict[int, Path]:
-    """Complete checkpoints by step; incomplete step folders are skipped with a warning."""
+def list_checkpoints(folder: Path, resumable: bool = True) -> dict[int, Path]:
+    """Complete checkpoints (is_complete) by step; incomplete step folders are skipped with a
+    warning."""
     found = {}
     if not folder.is_dir():
         return found
     for path in sorted(folder.iterdir()):
         match = STEP_DIR.match(path.name)
-        if match and _is_complete(path):
+        if match and is_complete(path, resumable):
             found[int(match.group(1))] = path
         elif path.is_dir() and path.name.startswith("step-"):
             warnings.warn(f"skipping incomplete checkpoint folder {path}")

@@ -17,7 +17,6 @@ tokenizer paths in config.toml are read from the current directory, as the run d
 import dataclasses
 import json
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor
 
 from components import safe_dcp
+from components.checkpoint import list_checkpoints
 from components.checkpoint_manifest import find_damage
 from components.config.schema import JobConfig
 from components.config.parse import load_config
@@ -50,15 +50,13 @@ def resolve(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if path.is_file() or (path / ".metadata").is_file() or hf.is_hf_folder(path):
         return path
-    steps = [(int(m.group(1)), p) for p in path.iterdir()
-             if p.is_dir() and (m := re.fullmatch(r"step-(\d+)", p.name))
-             and (p / ".metadata").is_file()]
-    if not steps:
+    found = list_checkpoints(path, resumable=False)  # the trainer's rule, weights only
+    if not found:
         raise FileNotFoundError(
             f"checkpoint {str(path)!r} is a folder but not a DCP checkpoint (no .metadata file), "
             "not a Hugging Face folder (config.json + model.safetensors) and holds no step-<N> "
             "checkpoint folders")
-    _, latest = max(steps)
+    latest = found[max(found)]
     print(f"reading the latest checkpoint in {path}: {latest.name}", file=sys.stderr)
     return latest
 
