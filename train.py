@@ -61,17 +61,20 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def model_args(cfg: JobConfig, vocab_floor: int, dims: ParallelDims) -> LlamaArgs:
-    """The flavor's shape with [model] vocab_size, checked against the tokenizer, seq_len and
-    the TP degree."""
+def model_args(cfg: JobConfig, vocab_floor: int = 0, dims: ParallelDims | None = None
+               ) -> LlamaArgs:
+    """The model a run trains: the flavor's shape with [model] vocab_size, max_seq_len and
+    rope_scaling_factor (scripts/lib/checkpoints.py rebuilds a run's model with it), checked
+    against seq_len, the tokenizer's vocab_floor ids and, given dims, the TP and CP degrees."""
     if cfg.model.flavor not in FLAVORS:
         raise ConfigError(f"[model] flavor = {cfg.model.flavor!r}: expected one of the "
                           f"{cfg.model.name} flavors {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
     args = with_context(dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size),
                         cfg.model.max_seq_len, cfg.model.rope_scaling_factor)
-    check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
-    check_context_parallel(dims.cp, dims.tp, cfg.training.seq_len, cfg.model.sdpa_backend)
+    if dims is not None:
+        check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
+        check_context_parallel(dims.cp, dims.tp, cfg.training.seq_len, cfg.model.sdpa_backend)
     if cfg.training.seq_len > args.max_seq_len:
         whose = "" if cfg.model.max_seq_len else f" (the {cfg.model.flavor} flavor's)"
         raise ConfigError(f"[training] seq_len = {cfg.training.seq_len} exceeds [model] "

@@ -14,7 +14,6 @@ checkpoint with no "model" entry, the top-level tensors (torchtitan's layout). R
 tokenizer paths in config.toml are read from the current directory, as the run did.
 """
 
-import dataclasses
 import json
 import os
 import sys
@@ -32,8 +31,9 @@ from components.checkpoint_manifest import find_damage
 from components.config.schema import JobConfig
 from components.config.parse import load_config
 from components.tokenizer import HFTokenizer, build_tokenizer
-from models import FLAVORS, Llama, LlamaArgs, build_rope_cache, with_context
+from models import Llama, LlamaArgs, build_rope_cache
 from models import hf
+from train import model_args
 
 # Wrapper segments that torch.compile (`_orig_mod.`) and activation checkpointing
 # (`_checkpoint_wrapped_module.`) may leave in parameter names; the weights are the same.
@@ -155,16 +155,6 @@ def run_config(folder: Path) -> JobConfig | None:
         return load_config(["--config", str(path)])
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-
-
-def model_args(cfg: JobConfig) -> LlamaArgs:
-    """The model a run trained: its flavor with its [model] vocab_size, max_seq_len and
-    rope_scaling_factor."""
-    if cfg.model.flavor not in FLAVORS:
-        raise ValueError(f"[model] flavor = {cfg.model.flavor!r} is not one of {list(FLAVORS)}")
-    args = FLAVORS[cfg.model.flavor]
-    args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
-    return with_context(args, cfg.model.max_seq_len, cfg.model.rope_scaling_factor)
 
 
 def run_tokenizer(cfg: JobConfig, path: str | None = None):
