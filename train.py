@@ -32,7 +32,8 @@ from components.config.parse import (config_changes, config_checks, load_config,
                                      to_toml, wants_help)
 from components.config.docs import help_text
 from components.data.build import build_data
-from components.float8_linear import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
+from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, convert_to_float8,
+                                       ignored_settings)
 from components.initial_load import take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
@@ -101,14 +102,14 @@ def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, dims: Par
     if mesh is None and dist.is_initialized():
         mesh = dims.build_mesh(device.type)
     float8 = cfg.quantize.linear.float8
-    if FLOAT8 in cfg.model.converters:
+    if FLOAT8_CONVERTER in cfg.model.converters:
         # the loss takes output.weight itself: a Float8Linear there would never run as one
         done = convert_to_float8(model.model, float8, device, fsdp=mesh is not None,
                                  keep={"output": "the loss reads its weight directly"})
         log(done.summary())
     elif ignored_settings(float8):
         log(f"warning: [quantize.linear.float8] sets {', '.join(ignored_settings(float8))}, but "
-            f"[model] converters does not list {FLOAT8!r}: float8 is off")
+            f"[model] converters does not list {FLOAT8_CONVERTER!r}: float8 is off")
     if mesh is not None and dims.tp > 1:
         apply_tp(model, mesh["tp"], cfg.loss.parallel)
     apply_activation_checkpointing(model.model, cfg.activation_checkpoint.mode,
@@ -450,7 +451,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     start_step, tokens_seen = resume_run(cfg, ckpt, resume, optimizer, scheduler)
     # Not an optimizer step hook: loading a checkpoint runs a dummy optimizer step before the
     # weights are loaded, which would leave scales of the old weights for the first step.
-    precompute_float8 = (FLOAT8 in cfg.model.converters
+    precompute_float8 = (FLOAT8_CONVERTER in cfg.model.converters
                          and cfg.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
     dump = Path(cfg.job.dump_folder)
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics, config=cfg.to_dict(),

@@ -34,11 +34,13 @@ import statistics
 import sys
 import time
 import tomllib
+import typing
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench_train ...")
 
+from components.config.schema import ACMode  # noqa: E402  (no torch: a launcher)
 from scripts.lib.report import (fmt, probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
 from scripts.lib.runs import (classify, last_lines, log_tail, read_metrics,  # noqa: E402
@@ -48,7 +50,7 @@ FUSED = "flce"
 # Benchmark name -> [loss] impl. unfused_compiled also compiles the loss module (--compile).
 LOSS_IMPLS = {"flce": "flce", "unfused": "unfused", "torch_chunked": "torch_chunked",
               "unfused_compiled": "unfused"}
-AC_MODES = ("none", "selective", "full")
+AC_MODES = typing.get_args(ACMode)  # lightest first
 
 
 class BudgetExhausted(Exception):

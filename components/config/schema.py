@@ -26,13 +26,13 @@ DecayType = Literal["cosine", "linear", "wsd"]
 OnBadDocument = Literal["error", "skip"]
 TokenizerName = Literal["byte", "hf"]
 LossImpl = Literal["flce", "unfused", "torch_chunked"]
-LossFloat8 = Literal["none", "logits", "logits+dx"]
+LossFloat8 = Literal["none", "logits", "logits+dx"]  # = flce.float8.FLOAT8 (flce imports no recipe code)
 LossParallel = Literal["sequence", "vocab"]
 ReshardAfterForward = Literal["default", "always", "never"]
 RotateMethod = Literal["allgather", "alltoall"]
 AsyncMode = Literal["disabled", "async"]
 WandbMode = Literal["offline", "online", "disabled"]
-ACMode = Literal["none", "full", "selective"]
+ACMode = Literal["none", "selective", "full"]  # in the order of the memory they save
 CompileComponent = Literal["model", "loss"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
