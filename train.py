@@ -417,12 +417,11 @@ def resume_run(cfg: JobConfig, ckpt: Checkpointer, resume: ResumePoint, optimize
 def build_datasets(cfg: JobConfig, tokenizer: Tokenizer, args: LlamaArgs, dims: ParallelDims,
                    rank: int, device, shard) -> tuple:
     """This rank's training batches, and the validation when [validation] enable."""
-    data_kwargs = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len,
-                       local_batch_size=cfg.training.local_batch_size, dp_rank=dims.dp_rank(rank),
-                       dp_world=dims.dp, seed=cfg.training.seed, max_token_id=args.vocab_size)
+    share = dict(tokenizer=tokenizer, dp_rank=dims.dp_rank(rank), dp_world=dims.dp,
+                 max_token_id=args.vocab_size)
     with config_checks():  # data mistakes (a wrong path, shards of another tokenizer) too
-        train_batches = build_data(cfg.data, split="train", **data_kwargs)
-        validation = (Validation(cfg, build_data(cfg.data, split="validation", **data_kwargs),
+        train_batches = build_data(cfg.data, cfg.training, split="train", **share)
+        validation = (Validation(cfg, build_data(cfg.data, cfg.training, split="validation", **share),
                                  tokenizer, args.vocab_size, device, shard)
                       if cfg.validation.enable else None)
     log(train_batches.describe())

@@ -33,14 +33,14 @@ if not __package__:  # run as a file: the repository root (components) is not im
 
 import numpy as np  # noqa: E402
 
-from components.config.schema import Data, MixtureSource  # noqa: E402
+from components.config.schema import Data, MixtureSource, Training  # noqa: E402
 from components.data.build import build_data  # noqa: E402
 from components.data.sources import embedded_corpus  # noqa: E402
 from components.data.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
 from components.data.shards import TokenShards  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from models import FLAVORS, flops_per_token  # noqa: E402
-from scripts.lib.prepare_shards import (file_units, listing, local_files, prepare,  # noqa: E402
+from scripts.lib.prepare_shards import (Plan, file_units, listing, local_files, prepare,  # noqa: E402
                                         settings_for, tokenizer_record, usable_cpus)
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 
@@ -167,8 +167,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     record = tokenizer_record(tokenizer, "hf", str(tokenizer_path))
     units = [u for n, p in enumerate(files) for u in file_units(n, p, 64 * 2**20)]
-    index = prepare(shards, units, settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)}),
-                    tokenizer, args.prepare_workers, files=listing(files), progress_bar=False, log=lambda _: None)
+    settings = settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)})
+    index = prepare(shards, Plan(units, settings, listing(files)), tokenizer, args.prepare_workers,
+                    progress_bar=False, log=lambda _: None)
     seconds = time.perf_counter() - start
     total = index["splits"]["train"]["tokens"] + index["splits"]["validation"]["tokens"]
     result["prepare"] = {"workers": args.prepare_workers, "seconds": seconds, "tokens": total,
@@ -176,13 +177,13 @@ def main(argv=None) -> int:
 
     def shard_loader(mixture=(), **kwargs):
         data = Data(source=str(shards), mixture=[MixtureSource(str(shards), w) for w in mixture])
-        return build_data(data, split="train", tokenizer=tokenizer, seq_len=args.seq_len,
-                          local_batch_size=args.batch, **kwargs)
+        return build_data(data, Training(seq_len=args.seq_len, local_batch_size=args.batch),
+                          split="train", tokenizer=tokenizer, **kwargs)
 
     def text_loader(workers: int):
         data = Data(source=str(files[0]), num_workers=workers, cache_dir=str(work / "cache"))
-        return build_data(data, split="train", tokenizer=tokenizer, seq_len=args.seq_len,
-                          local_batch_size=args.batch)
+        return build_data(data, Training(seq_len=args.seq_len, local_batch_size=args.batch),
+                          split="train", tokenizer=tokenizer)
 
     loaders = {"shards": lambda: shard_loader(),
                "shards, mixture of 2": lambda: shard_loader(mixture=(0.7, 0.3)),
@@ -266,8 +267,9 @@ def compare_libraries(work: Path, files: list[Path], tokenizer_path: Path, token
     shutil.rmtree(shards, ignore_errors=True)
     record = tokenizer_record(tokenizer, "hf", str(tokenizer_path))
     units = [u for n, p in enumerate(files) for u in file_units(n, p, 64 * 2**20)]
-    index = prepare(shards, units, settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)}),
-                    tokenizer, workers, files=listing(files), progress_bar=False, log=lambda _: None)
+    settings = settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)})
+    index = prepare(shards, Plan(units, settings, listing(files)), tokenizer, workers,
+                    progress_bar=False, log=lambda _: None)
     ours = {"prepare_s": time.perf_counter() - start,
             "tokens": index["splits"]["train"]["tokens"] + index["splits"]["validation"]["tokens"]}
     ours["read_tokens_per_s"] = timed(ShardBatches([TokenShards(shards)], [1.0], args.seq_len, args.batch, 0),

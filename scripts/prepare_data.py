@@ -28,8 +28,8 @@ if not __package__:  # run as a file: the repository root (components) is not im
 from components.data.checks import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
 from components.data.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
-from scripts.lib.prepare_shards import (PrepareError, file_units, hf_units, listing,  # noqa: E402
-                                        load_hf, local_files, prepare, settings_for,
+from scripts.lib.prepare_shards import (Plan, PrepareError, file_units, hf_units,  # noqa: E402
+                                        listing, load_hf, local_files, prepare, settings_for,
                                         tokenizer_record, usable_cpus)
 
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                       "rows_or_files": getattr(dataset, "num_rows", None) or dataset.num_shards}
         settings = settings_for(record, args.text_field, args.val_every, args.on_bad_document, unit_bytes,
                                 source)
-        index = prepare(args.out, units, settings, tokenizer, args.workers, files=files, dataset=dataset,
+        index = prepare(args.out, Plan(units, settings, files, dataset), tokenizer, args.workers,
                         progress_bar=not args.no_progress)
     except (PrepareError, ShardFormatError, ValueError, FileNotFoundError, MissingTextField) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from components.config.schema import Data
+from components.config.schema import Data, Training
 from components.data import checks as data_check, windows as data_windows
 from components.data.build import build_data
 from components.data.checks import BadDocumentError, MissingTextField
@@ -233,15 +233,15 @@ def test_stdlib_corpus_builds_offline_once_and_yields_windows(tmp_path):
 
     seq_len = 32
     stdlib = Data(source="stdlib", cache_dir=str(tmp_path / "a"), num_workers=0)
-    batches = build_data(stdlib, split="train", tokenizer=BYTE, seq_len=seq_len, local_batch_size=3,
-                         max_token_id=BYTE.vocab_size)
+    batches = build_data(stdlib, Training(seq_len=seq_len, local_batch_size=3), split="train",
+                         tokenizer=BYTE, max_token_id=BYTE.vocab_size)
     inputs, labels = next(batches)
     assert inputs.shape == labels.shape == (3, seq_len)
     expected = framed([r["text"] for i, r in enumerate(rows[:100]) if i % 100])[:3 * (seq_len + 1)]
     assert torch.cat([inputs, labels[:, -1:]], dim=1).flatten().tolist() == expected
 
-    validation = build_data(stdlib, split="validation", tokenizer=BYTE, seq_len=seq_len,
-                            local_batch_size=2)
+    validation = build_data(stdlib, Training(seq_len=seq_len, local_batch_size=2),
+                            split="validation", tokenizer=BYTE)
     assert next(validation)[0].tolist()[0][:seq_len] == framed([rows[0]["text"]])[:seq_len]
 
 

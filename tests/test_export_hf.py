@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import train  # noqa: E402
-from components.config.schema import Data, Loss  # noqa: E402
+from components.config.schema import Data, Loss, Training  # noqa: E402
 from components.data.build import build_data  # noqa: E402
 from components.data.document_tokens import frame_texts  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
@@ -432,8 +432,8 @@ def _project_loss(model: Llama, tokenizer, seq_len: int, tmp_path: Path) -> floa
     rows = [DOCUMENTS[0], "a training document", DOCUMENTS[1]]  # val_every 2: 0 and 2 held out
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
     data = Data(source=str(corpus), val_every=2, cache_dir=str(tmp_path / "cache"))
-    batches = build_data(data, split="validation", tokenizer=tokenizer, seq_len=seq_len,
-                         local_batch_size=1, max_token_id=model.args.vocab_size)
+    batches = build_data(data, Training(seq_len=seq_len, local_batch_size=1), split="validation",
+                         tokenizer=tokenizer, max_token_id=model.args.vocab_size)
     scored = ModelWithLoss(model, TrainingLoss(Loss(impl="unfused")))
     return train.evaluate(scored, batches, 1, torch.device("cpu"))["val_loss"]
 

@@ -393,11 +393,23 @@ def _locked(out: Path):
         lock.release(fd)
 
 
-def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: int, files: dict | None = None,
-            dataset=None, progress_bar: bool = True, log=print) -> dict:
+@dataclass
+class Plan:
+    """What a prepare run tokenizes: its units of work, the settings prepare.json records
+    (settings_for) and what the units read: the local files (their listing), or the Hugging
+    Face dataset."""
+    units: list[Unit]
+    settings: dict
+    files: dict | None = None
+    dataset: object = None
+
+
+def prepare(out: Path, plan: Plan, tokenizer, workers: int, progress_bar: bool = True,
+            log=print) -> dict:
     """Tokenize what is not done yet and write index.json; returns the index."""
+    settings = plan.settings
     with _locked(out):
-        units = reconcile(out, settings, units, files)
+        units = reconcile(out, settings, plan.units, plan.files)
         _clean_leftovers(out)
         done = {p.stem for p in (out / UNITS).glob("*.json")}
         todo = [u for u in units if u.name not in done]
@@ -411,7 +423,7 @@ def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: in
         if todo:
             log(f"{out}: {len(todo)} of {len(units)} units to tokenize with {min(workers, len(todo))} "
                 f"worker process(es)" + (f" ({len(units) - len(todo)} done before)" if done else ""))
-            _run(out, todo, settings, tokenizer, workers, dataset, progress_bar)
+            _run(out, todo, settings, tokenizer, workers, plan.dataset, progress_bar)
         index = write_index(out, units, settings)
         return index
 
