@@ -211,7 +211,7 @@ def test_modules_list_the_configs_choices():
     from components.config import schema as config
     from models import sdpa
     from parallelisms import activation_checkpoint, tp
-    from scripts import bench_train
+    from scripts.bench import train as bench_train
     args = typing.get_args
     assert loss.IMPLS == args(config.LossImpl)
     assert tokenizer.TOKENIZER_NAMES == args(config.TokenizerName)

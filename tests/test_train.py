@@ -280,13 +280,13 @@ def test_profiling_writes_a_trace(tmp_path):
     traces = list((dump / "profile_traces").glob("step-*/rank-0.json"))
     assert traces and json.loads(traces[0].read_text())["traceEvents"]
     # summarize_trace.py lists GPU kernels; a CPU trace has none, which it says.
-    summary = subprocess.run([sys.executable, str(ROOT / "scripts/summarize_trace.py"),
+    summary = subprocess.run([sys.executable, str(ROOT / "scripts/bench/summarize_trace.py"),
                               str(traces[0])], capture_output=True, text=True)
     assert summary.returncode != 0 and "no GPU kernel events" in summary.stderr
 
 
 def test_trace_summary_groups_kernels_by_name():
-    from scripts.summarize_trace import kernel_totals
+    from scripts.bench.summarize_trace import kernel_totals
     events = [{"ph": "X", "cat": "kernel", "name": "gemm_abc", "dur": 5.0},
               {"ph": "X", "cat": "kernel", "name": "gemm_abd", "dur": 2.5},
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9.0},

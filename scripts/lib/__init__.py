@@ -1,5 +1,5 @@
 """What the scripts share, imported as `scripts.lib.<module>` (the scripts run from the
-repository root as modules: `python3 -m scripts.bench_train`, see scripts/__init__.py).
+repository root as modules: `python3 -m scripts.bench.train`, see scripts/__init__.py).
 
     runs.py     trainer runs in their own process group: launch, stop, log tail, the rows of
                 metrics.jsonl, throughput over the measured windows, the run's status

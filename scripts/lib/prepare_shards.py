@@ -1,5 +1,5 @@
 """Raw documents to token shards (the format: components/data/shards.py), in parallel worker
-processes, resumably; scripts.prepare_data is the command line (scripts.bench_data times it).
+processes, resumably; scripts.prepare_data is the command line (scripts.bench.data times it).
 
 The work is cut into units: a byte range of a .jsonl file, some row groups of a .parquet file, a
 whole .json or .txt file, a range of rows of a Hugging Face dataset, a file of a streamed one.

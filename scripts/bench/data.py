@@ -3,7 +3,7 @@
 32k BPE tokenizer, 0..N tokenizer worker processes), against what one H200 consumes training the
 llama_150m flavor, and the time a loop consuming at that rate waits for data.
 
-    python3 -m scripts.bench_data --out benchmarks/data_loader_cpu [--workers 0,1,2] \\
+    python3 -m scripts.bench.data --out benchmarks/data_loader_cpu [--workers 0,1,2] \\
         [--corpus FILE_OR_FOLDER] [--tokenizer tokenizer.json] [--seq-len 2048 --batch 8] \\
         [--compare-libraries]
 
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root (components) is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.bench_data ...")
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.data ...")
 
 import numpy as np  # noqa: E402
 
@@ -50,7 +50,7 @@ SHARD_TARGET = 20  # shards must deliver this many times what one GPU consumes
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python3 -m scripts.bench_data", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.bench.data", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--out", required=True, help="OUT.json and OUT.md are written")
