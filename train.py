@@ -27,10 +27,10 @@ from torch.distributed.tensor import DTensor
 
 from components.bad_steps import BadSteps, too_many_bad_steps
 from components.checkpoint import Checkpointer, ResumePoint, find_resume_point, list_checkpoints
-from components.config.schema import ConfigError, JobConfig
+from components.config.docs import help_text
 from components.config.parse import (config_changes, config_checks, load_config, refusal_line,
                                      to_toml, wants_help)
-from components.config.docs import help_text
+from components.config.schema import ConfigError, JobConfig
 from components.data.build import build_data
 from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, convert_to_float8,
                                        ignored_settings)
