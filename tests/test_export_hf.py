@@ -188,6 +188,20 @@ def test_dcp_checkpoint_with_model_tensors_at_the_top_level(tmp_path):
         assert torch.equal(loaded[key], value), key
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_latest_step_is_chosen_by_the_trainers_rule(tmp_path):
+    """A folder of step-<N> folders is read as the trainer reads it (components.checkpoint's
+    list_checkpoints, weights only): a later folder DCP never finished is skipped and named."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": _trainer_state(_model(DEBUG))}, checkpoint_id=tmp_path / "step-2",
+             no_dist=True)
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / "__0_0.distcp").write_bytes(b"cut short")  # no .metadata
+    with pytest.warns(UserWarning, match="skipping incomplete checkpoint folder .*step-5"):
+        assert reader.resolve(tmp_path) == tmp_path / "step-2"
+
+
 def test_torch_save_of_a_full_trainer_state(tmp_path):
     model = _model(DEBUG)
     ckpt = tmp_path / "full.pt"
