@@ -26,12 +26,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from components.bad_steps import BadSteps, too_many_bad_steps
-from components.checkpoint import Checkpointer, list_checkpoints, step_to_load
-from components.config import (ConfigError, JobConfig, config_changes, config_checks,
-                               load_config, refusal_line, to_toml, wants_help)
-from components.config_docs import help_text
-from components.data import build_data
-from components.float8 import CONVERTER as FLOAT8, convert_to_float8, ignored_settings
+from components.checkpoint import Checkpointer, ResumePoint, find_resume_point, list_checkpoints
+from components.config.docs import help_text
+from components.config.parse import (config_changes, config_checks, load_config, refusal_line,
+                                     to_toml, wants_help)
+from components.config.schema import ConfigError, JobConfig
+from components.data.build import build_data
+from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, convert_to_float8,
+                                       ignored_settings)
 from components.initial_load import take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
@@ -39,9 +41,10 @@ from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_m
                                 peak_flops)
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
+from components.process import exit_process, process_group
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
-from components.tokenizer import build_tokenizer
+from components.tokenizer import Tokenizer, build_tokenizer
 from models import FLAVORS, Llama, LlamaArgs, flops_per_token, with_context
 from models.hf import load_hf_weights
 from models.sdpa import set_sdpa_backend
@@ -51,7 +54,6 @@ from parallelisms.context_parallel import NoSharding, SequenceSharding, check_co
 from parallelisms.fsdp import apply_fsdp, precompute_float8_scales
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
-from parallelisms.teardown import exit_process, note_process_group
 from parallelisms.tp import apply_tp, check_tp_degree
 
 
@@ -60,39 +62,20 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process. On CUDA even one
-    process gets a (single-rank) process group: FSDP then handles bf16 parameters uniformly.
-    device_type is [training] device: "auto" takes CUDA when there is one."""
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("[training] device = \"cuda\", but torch sees no CUDA device")
-    cuda = device_type != "cpu" and torch.cuda.is_available()
-    if "RANK" in os.environ:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-        note_process_group(dist.get_backend(), dist.get_world_size())
-        return dist.get_rank(), dist.get_world_size(), device
-    if cuda:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-        return 0, 1, torch.device("cuda", 0)
-    return 0, 1, torch.device("cpu")
-
-
-def model_args(cfg: JobConfig, vocab_floor: int, dims: ParallelDims) -> LlamaArgs:
-    """The flavor's shape with [model] vocab_size, checked against the tokenizer, seq_len and
-    the TP degree."""
+def model_args(cfg: JobConfig, vocab_floor: int = 0, dims: ParallelDims | None = None
+               ) -> LlamaArgs:
+    """The model a run trains: the flavor's shape with [model] vocab_size, max_seq_len and
+    rope_scaling_factor (scripts/lib/checkpoints.py rebuilds a run's model with it), checked
+    against seq_len, the tokenizer's vocab_floor ids and, given dims, the TP and CP degrees."""
     if cfg.model.flavor not in FLAVORS:
         raise ConfigError(f"[model] flavor = {cfg.model.flavor!r}: expected one of the "
                           f"{cfg.model.name} flavors {list(FLAVORS)}")
     args = FLAVORS[cfg.model.flavor]
     args = with_context(dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size),
                         cfg.model.max_seq_len, cfg.model.rope_scaling_factor)
-    check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
-    check_context_parallel(dims.cp, dims.tp, cfg.training.seq_len, cfg.model.sdpa_backend)
+    if dims is not None:
+        check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
+        check_context_parallel(dims.cp, dims.tp, cfg.training.seq_len, cfg.model.sdpa_backend)
     if cfg.training.seq_len > args.max_seq_len:
         whose = "" if cfg.model.max_seq_len else f" (the {cfg.model.flavor} flavor's)"
         raise ConfigError(f"[training] seq_len = {cfg.training.seq_len} exceeds [model] "
@@ -106,9 +89,10 @@ def model_args(cfg: JobConfig, vocab_floor: int, dims: ParallelDims) -> LlamaArg
     return args
 
 
-def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: ParallelDims,
-                mesh=None):
-    args = model_args(cfg, vocab_floor, dims)
+def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, dims: ParallelDims,
+                mesh=None) -> ModelWithLoss:
+    """The model of args (model_args(): checked) with the configured loss, converted, parallelised
+    and initialised in torchtitan's order."""
     set_sdpa_backend(cfg.model.sdpa_backend, device)  # before compile traces the attention
     with torch.device("meta"):
         model = ModelWithLoss(Llama(args, seq_len=cfg.training.seq_len), TrainingLoss(cfg.loss))
@@ -118,14 +102,14 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
     if mesh is None and dist.is_initialized():
         mesh = dims.build_mesh(device.type)
     float8 = cfg.quantize.linear.float8
-    if FLOAT8 in cfg.model.converters:
+    if FLOAT8_CONVERTER in cfg.model.converters:
         # the loss takes output.weight itself: a Float8Linear there would never run as one
         done = convert_to_float8(model.model, float8, device, fsdp=mesh is not None,
                                  keep={"output": "the loss reads its weight directly"})
         log(done.summary())
     elif ignored_settings(float8):
         log(f"warning: [quantize.linear.float8] sets {', '.join(ignored_settings(float8))}, but "
-            f"[model] converters does not list {FLOAT8!r}: float8 is off")
+            f"[model] converters does not list {FLOAT8_CONVERTER!r}: float8 is off")
     if mesh is not None and dims.tp > 1:
         apply_tp(model, mesh["tp"], cfg.loss.parallel)
     apply_activation_checkpointing(model.model, cfg.activation_checkpoint.mode,
@@ -143,7 +127,7 @@ def build_model(cfg: JobConfig, vocab_floor: int, device: torch.device, dims: Pa
     model.to_empty(device=device)
     torch.manual_seed(cfg.training.seed)
     init_as_on_one_device(model, model.model.init_weights)  # the same weights for any layout
-    return model, args
+    return model
 
 
 def grad_norm_and_clip(params: list, max_norm: float) -> torch.Tensor:
@@ -175,6 +159,18 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# The tensor- and context-parallel ranks of a data-parallel rank all read the same batch
+# (dims.same_batch = tp x cp of them), so a sum over the world counts what each of them holds
+# whole that many times, and a device trains on its share of the batch's tokens:
+# - the labels: every one of them holds all of the batch's, so token counts are divided by
+#   dims.same_batch (shard.degree, the cp degree, where the tp repeats cancel in a ratio);
+# - the loss: each tp rank ends with the whole loss of its part of the sequences (the parallel
+#   loss styles reduce over tp), and the cp ranks' parts add up, so the loss is divided by dims.tp.
+def once_per_batch(total, shared_by: int):
+    """total counted once where shared_by ranks each counted it (see above); an int stays one."""
+    return total // shared_by if isinstance(total, int) else total / shared_by
+
+
 def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | None = None,
              shard=NoSharding()) -> dict:
     """val_loss: the mean cross-entropy per token over `steps` held-out batches (all ranks;
@@ -199,36 +195,35 @@ def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | Non
     total = torch.cat([total, torch.tensor([n_bytes], dtype=torch.float64, device=device)])
     nats, tokens, n_bytes = all_reduce_sum(total).tolist()
     # the cp ranks of a batch each scored a part of it but counted all of its tokens and bytes
-    tokens, n_bytes = tokens / shard.degree, n_bytes / shard.degree
+    tokens, n_bytes = once_per_batch(tokens, shard.degree), once_per_batch(n_bytes, shard.degree)
     metrics = {"val_loss": nats / max(tokens, 1)}
     if token_bytes is not None and n_bytes > 0:
         metrics["val_bpb"] = bits_per_byte(nats, n_bytes)
     return metrics
 
 
-def warn_if_read_more_than_once(val_batches, cfg: JobConfig, device) -> bool:
+def warn_if_read_more_than_once(val_batches, steps: int, device) -> bool:
     """After an evaluation: warn when it read its validation split more than once on any rank
     (its numbers then weigh the repeated windows twice)."""
     repeated = val_batches.read_more_than_once()
     anywhere = all_reduce_sum(torch.tensor([float(bool(repeated))], device=device)).item() > 0
     if anywhere:
-        log(f"warning: [validation] steps = {cfg.validation.steps} batches read more than the "
+        log(f"warning: [validation] steps = {steps} batches read more than the "
             f"validation split holds ({', '.join(repeated) or 'on another rank'}): every "
             "evaluation scores some windows more than once; fewer steps would not")
     return anywhere
 
 
 def train_step(model, micro, optimizer, scheduler, params, max_norm: float, same_batch: int,
-               device, poison: bool = False, shard=NoSharding()):
+               device, shard=NoSharding()):
     """One optimizer step over the micro-batches. Returns the loss, the gradient norm and
     whether either is non-finite, as device tensors: nothing here waits for the GPU.
     same_batch: ranks that read each batch (tensor x context parallel); shard: context
-    parallelism's, around each forward and backward.
-    poison (tests only, FLCE_TEST_NAN_STEPS) makes the loss NaN, as a bad batch would."""
+    parallelism's, around each forward and backward."""
     # The loss is a sum over tokens divided by the global count of non-ignored tokens, so
     # micro-batches and ranks add up to the exact global mean (one all-reduce a step).
     count = sum((labels != IGNORE_INDEX).sum() for _, labels in micro).to(device).float()
-    normalizer = (all_reduce_sum(count) / same_batch).clamp(min=1)
+    normalizer = once_per_batch(all_reduce_sum(count), same_batch).clamp(min=1)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(micro):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce on the last micro-batch
@@ -236,8 +231,6 @@ def train_step(model, micro, optimizer, scheduler, params, max_norm: float, same
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with shard(inputs, labels):  # context parallelism: this rank's part of the sequences
             loss = model(inputs, labels, normalizer)
-            if poison:
-                loss = loss * float("nan")
             loss.backward()
         loss_sum += loss.detach()
     norm = grad_norm_and_clip(params, max_norm)
@@ -313,23 +306,18 @@ def main(argv=None) -> int:
         return 0
     cfg = load_config(argv)
     # From here on a stop signal is remembered: it takes effect after the first training step.
-    with StopRequest(saves=cfg.checkpoint.enable) as stop:
-        rank, world, device = init_distributed(cfg.training.device)
-        finished = False
-        try:
-            with dump_folder_lock(cfg.job.dump_folder, rank):  # before anything is written there
-                exit_code = train(cfg, rank, world, device, stop)
-            finished = True
-            return exit_code
-        finally:  # also after an error: the next main() in this process can initialise again
-            if dist.is_initialized():
-                if finished:  # no rank tears gloo down while another talks to it (seen to abort)
-                    dist.barrier()
-                dist.destroy_process_group()
+    with StopRequest(saves=cfg.checkpoint.enable) as stop, \
+            process_group(cfg.training.device) as (rank, world, device), \
+            dump_folder_lock(cfg.job.dump_folder, rank):  # before anything is written there
+        return train(cfg, rank, world, device, stop)
 
 
-def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: StopRequest) -> int:
-    started = time.monotonic()
+def check_before_building(cfg: JobConfig, rank: int, world: int
+                          ) -> tuple[ParallelDims, Tokenizer, LlamaArgs, object, ResumePoint]:
+    """What would otherwise fail only after the model is built, as config errors (one line, exit
+    2): the parallel degrees, the tokenizer, the optimizer and schedule settings, the checkpoint
+    to resume, the metrics backends and the model's shape. Records the config (rank 0 writes
+    <dump_folder>/config.toml) once it is complete."""
     with config_checks():
         dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                     cfg.parallelism.data_parallel_shard_degree,
@@ -344,108 +332,156 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
         (dump / "config.toml").write_text(to_toml(cfg))
         if cfg.job.print_config:
             print(to_toml(cfg), flush=True)
-
-    with config_checks():  # what would otherwise fail only after the model is built
+    with config_checks():
         tokenizer = build_tokenizer(cfg.tokenizer.name, cfg.tokenizer.path or None,
                                     cfg.tokenizer.bos_token or None,
                                     cfg.tokenizer.eos_token or None, log=log)
         check_optimizer_settings(cfg.optimizer)
         schedule, schedule_note = fit_lr_schedule(cfg.lr_scheduler, cfg.training.steps)
-        if cfg.checkpoint.enable:  # as ckpt.load() below
-            step_to_load(cfg.checkpoint, dump / cfg.checkpoint.folder)
+        resume = find_resume_point(cfg.checkpoint, dump / cfg.checkpoint.folder)
         check_metrics_backends(cfg.metrics)
-        model_args(cfg, tokenizer.vocab_size, dims)
+        args = model_args(cfg, tokenizer.vocab_size, dims)
     if schedule_note:
         log(schedule_note)
-    mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
-    model, args = build_model(cfg, tokenizer.vocab_size, device, dims, mesh)
-    shard = (SequenceSharding(mesh["cp"], model.model, cfg.parallelism.context_parallel_rotate_method)
-             if dims.cp > 1 else NoSharding())
-    params = [p for p in model.parameters() if p.requires_grad]
+    return dims, tokenizer, args, schedule, resume
+
+
+def log_run(cfg: JobConfig, params: list, world: int, dims: ParallelDims, device) -> None:
     if cfg.job.description:
         log(f"run: {cfg.job.description}")
     log(f"model {cfg.model.name} {cfg.model.flavor}: {sum(p.numel() for p in params):,} "
         f"parameters, loss {cfg.loss.impl}, world {world} (dp_replicate {dims.dp_replicate}, dp_shard "
         f"{dims.dp_shard}, tp {dims.tp}" + (f", cp {dims.cp}" if dims.cp > 1 else "")
         + f"), device {device.type}")
+
+
+class Validation:
+    """[validation]: the loss (and bits per byte) on the same held-out batches every freq steps
+    and at the last step, so that validation losses compare."""
+
+    def __init__(self, cfg: JobConfig, batches, tokenizer: Tokenizer, vocab_size: int, device,
+                 shard):
+        self.batches, self.device, self.shard = batches, device, shard
+        self.steps, self.freq, self.last_step = (cfg.validation.steps, cfg.validation.freq,
+                                                 cfg.training.steps)
+        self.start = batches.state_dict()  # every evaluation starts here
+        # UTF-8 bytes per token id for bits per byte (ids past the tokenizer's: padding, 0 bytes)
+        self.token_bytes = None
+        if not cfg.data.synthetic:
+            lengths = tokenizer.byte_lengths()
+            self.token_bytes = torch.tensor(lengths + [0] * (vocab_size - len(lengths)))
+        self.repeats_checked = False
+
+    def due(self, step: int) -> bool:
+        return step % self.freq == 0 or step == self.last_step
+
+    def run(self, model, step: int, metrics: MetricsLogger) -> None:
+        """Evaluate and log; after the first evaluation, warn if it read a batch twice (every
+        evaluation reads the same ones)."""
+        self.batches.load_state_dict(self.start)
+        metrics.log(step, evaluate(model, self.batches, self.steps, self.device, self.token_bytes,
+                                   self.shard))
+        if not self.repeats_checked:
+            self.repeats_checked = True
+            warn_if_read_more_than_once(self.batches, self.steps, self.device)
+
+
+def nan_loss_at_test_steps(model: torch.nn.Module, scheduler) -> None:
+    """Test-only fault injection (tests/test_train.py): FLCE_TEST_NAN_STEPS=2,5 makes the training
+    loss NaN at those steps, as a bad batch would. Without it (always outside the tests) nothing is
+    installed. The step is the schedule's: scheduler.step() runs once a step, bad steps too."""
+    steps = {int(s) for s in os.environ.get("FLCE_TEST_NAN_STEPS", "").split(",") if s.strip()}
+    if steps:
+        model.register_forward_hook(lambda module, args, loss: loss * float("nan") if (
+            module.training and scheduler.last_epoch + 1 in steps) else None)
+
+
+def resume_run(cfg: JobConfig, ckpt: Checkpointer, resume: ResumePoint, optimizer,
+               scheduler) -> tuple[int, int]:
+    """(the first step to train, the tokens seen before it): after the resumed checkpoint, if
+    any; initial_load_path's weights start at step 1."""
+    if not (cfg.checkpoint.enable or cfg.checkpoint.initial_load_path):
+        return 1, 0
+    configured = hyperparameters(optimizer)
+    with config_checks():  # e.g. an initial_load_path of another vocabulary
+        resumed = ckpt.load(resume)
+    if resumed is None:
+        return 1, 0
+    # The checkpoint brings back its run's lr, betas, eps, weight decay and base lrs with the
+    # optimizer state; this run's config wins (the moments and step counts stay).
+    restore_hyperparameters(optimizer, scheduler, configured)
+    log_resume(ckpt.folder / f"step-{resumed.step}", cfg)
+    return resumed.step + 1, resumed.tokens_seen
+
+
+def build_datasets(cfg: JobConfig, tokenizer: Tokenizer, args: LlamaArgs, dims: ParallelDims,
+                   rank: int, device, shard) -> tuple:
+    """This rank's training batches, and the validation when [validation] enable."""
+    share = dict(tokenizer=tokenizer, dp_rank=dims.dp_rank(rank), dp_world=dims.dp,
+                 max_token_id=args.vocab_size)
+    with config_checks():  # data mistakes (a wrong path, shards of another tokenizer) too
+        train_batches = build_data(cfg.data, cfg.training, split="train", **share)
+        validation = (Validation(cfg, build_data(cfg.data, cfg.training, split="validation", **share),
+                                 tokenizer, args.vocab_size, device, shard)
+                      if cfg.validation.enable else None)
+    log(train_batches.describe())
+    return train_batches, validation
+
+
+def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: StopRequest) -> int:
+    started = time.monotonic()
+    dims, tokenizer, args, schedule, resume = check_before_building(cfg, rank, world)
+    mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
+    model = build_model(cfg, args, device, dims, mesh)
+    shard = (SequenceSharding(mesh["cp"], model.model, cfg.parallelism.context_parallel_rotate_method)
+             if dims.cp > 1 else NoSharding())
+    params = [p for p in model.parameters() if p.requires_grad]
+    log_run(cfg, params, world, dims, device)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_schedule(optimizer, schedule, cfg.training.steps)
-    data_kwargs = dict(tokenizer=tokenizer, seq_len=cfg.training.seq_len,
-                       local_batch_size=cfg.training.local_batch_size, dp_rank=dims.dp_rank(rank),
-                       dp_world=dims.dp, seed=cfg.training.seed, max_token_id=args.vocab_size)
-    with config_checks():  # data mistakes (a wrong path, shards of another tokenizer) too
-        train_batches = build_data(cfg.data, split="train", **data_kwargs)
-        val_batches = (build_data(cfg.data, split="validation", **data_kwargs)
-                       if cfg.validation.enable else None)
-    log(train_batches.describe())
+    nan_loss_at_test_steps(model, scheduler)
+    train_batches, validation = build_datasets(cfg, tokenizer, args, dims, rank, device, shard)
     train_iter = iter(train_batches)
-    # Every evaluation scores the same held-out batches, so validation losses are comparable.
-    val_start = val_batches.state_dict() if val_batches is not None else None
-    # UTF-8 bytes per token id for bits per byte (ids past the tokenizer's: padding, 0 bytes)
-    token_bytes = None
-    if val_batches is not None and not cfg.data.synthetic:
-        lengths = tokenizer.byte_lengths()
-        token_bytes = torch.tensor(lengths + [0] * (args.vocab_size - len(lengths)))
-
-    accum = cfg.training.gradient_accumulation_steps
-    ckpt = Checkpointer(cfg.checkpoint, dump, model, optimizer, scheduler, train_batches, accum,
-                        rank, to_toml(cfg), read_hf_folder=lambda folder: {
+    ckpt = Checkpointer(cfg, model, optimizer, scheduler, train_batches, rank, dims.dp_rank(rank),
+                        read_hf_folder=lambda folder: {
                             f"model.{k}": v for k, v in load_hf_weights(folder, args).items()},
-                        dp_rank=dims.dp_rank(rank),
                         tokenizer={"fingerprint": tokenizer.fingerprint(),
                                    "vocab_size": tokenizer.vocab_size})
-    if cfg.checkpoint.async_mode == "async":  # its saves use a gloo group of their own
-        note_process_group("gloo", world)
-    start_step, tokens_seen = 1, 0
-    if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:
-        configured = hyperparameters(optimizer)
-        with config_checks():  # e.g. an initial_load_path of another vocabulary
-            resumed = ckpt.load()
-        if resumed is not None:
-            # The checkpoint brings back its run's lr, betas, eps, weight decay and base lrs with
-            # the optimizer state; this run's config wins (the moments and step counts stay).
-            restore_hyperparameters(optimizer, scheduler, configured)
-            start_step, tokens_seen = resumed.step + 1, resumed.tokens_seen
-            log_resume(ckpt.folder / f"step-{resumed.step}", cfg)
+    start_step, tokens_seen = resume_run(cfg, ckpt, resume, optimizer, scheduler)
     # Not an optimizer step hook: loading a checkpoint runs a dummy optimizer step before the
     # weights are loaded, which would leave scales of the old weights for the first step.
-    precompute_float8 = (FLOAT8 in cfg.model.converters
+    precompute_float8 = (FLOAT8_CONVERTER in cfg.model.converters
                          and cfg.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
-
+    dump = Path(cfg.job.dump_folder)
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics, config=cfg.to_dict(),
-                            notes=cfg.job.description, resumed=start_step > 1)
+                            notes=cfg.job.description, first_step=start_step)
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     bad_steps = BadSteps(device, start_step)
-    # Test-only fault injection: a NaN loss at these steps (comma-separated), as a bad batch gives.
-    poisoned = {int(s) for s in os.environ.get("FLCE_TEST_NAN_STEPS", "").split(",") if s.strip()}
     exit_code, run_tokens, step = 0, 0, start_step - 1
-    val_repeats = None
     with maybe_profile(cfg.profiling, dump, rank) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
             with meter.waiting_for_data():
-                micro = [next(train_iter) for _ in range(accum)]
+                micro = [next(train_iter) for _ in range(cfg.training.gradient_accumulation_steps)]
             lr = optimizer.param_groups[0]["lr"]  # this step's (train_step moves the schedule on)
             loss, norm, bad = train_step(model, micro, optimizer, scheduler, params,
-                                         cfg.training.max_norm, dims.same_batch, device,
-                                         poison=step in poisoned, shard=shard)
+                                         cfg.training.max_norm, dims.same_batch, device, shard)
             if precompute_float8:  # the next float8 all-gathers' scales, in one all-reduce
                 precompute_float8_scales(model)
             bad_steps.update(bad, step)
-            step_tokens = sum(inputs.numel() for inputs, _ in micro) // dims.same_batch
+            step_tokens = once_per_batch(sum(x.numel() for x, _ in micro), dims.same_batch)
             meter.step_done(step_tokens)
             tokens_seen += step_tokens * world
             run_tokens += step_tokens * world
             if profiler is not None:
                 profiler.step()
-
-            last = step == cfg.training.steps
-            log_step = step % cfg.metrics.log_freq == 0 or step == start_step or last
-            save_step = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0
-                                                              or last)
-            stopping = (log_step or world == 1) and stop.agreed(device)
-            if log_step or save_step or stopping:  # the host syncs on these steps anyway
+            logs = metrics.logs_at(step)
+            stopping = stop.agreed(device, ranks_talk=logs)  # all-reduces on log steps only
+            saves = ckpt.saves_at(step, stopping)
+            # The host waits for the device on these steps only, and every rank takes part in
+            # their collectives (bad step counts, a failed async save): the same steps on all.
+            if logs or saves or stopping:
                 counts = bad_steps.read(step)
-                metrics.log(step, {"loss": all_reduce_sum(loss).item() / dims.tp,
+                metrics.log(step, {"loss": once_per_batch(all_reduce_sum(loss).item(), dims.tp),
                                    "grad_norm": norm.item(), "lr": lr, **meter.read(),
                                    "bad_steps": counts["total"],
                                    "skipped_steps_since_last_log": counts["since_read"]})
@@ -453,26 +489,20 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                     exit_code = 1
                     break
                 ckpt.raise_if_async_save_failed(device)
-            if save_step or (stopping and cfg.checkpoint.enable):
+            if saves:
                 ckpt.save(step, tokens_seen)
                 meter.reset()
             if stopping:
-                log(f"received {stop.signal_name or 'a stop request on another rank'}: stopped "
-                    f"after step {step}" + (f", checkpoint in {ckpt.folder}/step-{step}; the same "
-                                            "command resumes" if cfg.checkpoint.enable else ""))
+                log(stop.stopped_line(step, ckpt.folder / f"step-{step}" if saves else None))
                 break
-            if val_batches is not None and (step % cfg.validation.freq == 0 or last):
-                val_batches.load_state_dict(val_start)
-                metrics.log(step, evaluate(model, val_batches, cfg.validation.steps, device,
-                                           token_bytes, shard))
-                if val_repeats is None:  # the first evaluation: the same batches every time
-                    val_repeats = warn_if_read_more_than_once(val_batches, cfg, device)
+            if validation is not None and validation.due(step):
+                validation.run(model, step, metrics)
                 meter.reset()  # evaluation time is not training time
     ckpt.wait()
     metrics.close()
-    for batches in (train_batches, val_batches):  # their threads and tokenizer workers
-        if batches is not None:
-            batches.close()
+    train_batches.close()  # its thread and tokenizer workers
+    if validation is not None:
+        validation.batches.close()
     if rank == 0:
         log_summary(cfg, started, start_step, step, run_tokens, tokens_seen, metrics, ckpt)
     return exit_code

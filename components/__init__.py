@@ -1,1 +1,15 @@
-"""Training-loop building blocks: optimizer, learning-rate schedule, metrics."""
+"""The recipe's building blocks, each taking its config section.
+
+    config/        the config: schema, parser and writer, --help and docs/config.md
+    data/          training data, from a source to batches
+    tokenizer.py   the byte tokenizer and Hugging Face tokenizers
+    loss.py        [loss] impl: the training loss and the module joining it to the model
+    optim.py       AdamW and the learning-rate schedule
+    metrics.py     what a step achieved and where it is recorded; bad_steps.py: non-finite steps
+    checkpoint.py  DCP checkpoints (checkpoint_manifest.py: checksums; safe_dcp.py: loading
+                   without running code; initial_load.py: settings from initial_load_path)
+    float8_linear.py  linear layers converted to torchao's float8
+    lock.py, stop_request.py, process.py  the run's lifetime: the dump folder's lock, stop
+                   signals, the process group and the process's exit
+    profiling.py   the torch profiler, when [profiling] asks for it
+"""

@@ -6,7 +6,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from components.config import Training
+from components.config.schema import Training
 
 
 class BadSteps:

@@ -54,8 +54,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from components import safe_dcp
 from components.checkpoint_manifest import ChecksummingWriter, find_damage
-from components.config import Checkpoint
-from components.float8 import plain_weights
+from components.config.schema import Checkpoint, JobConfig
+from components.config.parse import to_toml
+from components.float8_linear import plain_weights
+from components.process import note_process_group
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -132,18 +134,26 @@ def _save_failed(final: Path, error: BaseException) -> RuntimeError:
                         "filesystem. The checkpoints committed before it are intact")
 
 
-def _is_complete(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / "train_state.json").is_file()
+def is_complete(path: Path, resumable: bool = True) -> bool:
+    """Whether a step folder holds a whole checkpoint: DCP writes .metadata last, once every
+    rank's files are written (and this trainer commits a save by renaming the folder after
+    that). Resuming also needs train_state.json (step, tokens, schedule), which this trainer
+    writes before .metadata; with resumable=False a folder of model weights alone (another
+    trainer's: torchtitan's) counts too, for what reads only the model
+    (scripts/lib/checkpoints.py)."""
+    return (path / ".metadata").is_file() and (not resumable
+                                               or (path / "train_state.json").is_file())
 
 
-def list_checkpoints(folder: Path) -> dict[int, Path]:
-    """Complete checkpoints by step; incomplete step folders are skipped with a warning."""
+def list_checkpoints(folder: Path, resumable: bool = True) -> dict[int, Path]:
+    """Complete checkpoints (is_complete) by step; incomplete step folders are skipped with a
+    warning."""
     found = {}
     if not folder.is_dir():
         return found
     for path in sorted(folder.iterdir()):
         match = STEP_DIR.match(path.name)
-        if match and _is_complete(path):
+        if match and is_complete(path, resumable):
             found[int(match.group(1))] = path
         elif path.is_dir() and path.name.startswith("step-"):
             warnings.warn(f"skipping incomplete checkpoint folder {path}")
@@ -196,31 +206,64 @@ def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]]
     return None
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run resumes: the step ([checkpoint] load_step; None: none) and the complete
+    checkpoints it was chosen among. Found once, before the model is built, so that a wrong
+    load_step fails fast; Checkpointer.load() then resumes from it (the run lock keeps other runs
+    out of the folder in between)."""
+    step: Optional[int]
+    found: dict[int, Path]
+
+
+def find_resume_point(cfg: Checkpoint, folder: Path) -> ResumePoint:
+    """The step to resume from and the checkpoints found; none with [checkpoint] enable = false
+    (such a run neither saves nor resumes)."""
+    if not cfg.enable:
+        return ResumePoint(None, {})
+    found = list_checkpoints(folder)
+    return ResumePoint(step_to_load(cfg, folder, found), found)
+
+
 class Checkpointer:
-    def __init__(self, cfg: Checkpoint, dump_folder: Path, model, optimizer, scheduler, data,
-                 batches_per_step: int, rank: int, config_toml: str,
+    def __init__(self, cfg: JobConfig, model, optimizer, scheduler, data, rank: int,
+                 dp_rank: Optional[int] = None,
                  read_hf_folder: Optional[Callable[[Path], dict]] = None,
-                 dp_rank: Optional[int] = None, tokenizer: Optional[dict] = None):
-        """read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
+                 tokenizer: Optional[dict] = None):
+        """cfg: the run's config. Its [checkpoint] section says where, when and how to save;
+        the dump folder holds the checkpoint folder; each save keeps the whole config (config.toml)
+        and resumes the data at [training] gradient_accumulation_steps batches a step.
+        model, optimizer, scheduler, data: what a checkpoint saves and restores.
+        read_hf_folder: reads a Hugging Face model folder (initial_load_path) as full tensors
         named as in get_model_state_dict(model); the trainer passes models/hf.py's reader.
         dp_rank: this rank's data-parallel rank, whose saved data state it resumes (None: the
         state of the same global rank).
         tokenizer: {"fingerprint", "vocab_size"} of the run's tokenizer, kept in train_state.json
         so that generate/evaluate can refuse another vocabulary (scripts/lib/checkpoints.py)."""
-        self.cfg = cfg
+        self.cfg = cfg.checkpoint
         self.tokenizer = tokenizer
         self.read_hf_folder = read_hf_folder
-        self.folder = Path(dump_folder) / cfg.folder
+        self.folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
         self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
-        self.batches_per_step = batches_per_step
+        self.batches_per_step = cfg.training.gradient_accumulation_steps
+        self.last_step = cfg.training.steps
         self.rank = rank
         self.dp_rank = dp_rank
-        self.config_toml = config_toml
+        self.config_toml = to_toml(cfg)
         self._pending: Optional[Future] = None  # an async save's commit
         # An async save finishes with collectives in a background thread: they get a group of
         # their own so they never interleave with the training's collectives.
-        self._async_group = (dist.new_group(backend="gloo")
-                             if cfg.async_mode == "async" and dist.is_initialized() else None)
+        self._async_group = None
+        if self.cfg.async_mode == "async" and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+            note_process_group("gloo", dist.get_world_size())  # see components/process.py
+
+    def saves_at(self, step: int, stopping: bool = False) -> bool:
+        """Whether this step ends with a save: every [checkpoint] interval steps, at the last
+        step, and when the run stops early (a stop signal); never with [checkpoint] enable =
+        false. The same answer on every rank."""
+        return self.cfg.enable and (stopping or step % self.cfg.interval == 0
+                                    or step == self.last_step)
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -347,17 +390,14 @@ class Checkpointer:
             _fault_point("mid_prune", newest)
             shutil.rmtree(doomed)
 
-    def load(self) -> Optional[TrainState]:
-        """Resume from load_step (-1: the latest) if there is a checkpoint, else start from
-        initial_load_path's model weights if given. Returns the state to resume at, or None.
-        With [checkpoint] enable = false a run neither saves nor resumes: step folders an
-        earlier run left in the dump folder are not this run's (initial_load_path still
-        loads)."""
+    def load(self, resume: ResumePoint) -> Optional[TrainState]:
+        """Resume from the resume point (find_resume_point: load_step, -1 the latest) if it has
+        a step, else start from initial_load_path's model weights if given. Returns the state
+        to resume at, or None. With [checkpoint] enable = false a run neither saves nor
+        resumes: step folders an earlier run left in the dump folder are not this run's
+        (initial_load_path still loads)."""
         resumed = None
-        step = None
-        if self.cfg.enable:
-            found = list_checkpoints(self.folder)
-            step = step_to_load(self.cfg, self.folder, found)
+        step, found = resume.step, resume.found
         if step is not None:
             if self.cfg.load_step >= 0 and step != self.cfg.load_step and self.rank == 0:
                 print(f"[checkpoint] load_step = {self.cfg.load_step} was passed: a run with this "

@@ -10,7 +10,7 @@ from typing import Callable
 
 import tokenizers
 
-from components.config import JobConfig, Tokenizer
+from components.config.schema import JobConfig, Tokenizer
 from components.tokenizer import TOKENIZER_FILE, byte_tokenizer_json
 from models import hf
 

@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 from torch import Tensor, nn
 
 import flce
-from components.config import Loss, LossImpl
+from components.config.schema import Loss, LossImpl
 
 IGNORE_INDEX = -100
 IMPLS = typing.get_args(LossImpl)

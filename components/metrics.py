@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from components.config import Metrics, WandbMode
+from components.config.schema import Metrics, WandbMode
 
 GIB = 2**30
 
@@ -208,13 +208,15 @@ class MetricsLogger:
     the two runs' lines never mix (and nothing is lost). Non-finite values are written as null
     there, to keep each line valid JSON; stdout, wandb and TensorBoard get them as they are.
     `last` and `lowest` hold each metric's latest and lowest (step, value), for the summary.
+    logs_at() says which steps the trainer logs: every [metrics] log_freq steps, the run's first
+    step (first_step) and its last (total_steps).
     cfg is the [metrics] section; config (the whole resolved config, a dict) and notes ([job]
     description) go to wandb with the run.
     """
 
     def __init__(self, dump_folder: str | Path, rank: int, total_steps: int,
                  cfg: Metrics | None = None, config: dict | None = None, notes: str = "",
-                 resumed: bool = False) -> None:
+                 resumed: bool = False, first_step: int = 1) -> None:
         cfg = Metrics() if cfg is None else cfg
         if cfg.wandb_mode not in WANDB_MODES:
             raise ValueError(f"[metrics] wandb_mode={cfg.wandb_mode!r}: expected one of "
@@ -222,6 +224,9 @@ class MetricsLogger:
         self.dump_folder = Path(dump_folder)
         self.rank = rank
         self.total_steps = total_steps
+        self.log_freq = cfg.log_freq
+        self.first_step = first_step
+        resumed = resumed or first_step > 1
         self.enabled = rank == 0
         self._jsonl = None
         self._wandb_run = None
@@ -277,6 +282,10 @@ class MetricsLogger:
         SummaryWriter = _import_summary_writer()  # noqa: N806 (a class)
         self.tensorboard_dir = self.dump_folder / "tb"
         return SummaryWriter(log_dir=str(self.tensorboard_dir))
+
+    def logs_at(self, step: int) -> bool:
+        """Whether the trainer logs this step (the same answer on every rank)."""
+        return step % self.log_freq == 0 or step == self.first_step or step == self.total_steps
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step's metrics: values are numbers or 0-dim tensors; None means absent."""

@@ -7,7 +7,7 @@ import typing
 
 import torch
 
-from components.config import DecayType, LRScheduler, Optimizer, OptimizerImplementation
+from components.config.schema import DecayType, LRScheduler, Optimizer, OptimizerImplementation
 
 IMPLEMENTATIONS = typing.get_args(OptimizerImplementation)
 DECAY_TYPES = typing.get_args(DecayType)

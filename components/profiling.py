@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from components.config import Profiling
+from components.config.schema import Profiling
 
 
 @contextmanager

@@ -56,12 +56,26 @@ class StopRequest:
                              "Ctrl-C again aborts at once\n").encode())
         self.signal_name = signal.Signals(signum).name
 
-    def agreed(self, device) -> bool:
+    def stopped_line(self, step: int, checkpoint=None) -> str:
+        """What the run says when it stops for the request, after step (and the checkpoint it
+        saved there, if any)."""
+        return (f"received {self.signal_name or 'a stop request on another rank'}: stopped after "
+                f"step {step}" + (f", checkpoint in {checkpoint}; the same command resumes"
+                                  if checkpoint is not None else ""))
+
+    def agreed(self, device, ranks_talk: bool = True) -> bool:
+        """Whether to stop after this step. Every rank calls it after every step, with the same
+        ranks_talk. One process answers from its own signals at once. Several must agree (a
+        signal may reach some ranks only): in one all-reduce, which runs only where ranks_talk
+        (the trainer passes its log steps, where the host waits for the device anyway); on the
+        other steps the answer is False, and a signal takes effect at the next log step."""
         import torch
         import torch.distributed as dist
 
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.signal_name is not None
+        if not ranks_talk:
+            return False
         flag = torch.tensor(float(self.signal_name is not None), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -13,7 +13,7 @@ from typing import Iterable, Protocol
 
 import tokenizers
 
-from components.config import TokenizerName
+from components.config.schema import TokenizerName
 
 TOKENIZER_NAMES = typing.get_args(TokenizerName)
 TOKENIZER_FILE = "tokenizer.json"  # what a folder given as a tokenizer's path holds

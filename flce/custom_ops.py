@@ -21,6 +21,7 @@ from flce.ops import block_grads, block_stats, chunked_pass
 from flce.options import LossOptions
 
 _EMPTY = (0,)
+NAMESPACE = "flce"  # the ops are torch.ops.flce.<name>
 
 
 def _op(name: str, mutates_args=()):
@@ -29,7 +30,7 @@ def _op(name: str, mutates_args=()):
     argument conversion cost tens of microseconds per call, which is most of the loss's time at
     a few thousand tokens. Fake tensors (tracing without compile) still go through the op."""
     def wrap(fn):
-        op = torch.library.custom_op(f"flce::{name}", fn, mutates_args=mutates_args)
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates_args)
 
         @functools.wraps(fn)
         def call(*args):

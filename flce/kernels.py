@@ -52,7 +52,7 @@ def _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP: tl.conste
 
     The running max is a scalar updated once per block (the block's max first): one exp per
     element. A running max per lane costs a second exp per element (its rescaling), and that
-    variant moved 5-13% fewer bytes per second on an H200 (scripts/tune_rows_kernel.py)."""
+    variant moved 5-13% fewer bytes per second on an H200 (scripts/bench/tune_rows_kernel.py)."""
     cols = tl.arange(0, BLOCK_V)
     m = -1.0e30
     s = 0.0
@@ -242,7 +242,7 @@ def flce_row_stats_kernel(
     tl.store(out + 3, sum_z)
 
 def _block_and_warps(C, V, block_v, num_warps):
-    # Tuned on an H200 with scripts/tune_rows_kernel.py (chunks of 1024-16384 rows): blocks of
+    # Tuned on an H200 with scripts/bench/tune_rows_kernel.py (chunks of 1024-16384 rows): blocks of
     # 8192 columns and 16 warps where a row is short (V <= 40k: 2.9-3.1 TB/s counting one read
     # and one write), 4096 and 8 warps for longer rows (2.5-2.7 TB/s); few rows: more warps per
     # row to keep enough bytes in flight.

@@ -1,4 +1,8 @@
-"""The two ways the loss sweeps the tokens, and which one a call takes.
+"""The two ways the loss sweeps the tokens, and which one a call takes: what runs between the
+autograd function (`function.py`, through the custom ops of `custom_ops.py`) and the per-row
+math (`kernels.py` on CUDA, `reference.chunk_rows` on the CPU). It holds the choice
+(`uses_one_block`, `pick_chunk_size`, `float8_used`), the GEMMs and the fp32 dW accumulation
+(`matmul_into`, `weight_grad_buffer`, `chunk_loop`), and the two sweeps below.
 
 One block (`block_stats`, `block_grads`): when the logits of all N tokens take no more memory
 than the chunked sweep's buffers would, forward writes them once (one GEMM), a row pass forms

@@ -14,6 +14,7 @@ unfused baseline (the slice's logits materialised), so fused and unfused runs of
 layout compare the loss implementations and nothing else.
 """
 
+import dataclasses
 from functools import partial
 from typing import Optional
 
@@ -128,11 +129,11 @@ class VocabParallelLinearLoss(ParallelStyle):
         vocab_size = weight.shape[0]
         local = weight.to_local()
         vocab_start, _ = _shard_bounds(vocab_size, mesh.size(), mesh.get_local_rank())
-        opts = module.options
+        opts = module.options  # read per call: the module may swap them between calls
+        if normalizer is not None:
+            opts = dataclasses.replace(opts, reduction="sum")
         kwargs = dict(vocab_start=vocab_start, vocab_size=vocab_size, group=mesh.get_group(),
-                      normalizer=normalizer,
-                      reduction="sum" if normalizer is not None else opts.reduction,
-                      **opts.loss_kwargs())
+                      normalizer=normalizer, opts=opts)
         bias = None if bias is None else bias.to_local()
         if not self.fused:
             return vocab_parallel_linear_cross_entropy_unfused(x, target, local, bias, **kwargs)

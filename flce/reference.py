@@ -1,8 +1,14 @@
-"""The loss in plain PyTorch: the per-chunk row math of the CPU path, and the unfused baseline.
+"""The loss in plain PyTorch: the live CPU path's row math, and the two unfused baselines.
 
-`chunk_rows` is the PyTorch twin of `kernels.flce_rows_kernel`: same inputs, same outputs, same
-fp32 math, so the chunk loop in `ops.py` can run either. `linear_cross_entropy` is the unfused
-baseline (full logits, fp32 loss, autograd) that the fused loss is compared against.
+Not only a reference. `chunk_rows` is the PyTorch twin of `kernels.flce_rows_kernel` (same
+inputs, same outputs, same fp32 math): the chunk loop in `ops.py` runs it whenever Triton does
+not (CPU tensors, impl="torch"), so it is what `flce.fused_linear_cross_entropy` computes on a
+CPU. `scaled_logits` and `per_token_loss` are the per-token math it shares with the
+vocab-parallel loss (`vocab_parallel.py`); `reduce_loss` applies a reduction.
+
+The baselines the fused loss is compared against: `linear_cross_entropy` (the unfused loss:
+full logits, fp32 loss, autograd) and `chunked_linear_cross_entropy` (the same per chunk of
+tokens, each chunk's logits recomputed in backward).
 """
 
 from typing import Optional

@@ -166,15 +166,13 @@ class _VocabParallelLoss(torch.autograd.Function):
 
 def vocab_parallel_linear_cross_entropy(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
-    vocab_start: int, vocab_size: int, group=None, ignore_index: int = -100,
-    label_smoothing: float = 0.0, logit_scale: float = 1.0, z_loss: float = 0.0,
-    softcap: Optional[float] = None, reduction: str = "mean", normalizer=None,
-    chunk_size: Optional[int] = None, impl: str = "auto",
+    vocab_start: int, vocab_size: int, group=None, opts: LossOptions = LossOptions(),
+    normalizer=None, chunk_size: Optional[int] = None, impl: str = "auto",
 ) -> Tensor:
     """Sum of token losses / normalizer (or the mean over non-ignored tokens), identical on
-    every rank of `group`; `weight` is this rank's rows [vocab_start, vocab_start + V_local)."""
-    opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
-    if reduction == "none":
+    every rank of `group`; `weight` is this rank's rows [vocab_start, vocab_start + V_local).
+    opts: the loss options (reduction "mean" or "sum")."""
+    if opts.reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     _check_slice(weight, vocab_start, vocab_size)
     x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))
@@ -202,15 +200,13 @@ class _SumOverRanks(torch.autograd.Function):
 
 def vocab_parallel_linear_cross_entropy_unfused(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
-    vocab_start: int, vocab_size: int, group=None, ignore_index: int = -100,
-    label_smoothing: float = 0.0, logit_scale: float = 1.0, z_loss: float = 0.0,
-    softcap: Optional[float] = None, reduction: str = "mean", normalizer=None,
+    vocab_start: int, vocab_size: int, group=None, opts: LossOptions = LossOptions(),
+    normalizer=None,
 ) -> Tensor:
     """The unfused baseline of vocab_parallel_linear_cross_entropy (Megatron's vocab-parallel
     cross-entropy): this rank's [N, V / TP] logits materialised in fp32, the same statistics
     combined over the ranks, gradients by autograd."""
-    opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
-    if reduction == "none":
+    if opts.reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     _check_slice(weight, vocab_start, vocab_size)
     x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))

@@ -1,7 +1,7 @@
 """Which scaled-dot-product-attention kernel the model runs on CUDA: `[model] sdpa_backend`.
 
 Attention is about a third of a training step of the 1B model at seq 8192, and the kernels differ
-by 1.6x there (`scripts/bench_attention.py`, benchmarks/attention_h200.md: cuDNN 9.3 ms, flash
+by 1.6x there (`scripts/bench/attention.py`, benchmarks/attention_h200.md: cuDNN 9.3 ms, flash
 15.0 ms forward+backward per layer at batch 4). "auto" keeps PyTorch's choice, which on an H200
 with torch 2.11 is already cuDNN (seen in a profile of train.py); naming a backend pins it, e.g.
 when another PyTorch or GPU would choose differently. It disables the others, so a shape the
@@ -17,8 +17,8 @@ _SWITCHES = {
     "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
     "math": torch.backends.cuda.enable_math_sdp,
 }
-# models imports nothing from components: components.config's SdpaBackend lists the same names
-# (tests/test_config.py checks that they agree).
+# models imports nothing from components: components.config.schema's SdpaBackend lists the same
+# names (tests/test_config.py checks that they agree).
 BACKENDS = ("auto", *_SWITCHES)
 
 

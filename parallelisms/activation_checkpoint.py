@@ -5,7 +5,7 @@ import typing
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from components.config import ACMode
+from components.config.schema import ACMode
 
 MODES = typing.get_args(ACMode)
 

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from components.config import RotateMethod
+from components.config.schema import RotateMethod
 
 ROTATE_METHODS = typing.get_args(RotateMethod)
 

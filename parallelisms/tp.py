@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from components.config import LossParallel
-from components.float8 import is_float8_tensorwise
+from components.config.schema import LossParallel
+from components.float8_linear import is_float8_tensorwise
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss
 from models.args import LlamaArgs
 from models.llama import TransformerBlock

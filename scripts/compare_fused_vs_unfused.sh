@@ -48,7 +48,8 @@ esac
 # the device the runs will use and the seed.
 read -r device seed < <(PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
 import sys
-from components.config import ConfigError, load_config
+from components.config.parse import load_config
+from components.config.schema import ConfigError
 try:
     cfg = load_config(sys.argv[1:])
 except ConfigError as e:

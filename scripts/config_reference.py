@@ -1,5 +1,5 @@
 """Print docs/config.md, the config reference, made from the config's dataclasses
-(components/config.py: each key's type, default, allowed values and docstring).
+(components/config/schema.py: each key's type, default, allowed values and docstring).
 
     python3 -m scripts.config_reference > docs/config.md
 
@@ -11,7 +11,7 @@ import sys
 if not __package__:  # run as a file: the repository root (components) is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.config_reference ...")
 
-from components.config_docs import reference_markdown  # noqa: E402
+from components.config.docs import reference_markdown  # noqa: E402
 
 
 def main(argv=None) -> None:

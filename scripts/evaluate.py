@@ -6,7 +6,7 @@
         [--json FILE]
 
 --checkpoint: a DCP step folder, the folder of a run's step-<N> folders (the latest), or a
-Hugging Face folder. The data comes through the trainer's own pipeline (components/data.py
+Hugging Face folder. The data comes through the trainer's own pipeline (components/data/build.py
 build_data): by default the run's [data] source (or [[data.mixture]]) and its held-out
 validation split, cut into
 windows of the run's seq_len, as many batches as its validation scored on each of its
@@ -34,8 +34,8 @@ import torch  # noqa: E402
 from scripts.lib import checkpoints  # noqa: E402
 from scripts.lib.checkpoints import pick_device, pick_dtype  # noqa: E402
 import train  # noqa: E402
-from components.config import JobConfig  # noqa: E402
-from components.data import build_data  # noqa: E402
+from components.config.schema import JobConfig, Training  # noqa: E402
+from components.data.build import build_data  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
 
 
@@ -109,11 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             synthetic=False, val_every=opts.val_every or cfg.data.val_every,
             cache_dir=opts.cache_dir or cfg.data.cache_dir)
         # a run on several data-parallel ranks validated each rank's share of the documents
-        # (components/data.py): score every share, as many batches each, as the run did
+        # (components/data/): score every share, as many batches each, as the run did
         dp = 1 if opts.batch_size or not run else data_parallel_ranks(loaded.folder, cfg)
-        shares = [build_data(data, split=opts.split, tokenizer=loaded.tokenizer, seq_len=seq_len,
-                             local_batch_size=batch_size, dp_rank=r, dp_world=dp,
-                             max_token_id=loaded.args.vocab_size) for r in range(dp)]
+        windows = Training(seq_len=seq_len, local_batch_size=batch_size)  # validation ignores seed
+        shares = [build_data(data, windows, split=opts.split, tokenizer=loaded.tokenizer,
+                             dp_rank=r, dp_world=dp, max_token_id=loaded.args.vocab_size)
+                  for r in range(dp)]
         batches = itertools.chain.from_iterable(itertools.islice(b, steps) for b in shares)
         # never the unfused loss by default: it holds [batch x seq_len, vocab] logits (64 GiB
         # for one sequence of 131072 tokens and a 128256-token vocabulary)

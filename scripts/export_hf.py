@@ -45,6 +45,7 @@ from components.tokenizer import (ByteTokenizer, HFTokenizer, byte_tokenizer_jso
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
 from scripts.lib import checkpoints  # noqa: E402
+from train import model_args  # noqa: E402
 
 DTYPES = hf.DTYPES
 # Written into every exported folder: --overwrite replaces only folders holding it.
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             args = FLAVORS[opts.flavor]
             args = dataclasses.replace(args, vocab_size=opts.vocab_size or args.vocab_size)
         elif cfg is not None:
-            args = checkpoints.model_args(cfg)
+            args = model_args(cfg)
             if opts.vocab_size:
                 args = dataclasses.replace(args, vocab_size=opts.vocab_size)
         else:

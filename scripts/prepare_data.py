@@ -14,7 +14,7 @@ Every --val-every-th document (by a hash of its text) goes to the validation spl
 
 The same command again resumes a killed run (finished units are kept) and does nothing on a
 finished folder; a folder begun with another tokenizer or other settings is refused. The format
-is documented in components/shards.py; the trainer refuses shards of another tokenizer.
+is documented in components/data/shards.py; the trainer refuses shards of another tokenizer.
 """
 
 import argparse
@@ -25,12 +25,12 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root (components) is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.prepare_data ...")
 
-from components.data_check import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
-from components.shard_prepare import (PrepareError, file_units, hf_units, listing, load_hf,  # noqa: E402
-                                      local_files, prepare, settings_for, tokenizer_record,
-                                      usable_cpus)
-from components.shards import ShardFormatError  # noqa: E402
+from components.data.checks import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
+from components.data.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
+from scripts.lib.prepare_shards import (Plan, PrepareError, file_units, hf_units,  # noqa: E402
+                                        listing, load_hf, local_files, prepare, settings_for,
+                                        tokenizer_record, usable_cpus)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                       "rows_or_files": getattr(dataset, "num_rows", None) or dataset.num_shards}
         settings = settings_for(record, args.text_field, args.val_every, args.on_bad_document, unit_bytes,
                                 source)
-        index = prepare(args.out, units, settings, tokenizer, args.workers, files=files, dataset=dataset,
+        index = prepare(args.out, Plan(units, settings, files, dataset), tokenizer, args.workers,
                         progress_bar=not args.no_progress)
     except (PrepareError, ShardFormatError, ValueError, FileNotFoundError, MissingTextField) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)

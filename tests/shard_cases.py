@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from components.shard_prepare import held_out
-from components.shards import SPLITS, ShardWriter, token_dtype
+from scripts.lib.prepare_shards import held_out
+from components.data import SPLITS
+from components.data.shards import ShardWriter, token_dtype
 from components.tokenizer import HFTokenizer
 
 WORDS = ("the of and to in is was for on that with as by it from at be this an which or are data "

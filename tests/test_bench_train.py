@@ -1,4 +1,4 @@
-"""scripts/bench_train.py: short real CPU runs of train.py (equal batch, then a search over
+"""scripts/bench/train.py: short real CPU runs of train.py (equal batch, then a search over
 batches 1, 2, 4), and, through --train-cmd, a stand-in trainer that prints what train.py prints on
 an out-of-memory or another failure, or writes metrics.jsonl with a memory limit per AC mode: the
 benchmark's parsing, its batch search (doubling, bisection, AC modes) and its time budget."""
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_train
+from scripts.bench import train as bench_train
 from scripts.lib.runs import classify
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = [sys.executable, "-m", "scripts.bench_train"]
+SCRIPT = [sys.executable, "-m", "scripts.bench.train"]
 
 # Reads the `--key value` pairs the benchmark passes. FAKE_MODE=oom / error fails like train.py;
 # otherwise the run fits when the local batch is at most LIMITS[loss][ac], logs the steps train.py
@@ -177,7 +177,7 @@ def test_report_records_the_commit_and_flags_a_dirty_tree(tmp_path, fake_trainer
     report, md, _ = bench(tmp_path, *CPU_RUN, "--mode", "equal", *fake_trainer,
                           env={"FLCE_GIT_REVISION": revision})
     assert report["meta"]["git"] == revision and report["meta"]["dirty"] is dirty
-    assert report["meta"]["command"].startswith("python3 -m scripts.bench_train ")
+    assert report["meta"]["command"].startswith("python3 -m scripts.bench.train ")
     first = md.splitlines()[0]
     if dirty:
         assert first.startswith("**DIRTY TREE: not reproducible from a commit** (git abc1234+dirty")

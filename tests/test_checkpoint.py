@@ -94,6 +94,21 @@ def test_incomplete_folder_is_skipped_with_a_warning(tmp_path):
     assert steps == [1, 2, 3, 4, 3, 4, 5]  # the second run resumed from step 2
 
 
+def test_the_checkpoint_to_resume_is_looked_for_once(tmp_path):
+    """The resume point is found before the model is built and used by the load (the folder was
+    listed twice, and each incomplete folder named twice)."""
+    import warnings
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "2", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    (dump / "checkpoint" / "step-6.tmp").mkdir()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # resumed after its last step: nothing saved, nor pruned
+        assert train.main(BASE + ["--training.steps", "2", "--job.dump_folder", str(dump)]) == 0
+    named = [w for w in caught if "skipping incomplete checkpoint folder" in str(w.message)]
+    assert len(named) == 2, [str(w.message) for w in named]  # the resume point, the summary
+
+
 def test_initial_load_path_loads_weights_only(tmp_path):
     trained = tmp_path / "trained"
     assert train.main(BASE + ["--training.steps", "30", "--checkpoint.interval", "30",

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from components.config import ConfigError, config_changes, load_config, to_toml
+from components.config.schema import ConfigError
+from components.config.parse import config_changes, load_config, to_toml
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -29,7 +30,7 @@ def test_overrides_both_spellings_and_types(tmp_path):
 
 
 def test_float8_loss_needs_the_fused_loss():
-    from components.config import Loss
+    from components.config.schema import Loss
     from components.loss import TrainingLoss
     with pytest.raises(ValueError, match=r"\[loss\] float8 = 'logits' needs \[loss\] impl"):
         TrainingLoss(Loss(impl="unfused", float8="logits"))
@@ -167,7 +168,7 @@ def test_choices_come_from_the_literal_types():
     import dataclasses
     import typing
 
-    from components import config
+    from components.config import schema as config
     for name, section in [("loss", config.Loss), ("model", config.Model), ("checkpoint", config.Checkpoint)]:
         for f in dataclasses.fields(section):
             annotation = typing.get_type_hints(section)[f.name]
@@ -187,7 +188,8 @@ def test_choices_come_from_the_literal_types():
 
 
 def test_a_config_built_in_code_is_checked_too():
-    from components.config import JobConfig, MixtureSource, check_values
+    from components.config.schema import JobConfig, MixtureSource
+    from components.config.parse import check_values
     cfg = JobConfig()
     cfg.training.device = "tpu"
     with pytest.raises(ConfigError, match=r"\[training\] device = 'tpu': expected one of 'auto', 'cuda', 'cpu'"):
@@ -203,10 +205,13 @@ def test_modules_list_the_configs_choices():
     ones that cannot import it (models/ stands below components/) or keep their own order agree."""
     import typing
 
-    from components import config, data_check, loss, metrics, optim, tokenizer
+    import flce.float8
+    from components import loss, metrics, optim, tokenizer
+    from components.data import checks as data_check
+    from components.config import schema as config
     from models import sdpa
     from parallelisms import activation_checkpoint, tp
-    from scripts import bench_train
+    from scripts.bench import train as bench_train
     args = typing.get_args
     assert loss.IMPLS == args(config.LossImpl)
     assert tokenizer.TOKENIZER_NAMES == args(config.TokenizerName)
@@ -220,6 +225,7 @@ def test_modules_list_the_configs_choices():
     assert sorted(sdpa.BACKENDS) == sorted(args(config.SdpaBackend))
     assert sorted(bench_train.AC_MODES) == sorted(args(config.ACMode))
     assert set(bench_train.LOSS_IMPLS.values()) == set(args(config.LossImpl))
+    assert flce.float8.FLOAT8 == args(config.LossFloat8)  # the library cannot import the config
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,7 +248,7 @@ def test_help_lists_every_key_with_its_choices():
     loss = out[out.index("\n[loss]"):]
     assert 'impl = "flce"    ("flce" | "unfused" | "torch_chunked")\n      "flce" (fused' in loss
     assert '[quantize.linear.float8]' in out and 'recipe_name = "tensorwise"' in out
-    from components.config import sections
+    from components.config.parse import sections
     for path, section in sections():
         assert f"\n[{path}]" in out
         for key in vars(section):
@@ -340,15 +346,15 @@ def test_refusals_the_user_causes_are_one_line_and_exit_status_2(tmp_path, monke
 def test_docs_config_md_is_current():
     """docs/config.md is generated from the config's dataclasses; a changed key, type, default
     or doc must come with the regenerated file."""
-    from components.config_docs import reference_markdown
+    from components.config.docs import reference_markdown
     current = (ROOT / "docs/config.md").read_text() if (ROOT / "docs/config.md").is_file() else ""
     assert current == reference_markdown(), (
         "docs/config.md is stale: regenerate it with `python3 -m scripts.config_reference > docs/config.md`")
 
 
 def test_every_key_has_a_doc():
-    from components.config_docs import field_docs
-    from components.config import sections
+    from components.config.docs import field_docs
+    from components.config.parse import sections
     for path, section in sections():
         missing = [key for key in vars(section) if key not in field_docs(type(section))]
         assert not missing, f"[{path}] {missing}: give each a docstring (the string below the field)"

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import train
-from components.config import ConfigError, load_config
+from components.config.schema import ConfigError, Training
+from components.config.parse import load_config
 from models import FLAVORS, Llama, with_context
 from models import hf
 
@@ -168,11 +169,11 @@ def test_trained_past_the_flavor_exports_and_imports_what_it_was_trained_at(tmp_
 
 
 def _first_batch(argv):
-    from components.data import build_data
+    from components.data.build import build_data
     from components.tokenizer import ByteTokenizer
     cfg = load_config(argv)
-    return next(build_data(cfg.data, split="train", tokenizer=ByteTokenizer(), seq_len=SEQ,
-                           local_batch_size=1, seed=0, max_token_id=DEBUG.vocab_size))
+    return next(build_data(cfg.data, Training(seq_len=SEQ, local_batch_size=1, seed=0),
+                           split="train", tokenizer=ByteTokenizer(), max_token_id=DEBUG.vocab_size))
 
 
 def _peak_rss_of_evaluate(argv: list[str]) -> int:

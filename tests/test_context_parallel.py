@@ -23,7 +23,8 @@ import torch
 
 import train
 from components.checkpoint import Checkpointer
-from components.config import ConfigError, load_config
+from components.config.schema import ConfigError
+from components.config.parse import load_config
 from parallelisms.context_parallel import check_context_parallel
 from parallelisms.mesh import ParallelDims
 from test_parallelisms import BASE, torchrun, weights
@@ -262,7 +263,7 @@ def test_cp2_on_two_gpus_trains_like_one_gpu(tmp_path, variant, tol):
 def test_bench_peers_counts_torchtitans_cp_tokens_once():
     """torchtitan logs the tokens of each batch on every rank that reads it (before sharding it
     over CP): its tps under CP 2 is twice the tokens a GPU processes."""
-    from scripts.bench_peers import titan_rows, titan_same_batch
+    from scripts.bench.peers import titan_rows, titan_same_batch
     assert titan_same_batch(["--parallelism.context_parallel_degree", "2"]) == 2
     assert titan_same_batch(["--parallelism.context_parallel_degree=2",
                              "--parallelism.tensor_parallel_degree", "2"]) == 4

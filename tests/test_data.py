@@ -18,11 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from components import data, data_check
-from components.data import (STDLIB_CORPUS_BYTES, Batches, MissingTextField, SyntheticTokens, TokenWindows,
-                             build_data, embedded_corpus, load_documents)
-from components.config import Data
-from components.data_check import BadDocumentError
+from components.config.schema import Data, Training
+from components.data import checks as data_check, windows as data_windows
+from components.data.build import build_data
+from components.data.checks import BadDocumentError, MissingTextField
+from components.data.sources import STDLIB_CORPUS_BYTES, embedded_corpus, load_documents
+from components.data.windows import Batches, SyntheticTokens, TokenWindows
 from components.tokenizer import ByteTokenizer
 
 BYTE = ByteTokenizer()
@@ -232,15 +233,15 @@ def test_stdlib_corpus_builds_offline_once_and_yields_windows(tmp_path):
 
     seq_len = 32
     stdlib = Data(source="stdlib", cache_dir=str(tmp_path / "a"), num_workers=0)
-    batches = build_data(stdlib, split="train", tokenizer=BYTE, seq_len=seq_len, local_batch_size=3,
-                         max_token_id=BYTE.vocab_size)
+    batches = build_data(stdlib, Training(seq_len=seq_len, local_batch_size=3), split="train",
+                         tokenizer=BYTE, max_token_id=BYTE.vocab_size)
     inputs, labels = next(batches)
     assert inputs.shape == labels.shape == (3, seq_len)
     expected = framed([r["text"] for i, r in enumerate(rows[:100]) if i % 100])[:3 * (seq_len + 1)]
     assert torch.cat([inputs, labels[:, -1:]], dim=1).flatten().tolist() == expected
 
-    validation = build_data(stdlib, split="validation", tokenizer=BYTE, seq_len=seq_len,
-                            local_batch_size=2)
+    validation = build_data(stdlib, Training(seq_len=seq_len, local_batch_size=2),
+                            split="validation", tokenizer=BYTE)
     assert next(validation)[0].tolist()[0][:seq_len] == framed([rows[0]["text"]])[:seq_len]
 
 
@@ -307,7 +308,7 @@ def test_bad_sources_and_fields_are_named(tmp_path):
 def test_hub_name_offline_says_what_to_use_instead(tmp_path):
     # The Hub client reads its offline switch at import, so this runs in a fresh interpreter; offline it
     # fails at once instead of retrying the network.
-    code = ("from components.data import load_documents\n"
+    code = ("from components.data.sources import load_documents\n"
             "try:\n"
             "    load_documents('nobody/no-such-dataset', 'train')\n"
             "except ValueError as err:\n"
@@ -487,7 +488,7 @@ def test_an_empty_file_among_others_is_a_warning(tmp_path, caplog):
 def test_tokenizer_workers_give_the_same_windows_and_resume(tmp_path, rng, monkeypatch, streaming):
     """num_workers > 0 tokenizes in worker processes ahead of the loop: the same windows and states
     as on the calling thread, across batches of documents, epochs and resumes; close() ends them."""
-    monkeypatch.setattr(data, "DOCUMENTS_PER_TASK", 3)  # many batches of documents per epoch
+    monkeypatch.setattr(data_windows, "DOCUMENTS_PER_TASK", 3)  # many batches of documents per epoch
     path = write_jsonl(tmp_path / "docs.jsonl", random_texts(rng, 50, max_length=30))
     documents = load_documents(str(path), "train", streaming=streaming, val_every=5,
                                cache_dir=tmp_path / "cache")
@@ -529,7 +530,7 @@ def test_errors_in_tokenizer_workers_reach_the_training_loop():
 
 
 def test_a_tokenizer_worker_that_dies_is_an_error_not_a_hang(rng, monkeypatch):
-    monkeypatch.setattr(data, "DOCUMENTS_PER_TASK", 2)
+    monkeypatch.setattr(data_windows, "DOCUMENTS_PER_TASK", 2)
     children = set(multiprocessing.active_children())
     windows = TokenWindows(datasets.Dataset.from_dict({"text": random_texts(rng, 200)}), BYTE, 8, num_workers=1)
     next(windows)

@@ -5,7 +5,7 @@ command names a config that loads."""
 import re
 from pathlib import Path
 
-from components.config import load_config
+from components.config.parse import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks/README.md"]
@@ -73,7 +73,7 @@ def test_the_readmes_test_command_is_what_ci_runs():
 def test_the_readmes_training_command_loads_its_config(monkeypatch):
     train_command = readme_setup_commands()[0]
     install, run = train_command.split(" && ")
-    assert install == "pip install torch==2.13.0 -e ."
+    assert install == 'pip install torch==2.13.0 -e ".[recipe]"'
     argv = run.split()
     assert argv[:2] == ["python3", "train.py"]
     monkeypatch.chdir(REPO)  # the README runs it from the repository root

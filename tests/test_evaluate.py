@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import train
-from components.config import Data
-from components.data import build_data
+from components.config.schema import Data, Training
+from components.data.build import build_data
 from components.tokenizer import HFTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +72,8 @@ def run(tmp_path_factory):
 
 def validation_batches(run):
     data = Data(source=str(run["corpus"]), val_every=4, cache_dir=str(run["cache"]))
-    batches = build_data(data, split="validation", tokenizer=run["tokenizer"], seq_len=SEQ_LEN,
-                         local_batch_size=BATCH, max_token_id=512)
+    batches = build_data(data, Training(seq_len=SEQ_LEN, local_batch_size=BATCH),
+                         split="validation", tokenizer=run["tokenizer"], max_token_id=512)
     return [next(batches) for _ in range(VAL_STEPS)]
 
 

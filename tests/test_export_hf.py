@@ -22,9 +22,9 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import train  # noqa: E402
-from components.config import Data, Loss  # noqa: E402
-from components.data import build_data  # noqa: E402
-from components.document_tokens import frame_texts  # noqa: E402
+from components.config.schema import Data, Loss, Training  # noqa: E402
+from components.data.build import build_data  # noqa: E402
+from components.data.document_tokens import frame_texts  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
 from components.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
@@ -186,6 +186,20 @@ def test_dcp_checkpoint_with_model_tensors_at_the_top_level(tmp_path):
     assert loaded.keys() == model.state_dict().keys()
     for key, value in model.state_dict().items():
         assert torch.equal(loaded[key], value), key
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_latest_step_is_chosen_by_the_trainers_rule(tmp_path):
+    """A folder of step-<N> folders is read as the trainer reads it (components.checkpoint's
+    list_checkpoints, weights only): a later folder DCP never finished is skipped and named."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": _trainer_state(_model(DEBUG))}, checkpoint_id=tmp_path / "step-2",
+             no_dist=True)
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / "__0_0.distcp").write_bytes(b"cut short")  # no .metadata
+    with pytest.warns(UserWarning, match="skipping incomplete checkpoint folder .*step-5"):
+        assert reader.resolve(tmp_path) == tmp_path / "step-2"
 
 
 def test_torch_save_of_a_full_trainer_state(tmp_path):
@@ -432,8 +446,8 @@ def _project_loss(model: Llama, tokenizer, seq_len: int, tmp_path: Path) -> floa
     rows = [DOCUMENTS[0], "a training document", DOCUMENTS[1]]  # val_every 2: 0 and 2 held out
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
     data = Data(source=str(corpus), val_every=2, cache_dir=str(tmp_path / "cache"))
-    batches = build_data(data, split="validation", tokenizer=tokenizer, seq_len=seq_len,
-                         local_batch_size=1, max_token_id=model.args.vocab_size)
+    batches = build_data(data, Training(seq_len=seq_len, local_batch_size=1), split="validation",
+                         tokenizer=tokenizer, max_token_id=model.args.vocab_size)
     scored = ModelWithLoss(model, TrainingLoss(Loss(impl="unfused")))
     return train.evaluate(scored, batches, 1, torch.device("cpu"))["val_loss"]
 

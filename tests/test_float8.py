@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 import train
-from components.config import ConfigError, Float8, Loss, load_config, to_toml
-from components.float8 import check_fp8_device, convert_to_float8, has_fp8, is_float8_linear
+from components.config.schema import ConfigError, Float8, Loss
+from components.config.parse import load_config, to_toml
+from components.float8_linear import check_fp8_device, convert_to_float8, has_fp8, is_float8_linear
 from models import Llama, LlamaArgs
 from parallelisms.mesh import ParallelDims
 
@@ -105,7 +106,8 @@ def test_float8_toml_errors(tmp_path, text, match):
 
 def test_float8_settings_without_the_converter_warn(capsys):
     cfg = load_config(["--quantize.linear.float8.recipe_name", "rowwise"])
-    model, _ = train.build_model(cfg, 259, CPU, ParallelDims.resolve(1, -1, 1, 1))
+    dims = ParallelDims.resolve(1, -1, 1, 1)
+    model = train.build_model(cfg, train.model_args(cfg, 259, dims), CPU, dims)
     assert not any(is_float8_linear(m) for m in model.modules())
     assert ("warning: [quantize.linear.float8] sets recipe_name, but [model] converters does not "
             "list 'quantize.linear.float8': float8 is off") in capsys.readouterr().out
@@ -197,7 +199,8 @@ def test_missing_torchao_is_a_clear_error(tmp_path):
 
 def _build(*overrides):
     cfg = load_config(["--training.seq_len", "64", "--loss.impl", "unfused", *overrides])
-    return train.build_model(cfg, 259, CPU, ParallelDims.resolve(1, -1, 1, 1))[0]
+    dims = ParallelDims.resolve(1, -1, 1, 1)
+    return train.build_model(cfg, train.model_args(cfg, 259, dims), CPU, dims)
 
 
 def test_emulate_rounds_operands_to_float8():

@@ -25,8 +25,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import train  # noqa: E402
-from components.config import Data  # noqa: E402
-from components.data import build_data  # noqa: E402
+from components.config.schema import Data, Training  # noqa: E402
+from components.data.build import build_data  # noqa: E402
 from components.tokenizer import ByteTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
@@ -231,9 +231,9 @@ def hf_folder(tmp_path_factory):
     theirs = hf_model(seed=3)
     folder = save(theirs, tmp_path_factory.mktemp("hf") / "model", shard="400KB")
     # the trainer's first global batch: synthetic windows 0..3
-    inputs, labels = next(build_data(Data(synthetic=True), split="train", tokenizer=ByteTokenizer(),
-                                     seq_len=SEQ_LEN, local_batch_size=4, seed=0,
-                                     max_token_id=VOCAB))
+    inputs, labels = next(build_data(Data(synthetic=True),
+                                     Training(seq_len=SEQ_LEN, local_batch_size=4, seed=0),
+                                     split="train", tokenizer=ByteTokenizer(), max_token_id=VOCAB))
     with torch.no_grad():
         logits = theirs(input_ids=inputs).logits
     loss = F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()).item()
@@ -305,7 +305,7 @@ def test_continued_pretraining_from_an_export_takes_its_tokenizer_and_vocab(tmp_
     model's on the first batch. (It was a vocab mismatch, and shards of another tokenizer.)"""
     import random as random_module
 
-    from components.config import load_config
+    from components.config.parse import load_config
     from components.tokenizer import HFTokenizer
     from scripts import export_hf, prepare_data
     from shard_cases import random_texts, train_tokenizer, write_jsonl
@@ -345,9 +345,9 @@ def test_continued_pretraining_from_an_export_takes_its_tokenizer_and_vocab(tmp_
     assert HFTokenizer(folder, "<|begin_of_text|>", "<|end_of_text|>").fingerprint() == \
         tokenizer.fingerprint()
 
-    inputs, labels = next(build_data(Data(source=str(shards)), split="train", tokenizer=tokenizer,
-                                     seq_len=SEQ_LEN, local_batch_size=4, seed=0,
-                                     max_token_id=600))
+    inputs, labels = next(build_data(Data(source=str(shards)),
+                                     Training(seq_len=SEQ_LEN, local_batch_size=4, seed=0),
+                                     split="train", tokenizer=tokenizer, max_token_id=600))
     with torch.no_grad():
         logits = trained.logits(trained(inputs))
     expected = F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()).item()

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from components.config import Metrics
+from components.config.schema import Metrics
 from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, peak_flops,
                                 peak_flops_for_name)
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from components.config import LRScheduler, Optimizer
+from components.config.schema import LRScheduler, Optimizer
 from components.optim import (build_lr_schedule, build_optimizer, fit_lr_schedule,
                               hyperparameters, lr_multiplier, restore_hyperparameters)
 

@@ -116,7 +116,7 @@ def test_tp_rejects_settings_it_cannot_honour():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from components.config import Loss
+    from components.config.schema import Loss
     from components.loss import ModelWithLoss, TrainingLoss
     from models import FLAVORS, Llama
     from parallelisms.tp import apply_tp
@@ -158,7 +158,7 @@ def test_fsdp_reshard_policy_with_nothing_sharded(policy, gathered):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from components.config import Loss
+    from components.config.schema import Loss
     from components.loss import ModelWithLoss, TrainingLoss
     from models import FLAVORS, Llama
     from parallelisms.fsdp import apply_fsdp

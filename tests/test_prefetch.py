@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.data import Batches, SyntheticTokens
-from components.prefetch import Prefetched
+from components.data.windows import Batches, SyntheticTokens
+from components.data.prefetch import Prefetched
 
 
 class Counting(Batches):
@@ -64,7 +64,7 @@ def test_errors_reach_the_training_loop_and_close_stops_the_thread():
 # is making one in torch ops that release the GIL.
 ENDS_WITH_AN_ERROR = """
 import torch
-from components.prefetch import Prefetched
+from components.data.prefetch import Prefetched
 
 class Busy:
     def __init__(self):

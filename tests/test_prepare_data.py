@@ -19,9 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from components.data import load_documents
-from components.shard_batches import build_shard_batches
-from components.shards import ShardFormatError, read_index
+from components.config.schema import Data, Training
+from components.data.sources import load_documents
+from components.data.shard_batches import build_shard_batches
+from components.data.shards import ShardFormatError, read_index
 from components.tokenizer import ByteTokenizer
 from shard_cases import framed, held_out, random_texts, shard_documents, train_tokenizer, write_jsonl
 
@@ -136,14 +137,17 @@ def test_another_tokenizer_or_other_settings_are_refused(tmp_path, rng, capsys):
     # The trainer refuses them with another tokenizer too.
     for wrong in (other, ByteTokenizer()):
         with pytest.raises(ShardFormatError, match="its shards were made with another tokenizer"):
-            build_shard_batches(sources=[(str(tmp_path / "shards"), 1.0)], split="train", tokenizer=wrong,
-                                seq_len=8, local_batch_size=2, seed=0)
-    batches = build_shard_batches(sources=[(str(tmp_path / "shards"), 1.0)], split="train",
-                                  tokenizer=tokenizer, seq_len=8, local_batch_size=2, seed=0)
+            build_shard_batches(Data(source=str(tmp_path / "shards")),
+                                Training(seq_len=8, local_batch_size=2, seed=0), split="train",
+                                tokenizer=wrong)
+    batches = build_shard_batches(Data(source=str(tmp_path / "shards")),
+                                  Training(seq_len=8, local_batch_size=2, seed=0), split="train",
+                                  tokenizer=tokenizer)
     assert next(batches)[0].shape == (2, 8)
     with pytest.raises(ShardFormatError, match=r"holds token id \d+, out of range for the model's vocab size 300"):
-        build_shard_batches(sources=[(str(tmp_path / "shards"), 1.0)], split="train", tokenizer=tokenizer,
-                            seq_len=8, local_batch_size=2, seed=0, max_token_id=300)
+        build_shard_batches(Data(source=str(tmp_path / "shards")),
+                            Training(seq_len=8, local_batch_size=2, seed=0), split="train",
+                            tokenizer=tokenizer, max_token_id=300)
 
 
 def test_bad_documents_are_named_or_skipped(tmp_path, rng, capsys):
@@ -250,7 +254,7 @@ def test_spawned_workers_make_the_same_shards(tmp_path, rng, monkeypatch):
     """macOS (and Windows) start worker processes by spawning, not forking: the workers then get
     the job (output folder, settings, tokenizer) through the pool's initializer, not a global set
     before a fork (a KeyError in every worker before)."""
-    import components.shard_prepare as shard_prepare
+    import scripts.lib.prepare_shards as shard_prepare
     write_jsonl(tmp_path / "corpus" / "a.jsonl", random_texts(rng, 60))
     args = ["--source", tmp_path / "corpus", "--tokenizer", "byte", "--workers", 2, *SMALL_UNITS]
     assert prepare(*args, "--out", tmp_path / "forked") == 0

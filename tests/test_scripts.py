@@ -62,9 +62,14 @@ def with_repo_on_path(env: dict) -> dict:
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
 
 
+def module_of(script: Path) -> str:
+    """scripts/bench/flce.py -> scripts.bench.flce"""
+    return ".".join(("scripts", *script.relative_to(SCRIPTS).with_suffix("").parts))
+
+
 def script_command(script: Path) -> list[str]:
     if script.suffix == ".py":
-        return [sys.executable, "-m", f"scripts.{script.stem}"]
+        return [sys.executable, "-m", module_of(script)]
     return ["bash", str(script)]
 
 
@@ -115,7 +120,7 @@ def test_help_prints_the_usage_and_changes_no_file(script, flag, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "usage" in result.stdout.lower() and script.stem in result.stdout, result.stdout
     if script.suffix == ".py":  # as it is run, and the whole docstring, not its first line
-        assert f" -m scripts.{script.stem}" in result.stdout.splitlines()[0], result.stdout
+        assert f" -m {module_of(script)}" in result.stdout.splitlines()[0], result.stdout
         lines = [line.strip() for line in ast.get_docstring(ast.parse(script.read_text()),
                                                             clean=True).splitlines()]
         shown = [line.strip() for line in result.stdout.splitlines()]
@@ -124,7 +129,7 @@ def test_help_prints_the_usage_and_changes_no_file(script, flag, tmp_path):
     assert repo_status() == repo_before
 
 
-@pytest.mark.parametrize("script", PYTHON_SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", PYTHON_SCRIPTS, ids=lambda p: str(p.relative_to(SCRIPTS)))
 def test_a_script_run_as_a_file_says_how_to_run_it(script, tmp_path):
     """`python3 scripts/NAME.py` (as the README once said): a script that imports the repository
     stops with one line naming the module command, not a traceback; one that imports only the
@@ -137,7 +142,7 @@ def test_a_script_run_as_a_file_says_how_to_run_it(script, tmp_path):
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
         [line] = result.stderr.strip().splitlines()
         assert line.startswith("run from the repository root as a module: ")
-        assert line.endswith(f" -m scripts.{script.stem} ..."), line
+        assert line.endswith(f" -m {module_of(script)} ..."), line
 
 
 def test_no_sys_path_edits():
@@ -763,7 +768,7 @@ def test_loss_parallel_benchmark_on_two_cpu_processes(tmp_path):
     """Both modes run through torchrun (gloo) and compute the same loss."""
     out = tmp_path / "lp"
     result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc_per_node", "2", "-m", "scripts.bench_loss_parallel",
+                  "--nproc_per_node", "2", "-m", "scripts.bench.loss_parallel",
                   "--shapes", "64x16x37,90x24x101", "--warmup", "1", "--reps", "2",
                   "--modes", "sequence,vocab,vocab_unfused", "--out", str(out)],
                  env={"OMP_NUM_THREADS": "1", "FLCE_GIT_REVISION": "0a1b2c3+dirty"})
@@ -772,7 +777,7 @@ def test_loss_parallel_benchmark_on_two_cpu_processes(tmp_path):
     rows = report["results"]
     assert report["meta"]["git"] == "0a1b2c3+dirty" and report["meta"]["dirty"] is True
     assert report["meta"]["command"].startswith(
-        "torchrun --nproc_per_node 2 -m scripts.bench_loss_parallel --shapes")
+        "torchrun --nproc_per_node 2 -m scripts.bench.loss_parallel --shapes")
     md = out.with_suffix(".md").read_text()
     assert md.startswith("**DIRTY TREE: not reproducible from a commit** (git 0a1b2c3+dirty")
     assert [(r["shape"], r["mode"]) for r in rows] == [

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from scripts import bench_attention, bench_flce, bench_peers
+from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
 from scripts.lib import report
 from scripts.lib.timing import median_ms
 

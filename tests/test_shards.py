@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import train
-from components.config import Data, MixtureSource
-from components.data import build_data
-from components.shard_batches import MIXTURE_BLOCK, Mixture, ShardBatches, _keys, permute
-from components.shards import ShardFormatError, TokenShards, read_index
+from components.config.schema import Data, MixtureSource, Training
+from components.data.build import build_data
+from components.data.shard_batches import MIXTURE_BLOCK, Mixture, ShardBatches, _keys, permute
+from components.data.shards import ShardFormatError, TokenShards, read_index
 from components.tokenizer import ByteTokenizer
 from shard_cases import random_texts, shard_documents, train_tokenizer, write_jsonl, write_token_shards
 
@@ -168,8 +168,9 @@ def test_validation_split_is_held_out_and_read_the_same_way_for_any_seed(tmp_pat
     assert len(train_docs) + len(validation_docs) == len(texts)
 
     def first_batches(split, seed):
-        data = build_data(Data(source=str(tmp_path / "s")), split=split, tokenizer=tokenizer,
-                          seq_len=16, local_batch_size=4, seed=seed)
+        data = build_data(Data(source=str(tmp_path / "s")),
+                          Training(seq_len=16, local_batch_size=4, seed=seed), split=split,
+                          tokenizer=tokenizer)
         return [windows_of(*next(data)) for _ in range(3)]
 
     validation_stream = np.concatenate([np.load(tmp_path / "s" / s["file"]) for s in
@@ -187,11 +188,11 @@ def test_folders_that_cannot_be_read_are_named(tmp_path, rng):
     with pytest.raises(ShardFormatError, match="fewer than one window of seq_len \\+ 1 = 71"):
         batches([folder], 70, 1)
     with pytest.raises(ShardFormatError, match="no validation documents"):
-        build_data(Data(source=str(folder)), split="validation", tokenizer=BYTE, seq_len=8,
-                   local_batch_size=1)
+        build_data(Data(source=str(folder)), Training(seq_len=8, local_batch_size=1),
+                   split="validation", tokenizer=BYTE)
     with pytest.raises(ShardFormatError, match="out of range for the model's vocab size 10"):
-        build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
-                   local_batch_size=1, max_token_id=10)
+        build_data(Data(source=str(folder)), Training(seq_len=8, local_batch_size=1), split="train",
+                   tokenizer=BYTE, max_token_id=10)
     index = (folder / "index.json").read_text()
     (folder / "index.json").write_text(index[:len(index) // 2])  # cut short
     with pytest.raises(ShardFormatError, match=rf"{folder}/index.json: damaged, not a token shard "
@@ -204,11 +205,11 @@ def test_folders_that_cannot_be_read_are_named(tmp_path, rng):
         TokenShards(folder)
     (folder / "index.json").rename(folder / "prepare.json")
     with pytest.raises(ShardFormatError, match="unfinished token shards"):
-        build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
-                   local_batch_size=1)
+        build_data(Data(source=str(folder)), Training(seq_len=8, local_batch_size=1), split="train",
+                   tokenizer=BYTE)
     with pytest.raises(ValueError, match="not a token shard folder"):
-        build_data(Data(mixture=[MixtureSource(str(tmp_path), 1.0)]), split="train",
-                   tokenizer=BYTE, seq_len=8, local_batch_size=1)
+        build_data(Data(mixture=[MixtureSource(str(tmp_path), 1.0)]),
+                   Training(seq_len=8, local_batch_size=1), split="train", tokenizer=BYTE)
 
 
 # ---- end to end through train.py ------------------------------------------------------------
@@ -279,7 +280,7 @@ def test_torchrun_gloo_two_processes_match_one_on_a_mixture(tmp_path, byte_shard
 
 
 def test_a_token_id_the_shard_dtype_cannot_hold_names_the_file(tmp_path):
-    from components.shards import ShardWriter
+    from components.data.shards import ShardWriter
     writer = ShardWriter(tmp_path / "train" / "00000-00000", np.dtype(np.uint16))
     with pytest.raises(ShardFormatError, match=r"00000-00000.*: token id 70000 does not fit the "
                                                r"shards' uint16"):
@@ -304,8 +305,8 @@ def test_a_token_id_past_the_vocabulary_names_the_shard(tmp_path, rng):
     tokens[7] = 300  # as damage would
     tokens.flush()
     del tokens
-    loader = build_data(Data(source=str(folder)), split="train", tokenizer=BYTE, seq_len=8,
-                        local_batch_size=4, max_token_id=BYTE.vocab_size)
+    loader = build_data(Data(source=str(folder)), Training(seq_len=8, local_batch_size=4),
+                        split="train", tokenizer=BYTE, max_token_id=BYTE.vocab_size)
     with pytest.raises(ShardFormatError, match=rf"{shard}: token id 300, out of range for the "
                                                r"model's vocab size \d+ \(its index.json says at "
                                                r"most \d+\)"):

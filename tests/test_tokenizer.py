@@ -166,7 +166,7 @@ def test_hf_tokenizer_with_only_a_bos_in_its_template_finds_eos_by_name(tmp_path
 def test_hf_tokenizer_path_may_be_the_folder_holding_tokenizer_json(tmp_path, rng):
     """As [tokenizer] path's doc says (and a Hugging Face model folder is): the trainer, the
     scripts and prepare_data all take the folder."""
-    from components.config import load_config
+    from components.config.parse import load_config
     from scripts.lib.checkpoints import run_tokenizer
 
     train_byte_level_bpe(rng, ["<s>", "</s>", "<eod>"]).save(str(tmp_path / "tokenizer.json"))

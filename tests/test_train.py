@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import train
-from components.config import ConfigError
+from components.config.schema import ConfigError
 from components.optim import lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def test_torchrun_gloo_two_processes_match_one(tmp_path):
     assert len(single) == len(both) == 5
     for key in ("loss", "grad_norm"):
         assert max(abs(a[key] - b[key]) for a, b in zip(single, both)) <= 1e-5, key
-    # These processes leave through os._exit (parallelisms/teardown.py): only once wandb's
+    # These processes leave through os._exit (components/process.py): only once wandb's
     # offline run is written out.
     (history,) = (dist_dump / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"grad_norm" in history.read_bytes()
@@ -280,13 +280,13 @@ def test_profiling_writes_a_trace(tmp_path):
     traces = list((dump / "profile_traces").glob("step-*/rank-0.json"))
     assert traces and json.loads(traces[0].read_text())["traceEvents"]
     # summarize_trace.py lists GPU kernels; a CPU trace has none, which it says.
-    summary = subprocess.run([sys.executable, str(ROOT / "scripts/summarize_trace.py"),
+    summary = subprocess.run([sys.executable, str(ROOT / "scripts/bench/summarize_trace.py"),
                               str(traces[0])], capture_output=True, text=True)
     assert summary.returncode != 0 and "no GPU kernel events" in summary.stderr
 
 
 def test_trace_summary_groups_kernels_by_name():
-    from scripts.summarize_trace import kernel_totals
+    from scripts.bench.summarize_trace import kernel_totals
     events = [{"ph": "X", "cat": "kernel", "name": "gemm_abc", "dur": 5.0},
               {"ph": "X", "cat": "kernel", "name": "gemm_abd", "dur": 2.5},
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9.0},

@@ -1,11 +1,13 @@
 """What the scripts share, imported as `scripts.lib.<module>` (the scripts run from the
-repository root as modules: `python3 -m scripts.bench_train`, see scripts/__init__.py).
+repository root as modules: `python3 -m scripts.bench.train`, see scripts/__init__.py).
 
     runs.py     trainer runs in their own process group: launch, stop, log tail, the rows of
                 metrics.jsonl, throughput over the measured windows, the run's status
     report.py   a report's provenance (environment, command, commit; a dirty tree flagged) and
                 its files (<out>.json and <out>.md, written atomically), table helpers
     timing.py   the one timer of the GPU benchmarks (median ms; CUDA events, or the wall clock)
+    checkpoints.py  a trained model as export_hf, generate and evaluate read it
+    prepare_shards.py  raw documents to token shards, in worker processes (prepare_data's engine)
 
 runs.py and report.py never import torch: a CUDA context in a launcher would take GPU memory from
 the runs it launches. The shell helpers here (gpus.sh, torchrun.sh, usage.sh) are sourced by the

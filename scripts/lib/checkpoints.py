@@ -14,10 +14,8 @@ checkpoint with no "model" entry, the top-level tensors (torchtitan's layout). R
 tokenizer paths in config.toml are read from the current directory, as the run did.
 """
 
-import dataclasses
 import json
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -28,11 +26,14 @@ import torch
 from torch import Tensor
 
 from components import safe_dcp
+from components.checkpoint import list_checkpoints
 from components.checkpoint_manifest import find_damage
-from components.config import JobConfig, load_config
+from components.config.schema import JobConfig
+from components.config.parse import load_config
 from components.tokenizer import HFTokenizer, build_tokenizer
-from models import FLAVORS, Llama, LlamaArgs, build_rope_cache, with_context
+from models import Llama, LlamaArgs, build_rope_cache
 from models import hf
+from train import model_args
 
 # Wrapper segments that torch.compile (`_orig_mod.`) and activation checkpointing
 # (`_checkpoint_wrapped_module.`) may leave in parameter names; the weights are the same.
@@ -49,15 +50,13 @@ def resolve(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if path.is_file() or (path / ".metadata").is_file() or hf.is_hf_folder(path):
         return path
-    steps = [(int(m.group(1)), p) for p in path.iterdir()
-             if p.is_dir() and (m := re.fullmatch(r"step-(\d+)", p.name))
-             and (p / ".metadata").is_file()]
-    if not steps:
+    found = list_checkpoints(path, resumable=False)  # the trainer's rule, weights only
+    if not found:
         raise FileNotFoundError(
             f"checkpoint {str(path)!r} is a folder but not a DCP checkpoint (no .metadata file), "
             "not a Hugging Face folder (config.json + model.safetensors) and holds no step-<N> "
             "checkpoint folders")
-    _, latest = max(steps)
+    latest = found[max(found)]
     print(f"reading the latest checkpoint in {path}: {latest.name}", file=sys.stderr)
     return latest
 
@@ -156,16 +155,6 @@ def run_config(folder: Path) -> JobConfig | None:
         return load_config(["--config", str(path)])
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
-
-
-def model_args(cfg: JobConfig) -> LlamaArgs:
-    """The model a run trained: its flavor with its [model] vocab_size, max_seq_len and
-    rope_scaling_factor."""
-    if cfg.model.flavor not in FLAVORS:
-        raise ValueError(f"[model] flavor = {cfg.model.flavor!r} is not one of {list(FLAVORS)}")
-    args = FLAVORS[cfg.model.flavor]
-    args = dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size)
-    return with_context(args, cfg.model.max_seq_len, cfg.model.rope_scaling_factor)
 
 
 def run_tokenizer(cfg: JobConfig, path: str | None = None):

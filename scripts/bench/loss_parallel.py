@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sequence- vs vocab-parallel fused loss under tensor parallelism: which is faster where.
 
-    torchrun --nproc_per_node 2 -m scripts.bench_loss_parallel --out benchmarks/loss_parallel_2xh200
+    torchrun --nproc_per_node 2 -m scripts.bench.loss_parallel --out benchmarks/loss_parallel_2xh200
 
 Every process is one TP rank. For each global shape N×H×V (tokens × hidden × vocabulary, bf16 on
 CUDA) it times forward+backward of the loss alone (median over --reps, the slowest rank) and
@@ -27,7 +27,7 @@ import sys
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: "
-             "torchrun --nproc_per_node <TP> -m scripts.bench_loss_parallel ...")
+             "torchrun --nproc_per_node <TP> -m scripts.bench.loss_parallel ...")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 
 import flce  # noqa: E402
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss  # noqa: E402
-from parallelisms.teardown import exit_without_teardown  # noqa: E402
+from components.process import exit_without_teardown  # noqa: E402
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 from scripts.lib.timing import median_ms  # noqa: E402
 
@@ -126,7 +126,7 @@ def markdown(meta, rows) -> str:
 
 def main():
     p = argparse.ArgumentParser(
-        prog="torchrun --nproc_per_node <TP> -m scripts.bench_loss_parallel", description=__doc__,
+        prog="torchrun --nproc_per_node <TP> -m scripts.bench.loss_parallel", description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma-separated global NxHxV")
     p.add_argument("--modes", default="sequence,vocab", help="of sequence, vocab, vocab_unfused")
@@ -136,7 +136,7 @@ def main():
     args = p.parse_args()
     args.modes = args.modes.split(",")
     if "RANK" not in os.environ:
-        p.error("run under torchrun: torchrun --nproc_per_node <TP> -m scripts.bench_loss_parallel")
+        p.error("run under torchrun: torchrun --nproc_per_node <TP> -m scripts.bench.loss_parallel")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -166,4 +166,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown(0)  # the report is written; see parallelisms/teardown.py
+    exit_without_teardown(0)  # the report is written; see components/process.py

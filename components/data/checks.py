@@ -23,7 +23,7 @@ from typing import BinaryIO, Iterator
 
 from filelock import FileLock  # a dependency of datasets
 
-from components.config import OnBadDocument
+from components.config.schema import OnBadDocument
 
 logger = logging.getLogger(__name__)
 

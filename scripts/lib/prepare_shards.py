@@ -1,5 +1,5 @@
-"""Raw documents to token shards (the format: components/shards.py), in parallel worker processes,
-resumably; scripts.prepare_data is the command line.
+"""Raw documents to token shards (the format: components/data/shards.py), in parallel worker
+processes, resumably; scripts.prepare_data is the command line (scripts.bench.data times it).
 
 The work is cut into units: a byte range of a .jsonl file, some row groups of a .parquet file, a
 whole .json or .txt file, a range of rows of a Hugging Face dataset, a file of a streamed one.
@@ -27,10 +27,11 @@ from typing import Iterator
 import numpy as np
 
 from components import lock
-from components.data_check import NAMED, BadDocumentError, MissingTextField, read_documents
-from components.document_tokens import frame_texts, worker_context
-from components.shards import (FORMAT, INDEX, PLAN, SPLITS, VERSION, ShardFormatError, ShardWriter,
-                               token_dtype)
+from components.data.checks import NAMED, BadDocumentError, MissingTextField, read_documents
+from components.data.document_tokens import frame_texts, worker_context
+from components.data import SPLITS
+from components.data.shards import (FORMAT, INDEX, PLAN, VERSION, ShardFormatError, ShardWriter,
+                                    token_dtype)
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 BATCH_BYTES = 1 << 20  # documents tokenized together
@@ -392,11 +393,23 @@ def _locked(out: Path):
         lock.release(fd)
 
 
-def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: int, files: dict | None = None,
-            dataset=None, progress_bar: bool = True, log=print) -> dict:
+@dataclass
+class Plan:
+    """What a prepare run tokenizes: its units of work, the settings prepare.json records
+    (settings_for) and what the units read: the local files (their listing), or the Hugging
+    Face dataset."""
+    units: list[Unit]
+    settings: dict
+    files: dict | None = None
+    dataset: object = None
+
+
+def prepare(out: Path, plan: Plan, tokenizer, workers: int, progress_bar: bool = True,
+            log=print) -> dict:
     """Tokenize what is not done yet and write index.json; returns the index."""
+    settings = plan.settings
     with _locked(out):
-        units = reconcile(out, settings, units, files)
+        units = reconcile(out, settings, plan.units, plan.files)
         _clean_leftovers(out)
         done = {p.stem for p in (out / UNITS).glob("*.json")}
         todo = [u for u in units if u.name not in done]
@@ -410,7 +423,7 @@ def prepare(out: Path, units: list[Unit], settings: dict, tokenizer, workers: in
         if todo:
             log(f"{out}: {len(todo)} of {len(units)} units to tokenize with {min(workers, len(todo))} "
                 f"worker process(es)" + (f" ({len(units) - len(todo)} done before)" if done else ""))
-            _run(out, todo, settings, tokenizer, workers, dataset, progress_bar)
+            _run(out, todo, settings, tokenizer, workers, plan.dataset, progress_bar)
         index = write_index(out, units, settings)
         return index
 

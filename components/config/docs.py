@@ -1,8 +1,8 @@
 """What the config's keys are, for people: `python3 train.py --help` and docs/config.md.
 
-Both are made from the config's dataclasses (components/config.py): each key's type (a Literal
-lists its allowed values), its default, and its docstring, the string literal below the field
-(the first line is its summary). Regenerate the reference with
+Both are made from the config's dataclasses (components/config/schema.py): each key's type (a
+Literal lists its allowed values), its default, and its docstring, the string literal below the
+field (the first line is its summary). Regenerate the reference with
 
     python3 -m scripts.config_reference > docs/config.md
 """
@@ -15,7 +15,8 @@ import types
 import typing
 from typing import Literal
 
-from components.config import JobConfig, sections, toml_value
+from components.config.schema import JobConfig
+from components.config.parse import sections, toml_value
 
 USAGE = """\
 usage: python3 train.py [--config FILE] [--SECTION.KEY VALUE | --SECTION.KEY=VALUE ...]
@@ -100,7 +101,7 @@ def reference_markdown() -> str:
         return " ".join(text.split()).replace("|", "\\|")
 
     lines = ["# Config reference", "",
-             "<!-- Generated from components/config.py by `python3 -m scripts.config_reference > "
+             "<!-- Generated from components/config/schema.py by `python3 -m scripts.config_reference > "
              "docs/config.md`; do not edit by hand (tests/test_config.py checks it is current). -->",
              "", "```", USAGE, "```", "",
              "Key names follow torchtitan v0.2 where one exists. `[checkpoint] enable` is also read "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU kernels that took the most time in a Chrome trace from `[profiling] enable_profiling`.
 
-    python3 -m scripts.summarize_trace outputs/llama_1b/profile_traces/step-10/rank-0.json --top 25
+    python3 -m scripts.bench.summarize_trace outputs/llama_1b/profile_traces/step-10/rank-0.json --top 25
 
 Groups kernel events by name (truncated), prints total ms, share of all kernel time, calls and
 mean µs. Kernels on different streams overlap, so the shares are of summed kernel time.
@@ -23,7 +23,7 @@ def kernel_totals(trace: dict, width: int) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(prog="python3 -m scripts.summarize_trace", description=__doc__,
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.summarize_trace", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("trace", help="a Chrome trace JSON written by torch.profiler")
     p.add_argument("--top", type=int, default=25)

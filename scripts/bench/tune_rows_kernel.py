@@ -1,14 +1,14 @@
 """Time the row kernel alone on one [C, V] chunk for several block sizes and warp counts.
 
 Reports GB/s counting one read and one write of the chunk (the pass-2 re-read mostly hits L2).
-    python3 -m scripts.tune_rows_kernel --rows 4096 --vocab 128256
+    python3 -m scripts.bench.tune_rows_kernel --rows 4096 --vocab 128256
 """
 
 import argparse
 import sys
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.tune_rows_kernel ...")
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.tune_rows_kernel ...")
 
 import torch  # noqa: E402
 
@@ -18,7 +18,7 @@ from scripts.lib.timing import median_ms  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(prog="python3 -m scripts.tune_rows_kernel", description=__doc__,
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.tune_rows_kernel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)

@@ -3,7 +3,7 @@
 32k BPE tokenizer, 0..N tokenizer worker processes), against what one H200 consumes training the
 llama_150m flavor, and the time a loop consuming at that rate waits for data.
 
-    python3 -m scripts.bench_data --out benchmarks/data_loader_cpu [--workers 0,1,2] \\
+    python3 -m scripts.bench.data --out benchmarks/data_loader_cpu [--workers 0,1,2] \\
         [--corpus FILE_OR_FOLDER] [--tokenizer tokenizer.json] [--seq-len 2048 --batch 8] \\
         [--compare-libraries]
 
@@ -29,18 +29,19 @@ import time
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root (components) is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.bench_data ...")
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.data ...")
 
 import numpy as np  # noqa: E402
 
-from components.config import Data, MixtureSource  # noqa: E402
-from components.data import build_data, embedded_corpus  # noqa: E402
-from components.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
-from components.shard_prepare import (file_units, listing, local_files, prepare, settings_for,  # noqa: E402
-                                      tokenizer_record, usable_cpus)
-from components.shards import TokenShards  # noqa: E402
+from components.config.schema import Data, MixtureSource, Training  # noqa: E402
+from components.data.build import build_data  # noqa: E402
+from components.data.sources import embedded_corpus  # noqa: E402
+from components.data.shard_batches import ShardBatches  # noqa: E402  (the libraries' comparison)
+from components.data.shards import TokenShards  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from models import FLAVORS, flops_per_token  # noqa: E402
+from scripts.lib.prepare_shards import (Plan, file_units, listing, local_files, prepare,  # noqa: E402
+                                        settings_for, tokenizer_record, usable_cpus)
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 
 H200_BF16_PEAK = 989e12
@@ -49,7 +50,7 @@ SHARD_TARGET = 20  # shards must deliver this many times what one GPU consumes
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python3 -m scripts.bench_data", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python3 -m scripts.bench.data", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--out", required=True, help="OUT.json and OUT.md are written")
@@ -166,8 +167,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     record = tokenizer_record(tokenizer, "hf", str(tokenizer_path))
     units = [u for n, p in enumerate(files) for u in file_units(n, p, 64 * 2**20)]
-    index = prepare(shards, units, settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)}),
-                    tokenizer, args.prepare_workers, files=listing(files), progress_bar=False, log=lambda _: None)
+    settings = settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)})
+    index = prepare(shards, Plan(units, settings, listing(files)), tokenizer, args.prepare_workers,
+                    progress_bar=False, log=lambda _: None)
     seconds = time.perf_counter() - start
     total = index["splits"]["train"]["tokens"] + index["splits"]["validation"]["tokens"]
     result["prepare"] = {"workers": args.prepare_workers, "seconds": seconds, "tokens": total,
@@ -175,13 +177,13 @@ def main(argv=None) -> int:
 
     def shard_loader(mixture=(), **kwargs):
         data = Data(source=str(shards), mixture=[MixtureSource(str(shards), w) for w in mixture])
-        return build_data(data, split="train", tokenizer=tokenizer, seq_len=args.seq_len,
-                          local_batch_size=args.batch, **kwargs)
+        return build_data(data, Training(seq_len=args.seq_len, local_batch_size=args.batch),
+                          split="train", tokenizer=tokenizer, **kwargs)
 
     def text_loader(workers: int):
         data = Data(source=str(files[0]), num_workers=workers, cache_dir=str(work / "cache"))
-        return build_data(data, split="train", tokenizer=tokenizer, seq_len=args.seq_len,
-                          local_batch_size=args.batch)
+        return build_data(data, Training(seq_len=args.seq_len, local_batch_size=args.batch),
+                          split="train", tokenizer=tokenizer)
 
     loaders = {"shards": lambda: shard_loader(),
                "shards, mixture of 2": lambda: shard_loader(mixture=(0.7, 0.3)),
@@ -265,8 +267,9 @@ def compare_libraries(work: Path, files: list[Path], tokenizer_path: Path, token
     shutil.rmtree(shards, ignore_errors=True)
     record = tokenizer_record(tokenizer, "hf", str(tokenizer_path))
     units = [u for n, p in enumerate(files) for u in file_units(n, p, 64 * 2**20)]
-    index = prepare(shards, units, settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)}),
-                    tokenizer, workers, files=listing(files), progress_bar=False, log=lambda _: None)
+    settings = settings_for(record, "text", 100, "error", 64 * 2**20, {"files": listing(files)})
+    index = prepare(shards, Plan(units, settings, listing(files)), tokenizer, workers,
+                    progress_bar=False, log=lambda _: None)
     ours = {"prepare_s": time.perf_counter() - start,
             "tokens": index["splits"]["train"]["tokens"] + index["splits"]["validation"]["tokens"]}
     ours["read_tokens_per_s"] = timed(ShardBatches([TokenShards(shards)], [1.0], args.seq_len, args.batch, 0),

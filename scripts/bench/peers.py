@@ -10,7 +10,7 @@ MFU is computed the same way for both: tokens/s x FLOPs per token (models.args.f
 6 x matmul parameters + attention over the full square, torchtitan's formula) / 989 TFLOP/s
 (dense bf16 peak of an H100 SXM / H200), also for float8 runs.
 
-    python3 -m scripts.bench_peers --titan-dir .peer/torchtitan --out benchmarks/peers_1xh200 \\
+    python3 -m scripts.bench.peers --titan-dir .peer/torchtitan --out benchmarks/peers_1xh200 \\
         --run "ours_b4=ours:--training.local_batch_size 4" \\
         --run "titan_fp8_b4=titan:--training.local_batch_size 4 --model.converters \\
                quantize.linear.float8 --quantize.linear.float8.recipe_name tensorwise \\
@@ -30,7 +30,7 @@ import tomllib
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.bench_peers ...")
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.peers ...")
 
 from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
 from scripts.lib.report import (probe_environment, provenance, warning_lines,  # noqa: E402
@@ -45,7 +45,7 @@ TITAN_LINE = re.compile(r"step:\s*(\d+)\s+loss:.*?memory:\s*([\d.]+)GiB.*?tps:\s
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_peers", description=__doc__,
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.peers", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--run", action="append", default=[], metavar="NAME=KIND[:ARGS]",
                    help="KIND is ours or titan; ARGS are that trainer's command-line overrides")

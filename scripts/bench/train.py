@@ -15,10 +15,10 @@ Two comparisons (--mode both runs the first, then the second):
           and at the same batch more recompute can only be slower. Reports, per loss, the largest
           batch that fits (at ac none and with any mode) and the fastest configuration.
 
-    python3 -m scripts.bench_train --dry-run                 # the plan and the first command
-    python3 -m scripts.bench_train --mode equal              # 3 runs
-    python3 -m scripts.bench_train --budget-minutes 30 --out benchmarks/train_h200
-    python3 -m scripts.bench_train --nproc 2 --out benchmarks/train_2xh200  # torchrun + FSDP
+    python3 -m scripts.bench.train --dry-run                 # the plan and the first command
+    python3 -m scripts.bench.train --mode equal              # 3 runs
+    python3 -m scripts.bench.train --budget-minutes 30 --out benchmarks/train_h200
+    python3 -m scripts.bench.train --nproc 2 --out benchmarks/train_2xh200  # torchrun + FSDP
 
 <out>.json and <out>.md are rewritten after every run, so a killed benchmark keeps what it
 measured; each run's dump folder (metrics.jsonl, config.toml, train.log) is under --runs-dir.
@@ -34,11 +34,13 @@ import statistics
 import sys
 import time
 import tomllib
+import typing
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.bench_train ...")
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.train ...")
 
+from components.config.schema import ACMode  # noqa: E402  (no torch: a launcher)
 from scripts.lib.report import (fmt, probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
 from scripts.lib.runs import (classify, last_lines, log_tail, read_metrics,  # noqa: E402
@@ -48,7 +50,7 @@ FUSED = "flce"
 # Benchmark name -> [loss] impl. unfused_compiled also compiles the loss module (--compile).
 LOSS_IMPLS = {"flce": "flce", "unfused": "unfused", "torch_chunked": "torch_chunked",
               "unfused_compiled": "unfused"}
-AC_MODES = ("none", "selective", "full")
+AC_MODES = typing.get_args(ACMode)  # lightest first
 
 
 class BudgetExhausted(Exception):
@@ -58,7 +60,7 @@ class BudgetExhausted(Exception):
 # ---- arguments --------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.train", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="configs/llama_1b.toml", help="train.py config (TOML)")
     p.add_argument("--seq-len", type=int, default=8192)

@@ -6,14 +6,14 @@ order (flash first, cuDNN last) is not the fastest there. This times each backen
 shapes (grouped-query attention through `enable_gqa`), so `[model] sdpa_backend` can be chosen
 from a measurement. Writes JSON and a markdown table.
 
-    python3 -m scripts.bench_attention --out benchmarks/attention_h200
+    python3 -m scripts.bench.attention --out benchmarks/attention_h200
 """
 
 import argparse
 import sys
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.bench_attention ...")
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.attention ...")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -30,7 +30,7 @@ SHAPES = "4x32x8x8192x64,4x16x4x8192x64,1x32x8x8192x128"
 
 
 def main():
-    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_attention", description=__doc__,
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.attention", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma-separated BxHQxHKVxTxD")
     p.add_argument("--out", default="benchmarks/attention_bench", help="output path without suffix")

@@ -21,7 +21,9 @@ import warnings
 import numpy as np
 import torch
 
-from components.shards import ShardFormatError, TokenShards, check_tokenizer, read_index
+from components.config.schema import Data, Training
+from components.data.shards import (ShardFormatError, TokenShards, check_tokenizer, is_shard_folder,
+                                    read_index)
 
 logger = logging.getLogger(__name__)
 
@@ -269,10 +271,16 @@ class ShardBatches:
         pass
 
 
-def build_shard_batches(*, sources: list[tuple[str, float]], split: str, tokenizer, seq_len: int,
-                        local_batch_size: int, seed: int, dp_rank: int = 0, dp_world: int = 1,
+def build_shard_batches(data: Data, training: Training, *, split: str, tokenizer,
+                        dp_rank: int = 0, dp_world: int = 1,
                         max_token_id: int | None = None) -> ShardBatches:
-    """sources: (shard folder, weight) pairs; one for a plain source."""
+    """The [data] section's token shard folder, or its [[data.mixture]] of them, as batches of
+    [training] seq_len and local_batch_size, shuffled with its seed."""
+    for part in data.mixture:
+        if not is_shard_folder(part.source):
+            raise ValueError(f"[[data.mixture]] source {part.source!r}: not a token shard folder (a "
+                             f"mixture mixes folders made by scripts.prepare_data)")
+    sources = [(m.source, m.weight) for m in data.mixture] or [(data.source, 1.0)]
     shards = []
     for folder, _ in sources:
         index = read_index(folder)
@@ -285,6 +293,7 @@ def build_shard_batches(*, sources: list[tuple[str, float]], split: str, tokeniz
                                    f"{index['val_every']}); prepare with a held-out split or set "
                                    f"[validation] enable = false")
         shards.append(TokenShards(folder, split, index))
-    return ShardBatches(shards, [w for _, w in sources], seq_len, local_batch_size,
-                        seed if split == "train" else VALIDATION_SEED, dp_rank, dp_world,
+    return ShardBatches(shards, [w for _, w in sources], training.seq_len,
+                        training.local_batch_size,
+                        training.seed if split == "train" else VALIDATION_SEED, dp_rank, dp_world,
                         max_token_id)

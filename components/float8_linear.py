@@ -14,15 +14,16 @@ import dataclasses
 import importlib.metadata
 import logging
 import sys
+import typing
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from components.config import Float8
+from components.config.schema import Converter, Float8
 
-CONVERTER = "quantize.linear.float8"
+(CONVERTER,) = typing.get_args(Converter)  # [model] converters' one value: this module
 MIN_TORCHAO = (0, 16)  # tests pass with 0.16 to 0.18; 0.15 fails to import with torch 2.13
 FP8_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) are the first GPUs with fp8 tensor cores
 INSTALL_HINT = "pip install 'flce-recipes[float8]' (or: pip install torchao)"

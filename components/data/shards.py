@@ -38,7 +38,6 @@ FORMAT = "flce-token-shards"
 VERSION = 1
 INDEX = "index.json"
 PLAN = "prepare.json"
-SPLITS = ("train", "validation")
 
 
 class ShardFormatError(ValueError):

@@ -12,9 +12,9 @@ linear layers compute them: three float8 GEMMs each (forward e4m3 x e4m3 with fa
 dX and dW with the gradient in e5m2), operands already cast and laid out (the casts are part of
 the elementwise rest). --loss-float8 sets the fused loss's own float8 option.
 
-    python3 -m scripts.bench_step_floor --flavor llama_1b --batch 8 --seq-len 8192 \\
+    python3 -m scripts.bench.step_floor --flavor llama_1b --batch 8 --seq-len 8192 \\
         --out benchmarks/step_floor_h200
-    python3 -m scripts.bench_step_floor --batch 12 --float8 tensorwise --loss-float8 logits+dx \\
+    python3 -m scripts.bench.step_floor --batch 12 --float8 tensorwise --loss-float8 logits+dx \\
         --out benchmarks/step_floor_float8_h200
 """
 
@@ -22,7 +22,7 @@ import argparse
 import sys
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.bench_step_floor ...")
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.step_floor ...")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -112,7 +112,7 @@ def optimizer_step(args):
 
 
 def main():
-    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_step_floor", description=__doc__,
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.step_floor", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--flavor", default="llama_1b", choices=sorted(FLAVORS))
     p.add_argument("--batch", type=int, default=8, help="local batch (sequences)")

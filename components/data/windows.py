@@ -1,216 +1,35 @@
-"""Training data: documents from Hugging Face `datasets`, framed as [bos] + tokens + [eos], concatenated
-and cut into windows of seq_len + 1 tokens; every data-parallel rank reads its own share of the documents.
-
-Document i of a split goes to rank i % dp_world, and document i of the source is held out for validation
-when i % val_every == 0 (unless the source has a real validation split). Both rules are the same with and
-without streaming, so a run reads the same windows either way. Documents are read in order, not
+"""Text documents as training windows: each framed as [bos] + tokens + [eos] (document_tokens.py),
+concatenated and cut into windows of seq_len + 1 tokens; every data-parallel rank reads its own
+share of the documents (document i goes to rank i % dp_world). Documents are read in order, not
 shuffled: for real pretraining, tokenize once into token shards (scripts.prepare_data), which
-build_data reads through components/shard_batches.py in a shuffled, layout-independent order.
+shard_batches.py reads in a shuffled, layout-independent order. Also synthetic windows, and the
+batches (Batches) that stack a source's windows.
 """
 
-import contextlib
 import functools
 import hashlib
 import itertools
-import json
 import logging
-import os
-import sys
-import sysconfig
-import tempfile
-from pathlib import Path
 from typing import Iterator, Protocol
 
 import datasets
 import numpy as np
 import torch
 
-from components.config import Data
-from components.data_check import MissingTextField, check_files
-from components.document_tokens import Framed, TokenizerPool, frame_inline
-from components.prefetch import Prefetched
-from components.shard_batches import build_shard_batches
-from components.shards import is_shard_folder
+from components.data.checks import MissingTextField
+from components.data.document_tokens import Framed, TokenizerPool, frame_inline
+from components.data.sources import Documents
 from components.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = "~/.cache/flce-recipes"
-BUILDER_BY_SUFFIX = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-SPLITS = ("train", "validation")
-
-STDLIB_CORPUS_BYTES = 6 * 2**20
-# Tests and test data are skipped because they are full of deliberately odd code and binary-ish fixtures;
-# idlelib, turtledemo and lib2to3 are applications or legacy tools rather than library code.
-STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
-                                 "turtledemo", "lib2to3", "__pycache__"})
-
 DOCUMENTS_PER_TASK = 32  # documents tokenized together (one task of a worker)
 
-Documents = datasets.Dataset | datasets.IterableDataset
 Window = tuple[torch.Tensor, torch.Tensor]
-
-
-def embedded_corpus(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
-    """A JSON-lines corpus of this Python's standard library sources: every machine with the same Python
-    version builds the same file without a download."""
-    cache_dir = Path(cache_dir).expanduser()
-    path = cache_dir / f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}.jsonl"
-    if path.is_file():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Several ranks may build it at once: each writes its own temporary file and the rename is atomic,
-    # so no reader ever sees half a corpus.
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for relative_path, text in _stdlib_sources():
-                f.write(json.dumps({"text": text, "path": relative_path}, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _stdlib_sources() -> Iterator[tuple[str, str]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    # os.walk rather than rglob, so the skipped directories (site-packages is huge) are never entered.
-    for directory, subdirectories, names in os.walk(root):
-        subdirectories[:] = [d for d in subdirectories if d not in STDLIB_SKIPPED_DIRS]
-        for name in names:
-            if name.endswith(".py"):
-                file = Path(directory, name)
-                files.append((file.relative_to(root).as_posix(), file))
-    total_bytes = 0
-    for relative_path, file in sorted(files):
-        try:
-            data = file.read_bytes()
-            text = data.decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        if not text.strip():  # empty __init__.py files would only add bos/eos pairs
-            continue
-        if total_bytes + len(data) > STDLIB_CORPUS_BYTES:
-            return
-        total_bytes += len(data)
-        yield relative_path, text
-
-
-def load_documents(source: str, split: str, text_field: str = "text", streaming: bool = False,
-                   val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
-                   on_bad_document: str = "error") -> Documents:
-    """source: "stdlib", a local .txt/.jsonl/.json/.parquet file or a directory of them, or a Hugging Face
-    Hub dataset name (needs network access). A .txt file gives one document per paragraph (blank-line
-    separated). split: "train" or "validation", or another split the source really has.
-    on_bad_document: what a document of a local .jsonl/.json/.txt file that is not UTF-8, not JSON or
-    without the text field does: "error" names it, "skip" leaves it out with a warning."""
-    if val_every < 2:
-        raise ValueError(f"val_every={val_every}: must be >= 2 (1 would hold out every document)")
-    cache_dir = Path(cache_dir).expanduser()
-    splits = _load_splits(source, streaming, cache_dir, text_field, on_bad_document)
-    documents = _pick_split(splits, split, val_every, source)
-    columns = documents.column_names  # None for some streams; then TokenWindows checks the first document
-    if columns is not None and text_field not in columns:
-        raise MissingTextField(f"{source}: the documents have no field {text_field!r} (their fields: "
-                               f"{', '.join(columns)}); set [data] text_field")
-    return documents
-
-
-def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str, on_bad_document: str):
-    if source == "stdlib":
-        return _load_local([embedded_corpus(cache_dir)], streaming, cache_dir)
-    path = Path(source).expanduser()
-    if path.exists():
-        files = check_files(_data_files(path), text_field, on_bad_document, cache_dir)
-        return _load_local(files, streaming, cache_dir)
-    if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
-        raise FileNotFoundError(f"data source not found: {path}")
-    try:
-        return datasets.load_dataset(source, streaming=streaming)
-    except Exception as err:
-        raise ValueError(
-            f"could not load data source {source!r}: it is not a local path, and loading it as a Hugging "
-            f"Face Hub dataset failed ({type(err).__name__}: {err}). Hub names need network access (or the "
-            f"dataset already in the local HF cache); offline, use a local .jsonl/.json/.txt/.parquet file "
-            f"or directory, or \"stdlib\"") from err
-
-
-def _data_files(path: Path) -> list[Path]:
-    if path.is_file():
-        files = [path]
-    else:
-        # Hidden directories hold caches and VCS data, not documents.
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDER_BY_SUFFIX
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        if not files:
-            raise FileNotFoundError(f"{path}: no {'/'.join(BUILDER_BY_SUFFIX)} files in this directory")
-    suffixes = sorted({p.suffix for p in files})
-    if any(s not in BUILDER_BY_SUFFIX for s in suffixes):
-        raise ValueError(f"{path}: unsupported file type {suffixes[0]!r}; expected one of "
-                         f"{', '.join(BUILDER_BY_SUFFIX)}")
-    if len({BUILDER_BY_SUFFIX[s] for s in suffixes}) > 1:
-        raise ValueError(f"{path}: mixes file types {', '.join(suffixes)}; one directory must hold one kind")
-    return files
-
-
-def _load_local(files: list[Path], streaming: bool, cache_dir: Path):
-    builder = BUILDER_BY_SUFFIX[files[0].suffix]
-    options = {"sample_by": "paragraph"} if builder == "text" else {}
-    # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
-    with _no_progress_bars():
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files],
-                                     streaming=streaming, cache_dir=str(cache_dir / "datasets"),
-                                     **options)
-
-
-@contextlib.contextmanager
-def _no_progress_bars():
-    """datasets' "Generating train split" bar, drawn when local files first go into its Arrow
-    cache, lands in the training log between the config and step 1, where it reads as trouble
-    (and check_files has just read the files without one). Off for these calls only."""
-    already_off = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not already_off:
-            datasets.enable_progress_bars()
-
-
-def _pick_split(splits, split: str, val_every: int, source: str) -> Documents:
-    if split in splits and (split != "train" or "validation" in splits):
-        return splits[split]
-    if split not in SPLITS:
-        raise ValueError(f"{source}: no split {split!r} (it has {', '.join(splits)}); use one of "
-                         f"{', '.join(SPLITS)}")
-    if "train" not in splits:
-        raise ValueError(f"{source}: no 'train' split to hold validation documents out of "
-                         f"(it has {', '.join(splits)})")
-    documents = _hold_out(splits["train"], val_every, validation=(split == "validation"))
-    if split == "train" and isinstance(documents, datasets.Dataset) and not len(documents):
-        raise ValueError(f"{source}: no training documents: it has one, and document 0 always goes to "
-                         f"the held-out validation split (so does every [data] val_every-th)")
-    return documents
-
-
-def _is_held_out(_example: dict, index: int, val_every: int, validation: bool) -> bool:
-    return (index % val_every == 0) == validation
 
 
 def _is_rank_share(_example: dict, index: int, dp_rank: int, dp_world: int) -> bool:
     return index % dp_world == dp_rank
-
-
-def _hold_out(documents: Documents, val_every: int, validation: bool) -> Documents:
-    if isinstance(documents, datasets.IterableDataset):
-        # The index counts the whole stream, because TokenWindows splits streams by example (not by
-        # file shard) after this filter.
-        keep = functools.partial(_is_held_out, val_every=val_every, validation=validation)
-        return documents.filter(keep, with_indices=True)
-    held_out = np.arange(len(documents)) % val_every == 0
-    return documents.select(np.flatnonzero(held_out if validation else ~held_out))
 
 
 class WindowSource(Protocol):
@@ -497,37 +316,3 @@ class Batches:
         """Stop the tokenizer workers, if any."""
         if isinstance(self.windows, TokenWindows):
             self.windows.close()
-
-
-def build_data(data: Data, *, split: str, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
-               dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
-               max_token_id: int | None = None) -> Batches | Prefetched:
-    """The batches of one split of the [data] section's source: synthetic tokens; token shards
-    (a folder made by scripts.prepare_data, or a [[data.mixture]] of such folders); or text
-    documents, tokenized by data.num_workers worker processes (0: by the loading thread;
-    validation always is, it reads little). Shards and text are made ahead by a background
-    thread (components/prefetch.py)."""
-    if data.synthetic:
-        vocab_size = max_token_id if max_token_id is not None else tokenizer.vocab_size
-        # Validation gets its own stream so it never scores the windows it trained on.
-        split_seed = seed if split == "train" else seed + 1
-        windows = SyntheticTokens(vocab_size, seq_len, split_seed, dp_rank, dp_world, local_batch_size)
-        return Batches(windows, local_batch_size)
-    if data.mixture or is_shard_folder(data.source):
-        for part in data.mixture:
-            if not is_shard_folder(part.source):
-                raise ValueError(f"[[data.mixture]] source {part.source!r}: not a token shard folder (a "
-                                 f"mixture mixes folders made by scripts.prepare_data)")
-        sources = [(m.source, m.weight) for m in data.mixture] or [(data.source, 1.0)]
-        return Prefetched(build_shard_batches(
-            sources=sources, split=split, tokenizer=tokenizer, seq_len=seq_len,
-            local_batch_size=local_batch_size, seed=seed, dp_rank=dp_rank, dp_world=dp_world,
-            max_token_id=max_token_id))
-    documents = load_documents(data.source, split, text_field=data.text_field, streaming=data.streaming,
-                               val_every=data.val_every, cache_dir=data.cache_dir,
-                               on_bad_document=data.on_bad_document)
-    windows = TokenWindows(documents, tokenizer, seq_len, dp_rank=dp_rank, dp_world=dp_world,
-                           max_token_id=max_token_id, text_field=data.text_field,
-                           num_workers=data.num_workers if split == "train" else 0,
-                           name=f"{data.source} ({split})")
-    return Prefetched(Batches(windows, local_batch_size))

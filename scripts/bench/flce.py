@@ -5,11 +5,11 @@ memory above the inputs, for: this FLCE (default and memory-lean settings), the 
 and under torch.compile, Liger-Kernel and Cut-Cross-Entropy when importable, and the three bare
 GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into benchmarks/.
 
-    python3 -m scripts.bench_flce                     # the three standard shapes
-    python3 -m scripts.bench_flce --sweep             # plus chunk-size / accumulation variants
-    python3 -m scripts.bench_flce --float8            # the float8 loss against the bf16 one, the
+    python3 -m scripts.bench.flce                     # the three standard shapes
+    python3 -m scripts.bench.flce --sweep             # plus chunk-size / accumulation variants
+    python3 -m scripts.bench.flce --float8            # the float8 loss against the bf16 one, the
                                                       # bare bf16 and float8 GEMMs, quantization
-    python3 -m scripts.bench_flce --grid [--resume]   # N x H x V grid against the targets
+    python3 -m scripts.bench.flce --grid [--resume]   # N x H x V grid against the targets
                                                       # (benchmarks/flce_grid; resumable)
 
 --grid times flce, flce_lean and the peers (compiled unfused, Liger, CCE) at every point of
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.bench_flce ...")
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.flce ...")
 
 import torch  # noqa: E402
 
@@ -205,7 +205,7 @@ def errors_vs_float64(fns, N, H, V, dtype):
 
 
 def main():
-    p = argparse.ArgumentParser(prog="python3 -m scripts.bench_flce", description=__doc__,
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.flce", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma-separated NxHxV")
     p.add_argument("--dtype", default="bfloat16")

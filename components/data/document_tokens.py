@@ -17,7 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
-from components.data_check import MissingTextField
+from components.data.checks import MissingTextField
 
 Framed = tuple[np.ndarray, np.ndarray]  # the documents' tokens concatenated (int32), their lengths
 

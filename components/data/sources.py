@@ -1,0 +1,193 @@
+"""Text documents: from the embedded stdlib corpus, local files (checked by checks.py) or a
+Hugging Face Hub dataset, loaded with Hugging Face `datasets`, and split into train and
+validation.
+
+Document i of the source is held out for validation when i % val_every == 0 (unless the source
+has a real validation split), with and without streaming, so a run reads the same documents
+either way. windows.py frames and cuts them into windows.
+"""
+
+import contextlib
+import functools
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import datasets
+import numpy as np
+
+from components.data import SPLITS
+from components.data.checks import MissingTextField, check_files
+
+DEFAULT_CACHE_DIR = "~/.cache/flce-recipes"
+BUILDER_BY_SUFFIX = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+STDLIB_CORPUS_BYTES = 6 * 2**20
+# Tests and test data are skipped because they are full of deliberately odd code and binary-ish fixtures;
+# idlelib, turtledemo and lib2to3 are applications or legacy tools rather than library code.
+STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
+                                 "turtledemo", "lib2to3", "__pycache__"})
+
+Documents = datasets.Dataset | datasets.IterableDataset
+
+
+def embedded_corpus(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
+    """A JSON-lines corpus of this Python's standard library sources: every machine with the same Python
+    version builds the same file without a download."""
+    cache_dir = Path(cache_dir).expanduser()
+    path = cache_dir / f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}.jsonl"
+    if path.is_file():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Several ranks may build it at once: each writes its own temporary file and the rename is atomic,
+    # so no reader ever sees half a corpus.
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for relative_path, text in _stdlib_sources():
+                f.write(json.dumps({"text": text, "path": relative_path}, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _stdlib_sources() -> Iterator[tuple[str, str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    # os.walk rather than rglob, so the skipped directories (site-packages is huge) are never entered.
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in STDLIB_SKIPPED_DIRS]
+        for name in names:
+            if name.endswith(".py"):
+                file = Path(directory, name)
+                files.append((file.relative_to(root).as_posix(), file))
+    total_bytes = 0
+    for relative_path, file in sorted(files):
+        try:
+            data = file.read_bytes()
+            text = data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text.strip():  # empty __init__.py files would only add bos/eos pairs
+            continue
+        if total_bytes + len(data) > STDLIB_CORPUS_BYTES:
+            return
+        total_bytes += len(data)
+        yield relative_path, text
+
+
+def load_documents(source: str, split: str, text_field: str = "text", streaming: bool = False,
+                   val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
+                   on_bad_document: str = "error") -> Documents:
+    """source: "stdlib", a local .txt/.jsonl/.json/.parquet file or a directory of them, or a Hugging Face
+    Hub dataset name (needs network access). A .txt file gives one document per paragraph (blank-line
+    separated). split: "train" or "validation", or another split the source really has.
+    on_bad_document: what a document of a local .jsonl/.json/.txt file that is not UTF-8, not JSON or
+    without the text field does: "error" names it, "skip" leaves it out with a warning."""
+    if val_every < 2:
+        raise ValueError(f"val_every={val_every}: must be >= 2 (1 would hold out every document)")
+    cache_dir = Path(cache_dir).expanduser()
+    splits = _load_splits(source, streaming, cache_dir, text_field, on_bad_document)
+    documents = _pick_split(splits, split, val_every, source)
+    columns = documents.column_names  # None for some streams; then TokenWindows checks the first document
+    if columns is not None and text_field not in columns:
+        raise MissingTextField(f"{source}: the documents have no field {text_field!r} (their fields: "
+                               f"{', '.join(columns)}); set [data] text_field")
+    return documents
+
+
+def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str, on_bad_document: str):
+    if source == "stdlib":
+        return _load_local([embedded_corpus(cache_dir)], streaming, cache_dir)
+    path = Path(source).expanduser()
+    if path.exists():
+        files = check_files(_data_files(path), text_field, on_bad_document, cache_dir)
+        return _load_local(files, streaming, cache_dir)
+    if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
+        raise FileNotFoundError(f"data source not found: {path}")
+    try:
+        return datasets.load_dataset(source, streaming=streaming)
+    except Exception as err:
+        raise ValueError(
+            f"could not load data source {source!r}: it is not a local path, and loading it as a Hugging "
+            f"Face Hub dataset failed ({type(err).__name__}: {err}). Hub names need network access (or the "
+            f"dataset already in the local HF cache); offline, use a local .jsonl/.json/.txt/.parquet file "
+            f"or directory, or \"stdlib\"") from err
+
+
+def _data_files(path: Path) -> list[Path]:
+    if path.is_file():
+        files = [path]
+    else:
+        # Hidden directories hold caches and VCS data, not documents.
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDER_BY_SUFFIX
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise FileNotFoundError(f"{path}: no {'/'.join(BUILDER_BY_SUFFIX)} files in this directory")
+    suffixes = sorted({p.suffix for p in files})
+    if any(s not in BUILDER_BY_SUFFIX for s in suffixes):
+        raise ValueError(f"{path}: unsupported file type {suffixes[0]!r}; expected one of "
+                         f"{', '.join(BUILDER_BY_SUFFIX)}")
+    if len({BUILDER_BY_SUFFIX[s] for s in suffixes}) > 1:
+        raise ValueError(f"{path}: mixes file types {', '.join(suffixes)}; one directory must hold one kind")
+    return files
+
+
+def _load_local(files: list[Path], streaming: bool, cache_dir: Path):
+    builder = BUILDER_BY_SUFFIX[files[0].suffix]
+    options = {"sample_by": "paragraph"} if builder == "text" else {}
+    # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
+    with _no_progress_bars():
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files],
+                                     streaming=streaming, cache_dir=str(cache_dir / "datasets"),
+                                     **options)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """datasets' "Generating train split" bar, drawn when local files first go into its Arrow
+    cache, lands in the training log between the config and step 1, where it reads as trouble
+    (and check_files has just read the files without one). Off for these calls only."""
+    already_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not already_off:
+            datasets.enable_progress_bars()
+
+
+def _pick_split(splits, split: str, val_every: int, source: str) -> Documents:
+    if split in splits and (split != "train" or "validation" in splits):
+        return splits[split]
+    if split not in SPLITS:
+        raise ValueError(f"{source}: no split {split!r} (it has {', '.join(splits)}); use one of "
+                         f"{', '.join(SPLITS)}")
+    if "train" not in splits:
+        raise ValueError(f"{source}: no 'train' split to hold validation documents out of "
+                         f"(it has {', '.join(splits)})")
+    documents = _hold_out(splits["train"], val_every, validation=(split == "validation"))
+    if split == "train" and isinstance(documents, datasets.Dataset) and not len(documents):
+        raise ValueError(f"{source}: no training documents: it has one, and document 0 always goes to "
+                         f"the held-out validation split (so does every [data] val_every-th)")
+    return documents
+
+
+def _is_held_out(_example: dict, index: int, val_every: int, validation: bool) -> bool:
+    return (index % val_every == 0) == validation
+
+
+def _hold_out(documents: Documents, val_every: int, validation: bool) -> Documents:
+    if isinstance(documents, datasets.IterableDataset):
+        # The index counts the whole stream, because TokenWindows splits streams by example (not by
+        # file shard) after this filter.
+        keep = functools.partial(_is_held_out, val_every=val_every, validation=validation)
+        return documents.filter(keep, with_indices=True)
+    held_out = np.arange(len(documents)) % val_every == 0
+    return documents.select(np.flatnonzero(held_out if validation else ~held_out))

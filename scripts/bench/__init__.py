@@ -1,0 +1,15 @@
+"""The benchmark harness: each writes <out>.json and <out>.md with its provenance
+(scripts/lib/report.py); benchmarks/README.md indexes the results.
+
+    flce.py              the loss alone: fused vs unfused vs peers, float8, chunk sweeps, a grid
+    loss_parallel.py     the loss under TP=2: sequence- vs vocab-parallel (torchrun)
+    attention.py         causal SDPA per backend at the models' shapes
+    step_floor.py        a step's GEMMs, attention, loss and optimizer timed alone, summed
+    train.py             train.py runs: equal batch, the largest batch per loss and AC mode
+    peers.py             this repository against torchtitan, in one call
+    data.py              the data loaders alone, against what a GPU consumes
+    tune_rows_kernel.py  the row kernel's block sizes and warps (flce/kernels.py's table)
+    summarize_trace.py   a profiled step's top kernels (standard library only)
+
+    python3 -m scripts.bench.NAME --help
+"""
