@@ -219,7 +219,8 @@ def test_checkpoint_resumes_across_cp_layouts_with_its_text_data(tmp_path):
     # scripts.evaluate on the CP run's last checkpoint: 2 data-parallel shares, not 4
     from scripts import evaluate
     out = tmp_path / "eval.json"
-    assert evaluate.main(["--checkpoint", str(saved / "checkpoint"), "--json", str(out)]) == 0
+    assert evaluate.main(["--checkpoint", str(saved / "checkpoint"), "--json", str(out),
+                          "--device", "cpu"]) == 0  # the run's device: CUDA's bf16 rounds apart
     record = json.loads(out.read_text())
     for key in ("val_loss", "val_bpb"):
         assert record[key] == pytest.approx(expected[5][key], abs=1e-5)

@@ -227,7 +227,7 @@ def test_a_mixture_run_names_its_mixture_and_a_repeated_validation_split(tmp_pat
 
     out = tmp_path / "eval.json"
     assert load_script("evaluate").main(["--checkpoint", str(dump / "checkpoint"),
-                                         "--json", str(out)]) == 0
+                                         "--json", str(out), "--device", "cpu"]) == 0
     printed = capsys.readouterr()
     assert f"of mixture {mixture} (validation)" in printed.out and "stdlib" not in printed.out
     assert f"note: {code}: fewer tokens than the 2,560 scored" in printed.err
@@ -240,6 +240,6 @@ def test_a_mixture_run_names_its_mixture_and_a_repeated_validation_split(tmp_pat
     assert record["val_loss"] == pytest.approx(val["val_loss"], abs=1e-6)
     # fewer steps read each window once
     assert load_script("evaluate").main(["--checkpoint", str(dump / "checkpoint"), "--steps", "1",
-                                         "--json", str(out)]) == 0
+                                         "--json", str(out), "--device", "cpu"]) == 0
     assert not json.loads(out.read_text())["read_more_than_once"]
     assert "note:" not in capsys.readouterr().err

@@ -770,7 +770,8 @@ def test_loss_parallel_benchmark_on_two_cpu_processes(tmp_path):
     result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc_per_node", "2", "-m", "scripts.bench.loss_parallel",
                   "--shapes", "64x16x37,90x24x101", "--warmup", "1", "--reps", "2",
-                  "--modes", "sequence,vocab,vocab_unfused", "--out", str(out)],
+                  "--modes", "sequence,vocab,vocab_unfused", "--out", str(out),
+                  "--device", "cpu"],
                  env={"OMP_NUM_THREADS": "1", "FLCE_GIT_REVISION": "0a1b2c3+dirty"})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.with_suffix(".json").read_text())

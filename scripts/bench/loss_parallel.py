@@ -133,11 +133,18 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="benchmarks/loss_parallel_bench", help="path without suffix")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: a GPU per process (NCCL, bf16) where CUDA is present, else gloo "
+                        "processes on the CPU (fp32)")
     args = p.parse_args()
     args.modes = args.modes.split(",")
     if "RANK" not in os.environ:
         p.error("run under torchrun: torchrun --nproc_per_node <TP> -m scripts.bench.loss_parallel")
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cuda and torch.cuda.device_count() < local_ranks:
+        p.error(f"{local_ranks} processes per node but {torch.cuda.device_count()} CUDA devices: "
+                "one GPU per process, or --device cpu")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     launcher = ("torchrun", "--nproc_per_node", os.environ.get("WORLD_SIZE", "1"))
