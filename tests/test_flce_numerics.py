@@ -63,12 +63,15 @@ def test_odd_shapes_fp32(impl, device, N, H, V, chunk, bias):
 def test_bf16_no_worse_than_unfused(impl, device, chunk, options, reduction):
     """bf16: error against float64 within the unfused bf16 path's own error on the same inputs.
 
-    Single draws scatter by +-20% around each other (where the rounded dlogits fall on the bf16
-    grid), so the ratio is averaged over a few fresh draws and a single draw gets some slack."""
+    Single draws scatter widely around each other (where the rounded dlogits fall on the bf16
+    grid): the chunked path with every option is 1.045x the unfused error over 24 draws on the
+    CPU (0.98x over 8 on an H200), and means of 3 draws ranged 1.00-1.13 (limits 1.1 and 1.35
+    failed now and then). Averaged over 8 fresh draws, with room for their spread; truncating
+    instead of rounding to nearest doubles the error."""
     skip_if_interpreted_bf16(impl, device)
     kw = dict(reduction=reduction, **options)
     ratios = []
-    for _ in range(3):
+    for _ in range(8):
         x, t, w, b = make_inputs(256, 64, 300, device, torch.bfloat16)
         if "ignore_index" in kw:
             t[t == -100] = kw["ignore_index"]
@@ -80,7 +83,7 @@ def test_bf16_no_worse_than_unfused(impl, device, chunk, options, reduction):
         ratios.append([rel_err(g, r) / rel_err(gb, r)
                        for g, gb, r in zip(grads, base_grads, ref_grads)])
     ratios = torch.tensor(ratios)
-    assert ratios.mean() <= 1.1 and ratios.max() <= 1.35, ratios
+    assert ratios.mean() <= 1.15 and ratios.max() <= 1.5, ratios
 
 
 @IMPL_DEVICES
