@@ -312,7 +312,8 @@ def test_sigint_through_run_train_after_a_saved_stop_exits_0(tmp_path):
                             "--job.dump_folder", str(dump)], cwd=REPO, text=True,
                            env={**os.environ, "NGPU": "2", "CONFIG": "configs/debug.toml",
                                 "OMP_NUM_THREADS": "1", "PYTHON": sys.executable},
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)  # its own group: a cleanup kills the trainers too
     try:
         deadline = time.monotonic() + 180
         while not ((dump / "metrics.jsonl").is_file()
@@ -320,10 +321,17 @@ def test_sigint_through_run_train_after_a_saved_stop_exits_0(tmp_path):
             assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
             time.sleep(0.1)
         job.send_signal(signal.SIGINT)
-        output = job.communicate(timeout=180)[0]
+        try:
+            output = job.communicate(timeout=180)[0]
+        except subprocess.TimeoutExpired:  # say where it hung (once, in a loaded full run)
+            tree = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "--ppid",
+                                   str(job.pid)], capture_output=True, text=True).stdout
+            os.killpg(job.pid, signal.SIGKILL)
+            pytest.fail(f"no exit 180 s after SIGINT; children:\n{tree}\n"
+                        f"{job.communicate()[0][-3000:]}")
     finally:
         if job.poll() is None:
-            job.kill()
+            os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 0, output[-3000:]
     assert "received SIGINT: stopped after step" in output, output[-3000:]
     assert len(list((dump / "checkpoint").glob("step-*"))) == 1
