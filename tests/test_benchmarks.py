@@ -2,13 +2,16 @@
 the README, docs/ and the benchmarks' own READMEs cite exists (a result moved to archive/ takes its
 citations with it)."""
 
+import importlib.util
 import json
 import re
+import shlex
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
-CITING = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *BENCHMARKS.rglob("README.md"), *(REPO / "flce").glob("*.py"),
+FRONT = [REPO / "README.md", *(REPO / "docs").glob("*.md")]  # what a reader is pointed to
+CITING = [*FRONT, *BENCHMARKS.rglob("README.md"), *(REPO / "flce").glob("*.py"),
           *(REPO / "models").glob("*.py"), *(REPO / "scripts").glob("*.py")]
 # A result file, or a folder of them (`benchmarks/x/`); output paths in usage examples
 # (`--out benchmarks/train_h200`) have no suffix and are not results.
@@ -37,7 +40,6 @@ def test_the_index_names_every_result():
     assert orphans == []
 
 
-
 # Cited reports measured before reports recorded a clean commit, or whose recorded command no
 # longer runs (`python scripts/X.py` stops at the module guard; scripts.bench_X moved to
 # scripts.bench.X). Each is to be re-measured from a clean commit with a command that runs today,
@@ -56,8 +58,6 @@ AWAITING_REMEASUREMENT = {
 def _command_problem(command: str) -> str:
     """Why a recorded command would not run today ("" if it would): its script is a module of
     this repository that exists and defines every --option the command passes."""
-    import importlib.util
-    import shlex
     words = shlex.split(command)
     if any(re.fullmatch(r"scripts/\w+\.py", w) for w in words):
         return "runs a script by its file path (scripts run as modules: python3 -m scripts.NAME)"
@@ -89,7 +89,7 @@ def _provenance_problems(report: Path) -> list[str]:
 
 def test_cited_reports_come_from_a_clean_commit_and_a_command_that_runs():
     cited = set()
-    for path in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+    for path in FRONT:
         cited |= {c for c in CITED.findall(path.read_text())
                   if c.endswith(".md") and "/archive/" not in c and c != "benchmarks/README.md"}
     problems = {Path(c).name: _provenance_problems(REPO / c) for c in sorted(cited)}
