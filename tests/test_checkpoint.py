@@ -165,6 +165,24 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _wait_until_ended(pids: list[int], timeout: float = 60) -> None:
+    """Until each process has exited (gone, or a zombie nobody reaps): a process killed while
+    the kernel writes its files for it (fsync on a busy disk) exits, and lets go of its dump
+    folder lock, only once the write is done. Resuming before then finds the folder in use."""
+    deadline = time.time() + timeout
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        while time.time() < deadline:
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            except (OSError, IndexError):
+                break  # gone
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"process {pid} still runs {timeout} s after SIGKILL")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_and_resumes(tmp_path, sig):
@@ -398,9 +416,11 @@ def test_an_async_save_is_committed_once_written(tmp_path):
             time.sleep(0.02)
         _wait_for_step(dump, max(losses(dump)) + 2, proc)  # some steps after the commit
     finally:
-        for pid in _children(proc.pid) + [proc.pid]:  # both trainers, then torchrun
+        killed = _children(proc.pid) + [proc.pid]  # both trainers, then torchrun
+        for pid in killed:
             os.kill(pid, signal.SIGKILL)
         proc.communicate(timeout=60)
+        _wait_until_ended(killed)
     killed_at = max(losses(dump))
     assert killed_at < 16, "the run reached its next save before the test killed it"
     assert sorted(list_checkpoints(dump / "checkpoint")) == [8], \
