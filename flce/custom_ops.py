@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from flce.dispatch import stat_dtype, triton_usable
+from flce.dispatch import stat_dtype, triton_usable, weight_of_sum
 from flce.float8 import padded
 from flce.ops import block_grads, block_stats, chunked_pass
 from flce.options import LossOptions
@@ -42,6 +42,7 @@ def _op(name: str, mutates_args=()):
     return wrap
 
 
+@functools.lru_cache(maxsize=64)  # checked once per set of options, not once per call
 def _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap) -> LossOptions:
     return LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
 
@@ -187,6 +188,28 @@ def _(grad, x, target, weight, bias, row_max, log_sum, ignore_index, label_smoot
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
+
+
+@_op("weighted_sum", mutates_args=())
+def weighted_sum(loss: Tensor, target: Tensor, normalizer: Optional[Tensor],
+                 inv_divisor: Optional[float], ignore_index: int, use_triton: bool
+                 ) -> Tuple[Tensor, Tensor]:
+    """(sum(loss) * w, w) with w = 1 / the divisor `dispatch.divisor_of` describes: the loss of
+    the one-block path and the weight its backward applies. On the GPU one kernel."""
+    if not use_triton:
+        w = weight_of_sum(target, normalizer, inv_divisor, ignore_index, loss.device, loss.dtype)
+        return loss.sum() * w, w
+    from flce.kernels import weighted_sum as triton_weighted_sum
+    out, w = loss.new_empty(()), loss.new_empty(())
+    if normalizer is not None and normalizer.device != loss.device:
+        normalizer = normalizer.to(loss.device)
+    triton_weighted_sum(loss, target, normalizer, inv_divisor, ignore_index, out, w)
+    return out, w
+
+
+@weighted_sum.register_fake
+def _(loss, target, normalizer, inv_divisor, ignore_index, use_triton):
+    return loss.new_empty(()), loss.new_empty(())
 
 
 def scale_to(acc: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:

@@ -52,24 +52,40 @@ def stat_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def divisor_of(normalizer: Optional[object], opts: LossOptions
+               ) -> tuple[Optional[Tensor], Optional[float]]:
+    """What the summed loss is divided by, checked without reading a device tensor: (a scalar
+    tensor, None), (None, 1 / a number) for a number or reduction "sum", or (None, None) for
+    "mean": the count of non-ignored targets."""
+    if normalizer is None:
+        return None, (None if opts.reduction == "mean" else 1.0)
+    if isinstance(normalizer, Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+        return normalizer, None
+    if isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real):
+        raise TypeError(f"normalizer={normalizer!r}: must be a number or a scalar tensor")
+    if not (math.isfinite(normalizer) and normalizer > 0):
+        raise ValueError(f"normalizer={normalizer}: must be a finite number > 0")
+    return None, 1.0 / float(normalizer)
+
+
+def weight_of_sum(target: Tensor, normalizer: Optional[Tensor], inv_divisor: Optional[float],
+                  ignore_index: int, device, dtype) -> Tensor:
+    """1 / (what the summed loss is divided by, from `divisor_of`), as a device tensor (no host
+    sync). A normalizer tensor that is not a finite positive number is not read on the host:
+    it makes the loss and its gradients NaN, loud downstream."""
+    if normalizer is not None:
+        n = normalizer.to(device=device, dtype=dtype).reshape(())
+        good = torch.isfinite(n) & (n > 0)
+        return torch.where(good, 1.0 / n, torch.full_like(n, float("nan")))
+    if inv_divisor is not None:
+        return torch.full((), inv_divisor, device=device, dtype=dtype)
+    count = (target != ignore_index).sum().clamp(min=1)
+    return 1.0 / count.to(dtype)
+
+
 def loss_weight(target: Tensor, opts: LossOptions, normalizer: Optional[object], device,
                 dtype) -> Tensor:
     """1 / (what the summed loss is divided by), as a device tensor (no host sync)."""
-    if normalizer is not None:
-        if isinstance(normalizer, Tensor):
-            if normalizer.numel() != 1:
-                raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-            # A device tensor is not read on the host (no sync): one that is not a finite
-            # positive number makes the loss and its gradients NaN, loud downstream.
-            n = normalizer.to(device=device, dtype=dtype).reshape(())
-            good = torch.isfinite(n) & (n > 0)
-            return torch.where(good, 1.0 / n, torch.full_like(n, float("nan")))
-        if isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real):
-            raise TypeError(f"normalizer={normalizer!r}: must be a number or a scalar tensor")
-        if not (math.isfinite(normalizer) and normalizer > 0):
-            raise ValueError(f"normalizer={normalizer}: must be a finite number > 0")
-        return torch.full((), 1.0 / float(normalizer), device=device, dtype=dtype)
-    if opts.reduction == "mean":
-        count = (target != opts.ignore_index).sum().clamp(min=1)
-        return 1.0 / count.to(dtype)
-    return torch.ones((), device=device, dtype=dtype)
+    return weight_of_sum(target, *divisor_of(normalizer, opts), opts.ignore_index, device, dtype)

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to, token_losses,
-                              token_losses_backward)
-from flce.dispatch import loss_weight, stat_dtype, use_triton, widened
+                              token_losses_backward, weighted_sum)
+from flce.dispatch import divisor_of, loss_weight, stat_dtype, use_triton, widened
 from flce.float8 import FLOAT8
 from flce.ops import float8_used, uses_one_block
 from flce.options import LossOptions
@@ -15,32 +15,38 @@ from flce.options import LossOptions
 
 class _OneBlockLoss(torch.autograd.Function):
     """The one-block path (`ops.py`): forward keeps the logits; backward forms the gradients
-    with the upstream gradient (times the loss weight) folded into dlogits. reduce: the loss is
-    the weighted sum of the token losses (mean/sum), else the per-token losses ("none")."""
+    with the upstream gradient (times the loss weight) folded into dlogits. reduce: the loss is the sum of the token losses
+    over the divisor that (normalizer, inv_divisor) describe (`dispatch.divisor_of`), else the
+    per-token losses (reduction "none")."""
 
     @staticmethod
-    def forward(ctx, x, target, weight, bias, loss_weight, opts, float8, use_triton, reduce):
+    def forward(ctx, x, target, weight, bias, normalizer, opts, float8, use_triton, reduce,
+                inv_divisor):
         need = ctx.needs_input_grad
         loss, row_max, log_sum, logits, off_max = block_forward(
             x, target, weight, bias, *opts, float8, use_triton,
             need[0] and float8 == "logits+dx")
+        loss_weight = None
+        if reduce:
+            loss, loss_weight = weighted_sum(loss, target, normalizer, inv_divisor, opts[0],
+                                             use_triton)
         ctx.save_for_backward(x, target, weight, bias, row_max, log_sum, logits, off_max,
                               loss_weight)
-        ctx.config = (opts, float8, use_triton, reduce)
-        return loss.sum() * loss_weight if reduce else loss
+        ctx.config = (opts, float8, use_triton)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
         x, target, weight, bias, row_max, log_sum, logits, off_max, loss_weight = ctx.saved_tensors
-        opts, float8, use_triton, reduce = ctx.config
+        opts, float8, use_triton = ctx.config
         need = ctx.needs_input_grad
-        row_weight = grad * loss_weight if reduce else grad.to(row_max.dtype)
+        row_weight = grad.to(row_max.dtype) if loss_weight is None else grad * loss_weight
         dx, dw, db = block_backward(logits, row_weight, x, target, weight, bias, row_max,
                                     log_sum, off_max, *opts, float8, use_triton, need[0], need[2],
                                     need[3])
         torch.autograd.graph.increment_version(logits)  # it holds dlogits now (custom_ops.py)
         return (dx if need[0] else None, None, dw if need[2] else None,
-                db if need[3] else None, None, None, None, None, None)
+                db if need[3] else None, None, None, None, None, None, None)
 
 
 class _ReducedLoss(torch.autograd.Function):
@@ -157,7 +163,10 @@ def fused_linear_cross_entropy(
     if normalizer is not None and reduction == "none":
         raise ValueError("normalizer applies to reduction='mean' or 'sum', not 'none'")
     on_triton = use_triton(impl, x)
-    x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))
+    # no reshape of what already has its shape: each is an autograd node and a launch's worth
+    # of host time, which is most of the loss's time at a few thousand tokens
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    t2 = widened(target if target.dim() == 1 else target.reshape(-1))
     o = (ignore_index, float(label_smoothing), float(logit_scale), float(z_loss),
          None if softcap is None else float(softcap))
     grad = torch.is_grad_enabled() and any(
@@ -165,11 +174,13 @@ def fused_linear_cross_entropy(
     (N, H), V = x2.shape, weight.shape[0]
     float8 = float8_used(float8, N, H, V)
     if grad and uses_one_block(N, H, V, x.element_size(), chunk_size, memory_lean):
-        reduce = reduction != "none"
-        weight_of_sum = loss_weight(t2, opts, normalizer, x.device, stat_dtype(x)) if reduce else None
-        loss = _OneBlockLoss.apply(x2, t2, weight, bias, weight_of_sum, o, float8, on_triton,
-                                   reduce)
-        return loss if reduce else loss.reshape(target.shape)
+        if reduction == "none":
+            loss = _OneBlockLoss.apply(x2, t2, weight, bias, None, o, float8, on_triton, False,
+                                       None)
+            return loss.reshape(target.shape)
+        normalizer_t, inv_divisor = divisor_of(normalizer, opts)
+        return _OneBlockLoss.apply(x2, t2, weight, bias, normalizer_t, o, float8, on_triton, True,
+                                   inv_divisor)
     if reduction == "none":
         if not grad:
             return token_losses(x2, t2, weight, bias, *o, chunk_size, float8, on_triton,

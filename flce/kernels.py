@@ -241,6 +241,43 @@ def flce_row_stats_kernel(
     tl.store(out + 2, tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0))
     tl.store(out + 3, sum_z)
 
+@triton.jit
+def weighted_sum_kernel(loss_ptr, target_ptr, normalizer_ptr, out_ptr, weight_ptr, N,
+                        ignore_index, inv_divisor, DIVISOR: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum(loss) * weight and weight = 1 / divisor, the divisor being (DIVISOR) 0: the
+    count of targets != ignore_index (at least 1), 1: the scalar at normalizer_ptr (NaN unless
+    finite and > 0), 2: 1 / inv_divisor. One program, a fixed summation order: deterministic."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, N, BLOCK):
+        mask = start + offs < N
+        acc += tl.load(loss_ptr + start + offs, mask=mask, other=0.0)
+        if DIVISOR == 0:
+            t = tl.load(target_ptr + start + offs, mask=mask, other=ignore_index)
+            count += (t != ignore_index).to(tl.int32)
+    if DIVISOR == 0:
+        weight = 1.0 / tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32)
+    elif DIVISOR == 1:
+        n = tl.load(normalizer_ptr).to(tl.float32)
+        weight = tl.where((n > 0) & (n < float("inf")), 1.0 / n, float("nan"))
+    else:
+        weight = inv_divisor
+    tl.store(out_ptr, tl.sum(acc, axis=0) * weight)
+    tl.store(weight_ptr, weight)
+
+
+def weighted_sum(loss, target, normalizer, inv_divisor, ignore_index, out, weight):
+    """out = sum(loss) * weight, weight = 1 / divisor (`dispatch.divisor_of`): one launch where
+    the PyTorch ops take seven (the count, its clamp and reciprocal, the sum, the product)."""
+    divisor = 1 if normalizer is not None else (0 if inv_divisor is None else 2)
+    target = target.contiguous()  # read as contiguous, like launch_rows
+    weighted_sum_kernel[(1,)](loss, target, loss if normalizer is None else normalizer, out,
+                              weight, loss.shape[0], ignore_index,
+                              float(inv_divisor or 1.0), DIVISOR=divisor, BLOCK=2048,
+                              num_warps=8)
+
+
 def _block_and_warps(C, V, block_v, num_warps):
     # Tuned on an H200 with scripts/bench/tune_rows_kernel.py (chunks of 1024-16384 rows): blocks of
     # 8192 columns and 16 warps where a row is short (V <= 40k: 2.9-3.1 TB/s counting one read

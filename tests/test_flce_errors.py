@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flce
+from flce_cases import IMPL_DEVICES
 
 
 def _inputs(N=6, H=4, V=9):
@@ -67,14 +68,16 @@ def test_triton_on_cpu_without_interpreter(monkeypatch):
         flce.fused_linear_cross_entropy(x, target, weight, bias, impl="triton")
 
 
+@IMPL_DEVICES
 @pytest.mark.parametrize("bad", [-5.0, 0.0, float("inf"), float("nan")])
-def test_a_tensor_normalizer_that_is_not_a_positive_number_gives_nan(bad):
+def test_a_tensor_normalizer_that_is_not_a_positive_number_gives_nan(impl, device, bad):
     """A tensor normalizer is not read on the host (no sync): -5 gave a negative loss and inf a
     loss of 0; both, and 0 and NaN, now make the loss and gradients NaN."""
-    x, target, weight, bias = _inputs()
+    x, target, weight, bias = (t.to(device).detach().requires_grad_(t.is_floating_point())
+                               for t in _inputs())
     for chunk in (None, 2):
         loss = flce.fused_linear_cross_entropy(x, target, weight, bias, chunk_size=chunk,
-                                               normalizer=torch.tensor(bad))
+                                               normalizer=torch.tensor(bad), impl=impl)
         loss.backward()
         assert torch.isnan(loss) and torch.isnan(x.grad).all() and torch.isnan(weight.grad).all()
         x.grad = weight.grad = None

@@ -13,8 +13,9 @@ GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into 
                                                       # (benchmarks/flce_grid; resumable)
 
 --grid times flce, flce_lean and the peers (compiled unfused, Liger, CCE) at every point of
-GRID_N x GRID_H x GRID_V, each for about --seconds (at least 3 timed calls), and writes the
-report after every point: a run cut short by a time limit keeps what it measured, and --resume
+GRID_N x GRID_H x GRID_V, each for about --seconds (at least 3 timed calls, at most --reps),
+in rounds that call the bare GEMMs and every method once in turn, and writes the report after
+every point: a run cut short by a time limit keeps what it measured, and --resume
 skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM floor runs
 in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
@@ -207,7 +208,8 @@ def errors_vs_float64(fns, N, H, V, dtype):
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.flce", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", default=SHAPES, help="comma-separated NxHxV")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated NxHxV (default {SHAPES}; with --grid: the grid's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
@@ -237,6 +239,7 @@ def main():
     dtype = getattr(torch, args.dtype)
     if args.grid:
         return run_grid(args, origin, dtype)
+    args.shapes = args.shapes or SHAPES
     results, accuracy = [], {}
     for i, shape in enumerate(args.shapes.split(",")):
         N, H, V = map(int, shape.split("x"))
@@ -307,23 +310,36 @@ def run_grid(args, origin, dtype):
     out = Path(args.out).with_suffix(".json")
     results = json.loads(out.read_text())["results"] if args.resume and out.exists() else []
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
-    meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds}
-    for shape in grid_shapes():
+    meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
+            "timing": "interleaved rounds: each round calls the bare GEMMs and every method "
+                      "once in turn; the median of the rounds"}
+    for shape in args.shapes.split(",") if args.shapes else grid_shapes():
         if shape in done:
             continue
         N, H, V = map(int, shape.split("x"))
         fns = {k: f for k, f in methods(N, H, V, sweep=False).items() if k in GRID_METHODS}
         x, t, w = make_inputs(N, H, V, dtype)
-        run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
-        floor_ms = timed_ms(run, args.seconds, args.reps)
-        del run, bufs
-        torch.cuda.empty_cache()
+        floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
+        runs, mib = {"bare_gemms": floor_run}, {}
+        for name, f in fns.items():
+            run = fwd_bwd(f, x, t, w)
+            try:
+                run()  # compiles and autotunes outside the measurements
+                mib[name] = peak_extra_mib(run, x, w)
+                runs[name] = run
+            except torch.OutOfMemoryError:
+                mib[name] = None
+            x.grad = w.grad = None
+            torch.cuda.empty_cache()
+        ms = interleaved_ms(runs, args.seconds, args.reps)
+        floor_ms = ms["bare_gemms"]
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                   "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None,
                   "flce_path": flce_path(N, H, V, x.element_size())}]
-        timer = lambda run: timed_ms(run, args.seconds, args.reps)  # noqa: E731
-        point += [measure(shape, name, f, x, t, w, floor_ms, timer) for name, f in fns.items()]
-        del x, t, w
+        point += [{"shape": shape, "method": name, "ms": ms.get(name), "extra_mib": mib[name],
+                   "vs_gemms": None if ms.get(name) is None else ms[name] / floor_ms}
+                  for name in fns]
+        del x, t, w, runs, floor_run, bufs
         torch.cuda.empty_cache()
         results += point
         print(" | ".join([shape, f"gemms {floor_ms:.2f} ms"] + [
@@ -331,6 +347,34 @@ def run_grid(args, origin, dtype):
                                  f"{r['extra_mib']:.0f} MiB") for r in point[1:]]), flush=True)
         write_report(args.out, {"meta": meta, "results": results}, grid_markdown(meta, results))
     print(grid_markdown(meta, results))
+
+
+def interleaved_ms(runs: dict, seconds: float, max_reps: int) -> dict:
+    """Median ms of each run, timed in rounds that call every run once in turn (each call
+    synchronised, as median_ms): a drift of the GPU's clocks or temperature over the seconds
+    spent at a point falls on all of them alike, not on whichever ran last. About `seconds`
+    per run, 3 rounds at least, max_reps at most. A run that runs out of memory beside the
+    others' cached blocks is timed alone after the rounds."""
+    probe = {name: median_ms(run, warmup=0, reps=1) for name, run in runs.items()}
+    rounds = max(3, min(max_reps, int(seconds * 1e3 * len(runs) / sum(probe.values()))))
+    times = {name: [] for name in runs}
+    alone = []
+    for _ in range(rounds):
+        for name, run in runs.items():
+            if name in alone:
+                continue
+            try:
+                times[name].append(median_ms(run, warmup=0, reps=1))
+            except torch.OutOfMemoryError:
+                alone.append(name)
+                torch.cuda.empty_cache()
+    for name in alone:
+        torch.cuda.empty_cache()
+        try:
+            times[name] = [timed_ms(runs[name], seconds, max_reps)]
+        except torch.OutOfMemoryError:
+            times[name] = []
+    return {name: statistics.median(v) if v else None for name, v in times.items()}
 
 
 def flce_path(N, H, V, elem_bytes) -> str:
