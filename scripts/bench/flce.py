@@ -14,8 +14,8 @@ GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into 
 
 --grid times flce, flce_lean and the peers (compiled unfused, Liger, CCE) at every point of
 GRID_N x GRID_H x GRID_V, each for about --seconds (at least 3 timed calls, at most --reps),
-in rounds that call the bare GEMMs and every method once in turn, and writes the report after
-every point: a run cut short by a time limit keeps what it measured, and --resume
+in rounds that visit the bare GEMMs and every method in turn (`interleaved_ms`), and writes the
+report after every point: a run cut short by a time limit keeps what it measured, and --resume
 skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM floor runs
 in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
@@ -311,8 +311,9 @@ def run_grid(args, origin, dtype):
     results = json.loads(out.read_text())["results"] if args.resume and out.exists() else []
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
-            "timing": "interleaved rounds: each round calls the bare GEMMs and every method "
-                      "once in turn; the median of the rounds"}
+            "timing": "interleaved rounds: each round visits the bare GEMMs and every method "
+                      "in turn, calls each twice and times the second call; the median of the "
+                      "rounds"}
     for shape in args.shapes.split(",") if args.shapes else grid_shapes():
         if shape in done:
             continue
@@ -350,12 +351,16 @@ def run_grid(args, origin, dtype):
 
 
 def interleaved_ms(runs: dict, seconds: float, max_reps: int) -> dict:
-    """Median ms of each run, timed in rounds that call every run once in turn (each call
-    synchronised, as median_ms): a drift of the GPU's clocks or temperature over the seconds
-    spent at a point falls on all of them alike, not on whichever ran last. About `seconds`
-    per run, 3 rounds at least, max_reps at most. A run that runs out of memory beside the
-    others' cached blocks is timed alone after the rounds."""
-    probe = {name: median_ms(run, warmup=0, reps=1) for name, run in runs.items()}
+    """Median ms of each run over rounds that visit every run in turn; at each visit the run is
+    called twice and the second call timed (synchronised, as median_ms). A drift of the GPU's
+    clocks or temperature over the seconds spent at a point falls on all runs alike, not on
+    whichever ran last; the untimed call before each timed one leaves the caching allocator
+    and the GPU's power state as the run itself leaves them (the runs' different buffer sizes
+    otherwise cost a fresh cudaMalloc, and a call that follows a lighter one ran at higher
+    clocks: the bare GEMMs timed 10% faster at 16384x4096x128256). About `seconds` of timed
+    calls per run, 3 rounds at least, max_reps at most. A run that runs out of memory beside
+    the others' cached blocks is timed alone after the rounds."""
+    probe = {name: median_ms(run, warmup=1, reps=1) for name, run in runs.items()}
     rounds = max(3, min(max_reps, int(seconds * 1e3 * len(runs) / sum(probe.values()))))
     times = {name: [] for name in runs}
     alone = []
@@ -364,7 +369,7 @@ def interleaved_ms(runs: dict, seconds: float, max_reps: int) -> dict:
             if name in alone:
                 continue
             try:
-                times[name].append(median_ms(run, warmup=0, reps=1))
+                times[name].append(median_ms(run, warmup=1, reps=1))
             except torch.OutOfMemoryError:
                 alone.append(name)
                 torch.cuda.empty_cache()
