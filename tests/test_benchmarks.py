@@ -51,7 +51,7 @@ AWAITING_REMEASUREMENT = {
     "peers_1b_seq32768_1xh200.md", "peers_1b_seq8192_1xh200.md", "step_floor_float8_b12_h200.md",
     "step_floor_float8_h200.md", "step_floor_h200.md", "train_2xh200.md",
     "train_ac_flce_1xh200.md", "train_best_1xh200.md", "train_best_unfused_1xh200.md",
-    "train_equal_b4_1xh200.md", "data_loader_cpu.md", "profile_llama_1b_1xh200.md",
+    "train_equal_b4_1xh200.md", "profile_llama_1b_1xh200.md",
 }
 
 
