@@ -101,3 +101,36 @@ def test_in_place_scale_by_one_leaves_the_tensor_and_others_scale():
     out = torch.empty(5000, device=DEVICE)
     scale_cast(before, out, torch.tensor(1.0, device=DEVICE))  # a cast: always written
     assert torch.equal(out, before.float())
+
+
+@pytest.mark.parametrize("n", [0, 1, 2047, 2048, 2049, 5000])
+@pytest.mark.parametrize("divisor", ["count", "all_ignored", "number", "int_tensor",
+                                     "float64_tensor", "shape_1_tensor", "bad_tensor"])
+def test_weighted_sum_matches_the_pytorch_ops(n, divisor):
+    """The one-block loss's reduction in one launch (sum of the token losses times 1 / the
+    divisor, and that weight) against the PyTorch ops it replaced, across its 2048-wide blocks,
+    for each kind of divisor; a normalizer that is not a finite positive number gives NaN."""
+    from flce.dispatch import divisor_of, weight_of_sum
+    from flce.kernels import weighted_sum
+    g = torch.Generator().manual_seed(n)
+    loss = (torch.rand(n, generator=g) * 5).to(DEVICE)
+    target = torch.randint(0, 50, (n,), generator=g).to(DEVICE)
+    target[torch.rand(n, generator=g) < 0.3] = -7
+    normalizer = {"count": None, "all_ignored": None, "number": 123.5,
+                  "int_tensor": torch.tensor(977), "float64_tensor": torch.tensor(31.25,
+                  dtype=torch.float64), "shape_1_tensor": torch.tensor([8.0]),
+                  "bad_tensor": torch.tensor(-2.0)}[divisor]
+    if divisor == "all_ignored":
+        target.fill_(-7)
+    opts = LossOptions(ignore_index=-7)
+    norm, inv = divisor_of(normalizer, opts)
+    norm = None if norm is None else norm.to(DEVICE)
+    out, w = torch.empty((), device=DEVICE), torch.empty((), device=DEVICE)
+    weighted_sum(loss, target, norm, inv, -7, out, w)
+    ref_w = weight_of_sum(target, norm, inv, -7, DEVICE, torch.float32)
+    if divisor == "bad_tensor":
+        assert torch.isnan(w) and torch.isnan(out)
+        return
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out, (loss.double().sum() * ref_w.double()).float(),
+                               rtol=1e-6, atol=1e-6)
