@@ -15,9 +15,9 @@ from flce.options import LossOptions
 
 class _OneBlockLoss(torch.autograd.Function):
     """The one-block path (`ops.py`): forward keeps the logits; backward forms the gradients
-    with the upstream gradient (times the loss weight) folded into dlogits. reduce: the loss is the sum of the token losses
-    over the divisor that (normalizer, inv_divisor) describe (`dispatch.divisor_of`), else the
-    per-token losses (reduction "none")."""
+    with the upstream gradient (times the loss weight) folded into dlogits. reduce: the loss is
+    the sum of the token losses over the divisor that (normalizer, inv_divisor) describe
+    (`dispatch.divisor_of`), else the per-token losses (reduction "none")."""
 
     @staticmethod
     def forward(ctx, x, target, weight, bias, normalizer, opts, float8, use_triton, reduce,
