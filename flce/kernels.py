@@ -274,7 +274,7 @@ def weighted_sum(loss, target, normalizer, inv_divisor, ignore_index, out, weigh
     target = target.contiguous()  # read as contiguous, like launch_rows
     weighted_sum_kernel[(1,)](loss, target, loss if normalizer is None else normalizer, out,
                               weight, loss.shape[0], ignore_index,
-                              float(inv_divisor or 1.0), DIVISOR=divisor, BLOCK=2048,
+                              1.0 if inv_divisor is None else float(inv_divisor), DIVISOR=divisor, BLOCK=2048,
                               num_warps=8)
 
 

@@ -296,6 +296,11 @@ def measure(shape, name, f, x, t, w, floor_ms, timer) -> dict:
         ms = mib = None
     x.grad = w.grad = None
     torch.cuda.empty_cache()
+    return record(shape, name, ms, mib, floor_ms)
+
+
+def record(shape, name, ms, mib, floor_ms) -> dict:
+    """One method's result at one shape; ms and mib None where it did not fit in memory."""
     return {"shape": shape, "method": name, "ms": ms, "extra_mib": mib,
             "vs_gemms": None if ms is None else ms / floor_ms}
 
@@ -337,9 +342,7 @@ def run_grid(args, origin, dtype):
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                   "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None,
                   "flce_path": flce_path(N, H, V, x.element_size())}]
-        point += [{"shape": shape, "method": name, "ms": ms.get(name), "extra_mib": mib[name],
-                   "vs_gemms": None if ms.get(name) is None else ms[name] / floor_ms}
-                  for name in fns]
+        point += [record(shape, name, ms.get(name), mib[name], floor_ms) for name in fns]
         del x, t, w, runs, floor_run, bufs
         torch.cuda.empty_cache()
         results += point
@@ -360,11 +363,10 @@ def interleaved_ms(runs: dict, seconds: float, max_reps: int) -> dict:
     clocks: the bare GEMMs timed 10% faster at 16384x4096x128256). About `seconds` of timed
     calls per run, 3 rounds at least, max_reps at most. A run that runs out of memory beside
     the others' cached blocks is timed alone after the rounds."""
-    probe = {name: median_ms(run, warmup=1, reps=1) for name, run in runs.items()}
-    rounds = max(3, min(max_reps, int(seconds * 1e3 * len(runs) / sum(probe.values()))))
     times = {name: [] for name in runs}
     alone = []
-    for _ in range(rounds):
+
+    def one_round():
         for name, run in runs.items():
             if name in alone:
                 continue
@@ -373,6 +375,12 @@ def interleaved_ms(runs: dict, seconds: float, max_reps: int) -> dict:
             except torch.OutOfMemoryError:
                 alone.append(name)
                 torch.cuda.empty_cache()
+
+    one_round()  # also sizes the rest: about `seconds` of timed calls per run
+    per_round = sum(v[0] for v in times.values() if v) or 1.0
+    rounds = max(3, min(max_reps, int(seconds * 1e3 * len(runs) / per_round)))
+    for _ in range(rounds - 1):
+        one_round()
     for name in alone:
         torch.cuda.empty_cache()
         try:
