@@ -84,6 +84,7 @@ def flce_rows_kernel(
                        # with STATS_GIVEN (a gradient pass after a statistics pass)
     weight_ptr,        # fp32 gradient weight: one scalar (weight_stride 0) or one per row
     weight_stride,
+    weight_scale_ptr,  # fp32 scalar the gradient weight is multiplied by (HAS_WEIGHT_SCALE)
     V,                 # the columns of this chunk: the vocabulary slice [vocab_start, vocab_start + V)
     vocab_start,
     V_total,           # the full vocabulary (V and 0 on one device)
@@ -107,6 +108,7 @@ def flce_rows_kernel(
     FP8_GRAD: tl.constexpr,
     KEEP_OFF_MAX: tl.constexpr,
     MAX_OFF_TARGET: tl.constexpr,  # pass 1 finds the max off the target (FP8_GRAD or KEEP_OFF_MAX)
+    HAS_WEIGHT_SCALE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -174,6 +176,8 @@ def flce_rows_kernel(
 
     if COMPUTE_GRAD:
         w = tl.load(weight_ptr + row * weight_stride).to(tl.float32)
+        if HAS_WEIGHT_SCALE:
+            w = w * tl.load(weight_scale_ptr).to(tl.float32)
         w = tl.where(valid, w, float("nan"))
         p_coef = 1.0
         if HAS_Z_LOSS:
@@ -295,12 +299,14 @@ def _block_and_warps(C, V, block_v, num_warps):
 
 def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad,
                 block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None,
-                off_max=None):
+                off_max=None, weight_scale=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
     vocabulary slice, the gradient pass of `vocab_parallel`). stats: (row max, log sum exp(z -
     max)), [C] fp32 each, written (or read, stats_given), or None. fp8_grad: (g8 [C, V] e4m3,
     g8_scale [C], target_grad [C]) to fill for the float8 dx GEMM, or None. off_max [C] fp32:
-    written by a statistics pass (not compute_grad), read by a float8 gradient pass."""
+    written by a statistics pass (not compute_grad), read by a float8 gradient pass.
+    weight_scale: a 0-dim fp32 tensor the gradient weight is multiplied by (the upstream
+    gradient times the loss weight without a launch of its own), or None."""
     C, V = logits.shape
     if C == 0:
         return
@@ -315,6 +321,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     flce_rows_kernel[(C,)](
         logits, logits.stride(0), target, loss_out, row_max, log_sum,
         weight, 0 if weight.dim() == 0 else weight.stride(0),
+        weight if weight_scale is None else weight_scale,
         V, vocab_start, vocab_total or V, opts.ignore_index, float(opts.logit_scale),
         float(opts.softcap or 1.0), float(opts.label_smoothing), float(opts.z_loss),
         g8, g8.stride(0), g8_scale, target_grad, loss_out if off_max is None else off_max,
@@ -327,6 +334,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
         FP8_GRAD=fp8_grad is not None,
         KEEP_OFF_MAX=keep_off_max,
         MAX_OFF_TARGET=fp8_grad is not None or keep_off_max,
+        HAS_WEIGHT_SCALE=weight_scale is not None,
         FP8_MAX=float(torch.finfo(g8.dtype).max) if fp8_grad is not None else 1.0,
         BLOCK_V=block_v,
         num_warps=num_warps,

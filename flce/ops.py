@@ -242,22 +242,31 @@ def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
     return loss, row_max, log_sum, logits, off_max
 
 
-def block_grads(logits: Tensor, row_weight: Tensor, x: Tensor, target: Tensor, weight: Tensor,
-                bias: Optional[Tensor], stats: tuple[Tensor, Tensor], off_max: Optional[Tensor],
-                opts: LossOptions,
+def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor,
+                target: Tensor, weight: Tensor, bias: Optional[Tensor],
+                stats: tuple[Tensor, Tensor], off_max: Optional[Tensor], opts: LossOptions,
                 use_triton: bool, float8: str, need_dx: bool, need_dw: bool, need_db: bool):
-    """Backward of the one-block path: `logits` (from `block_stats`) become row_weight times the
-    loss's gradient in place, then (dx, dW, db), each None where not needed, in the dtypes of x,
-    weight and bias. row_weight: fp32, 0-dim or [N] (the upstream gradient times the loss
-    weight). With float8 "logits+dx" (and off_max kept) the dx GEMM runs in float8."""
+    """Backward of the one-block path: `logits` (from `block_stats`) become row_weight (times
+    row_scale) times the loss's gradient in place, then (dx, dW, db), each None where not
+    needed, in the dtypes of x, weight and bias. row_weight: fp32, 0-dim or [N] (the upstream
+    gradient); row_scale: a 0-dim fp32 tensor (the loss weight) or None, multiplied in by the
+    row kernel on the GPU (one launch fewer). With float8 "logits+dx" (and off_max kept) the dx
+    GEMM runs in float8."""
     N, V = x.shape[0], weight.shape[0]
     view = logits[:, :V]
     fp8 = None
     if need_dx and float8 == "logits+dx":
         fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False)
+    fp8_grad = None if fp8 is None else fp8.grad_outputs(N)
     # a gradient pass writes no loss: its loss_out (here the row maxima) is left as it is
-    _row_fn(use_triton)(view, target, stats[0], stats, row_weight, opts, True, True,
-                        fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max)
+    if use_triton:
+        from flce.kernels import launch_rows
+        launch_rows(view, target, stats[0], stats, row_weight, opts, True, True,
+                    fp8_grad=fp8_grad, off_max=off_max, weight_scale=row_scale)
+    else:
+        chunk_rows(view, target, stats[0], stats,
+                   row_weight if row_scale is None else row_weight * row_scale, opts, True, True,
+                   fp8_grad=fp8_grad, off_max=off_max)
     dx = dw = db = None
     if fp8 is not None:
         dx = torch.empty_like(x)

@@ -58,6 +58,29 @@ def test_kernel_matches_torch_rows(opts, per_row_weight):
     torch.testing.assert_close(out[0], ref[0], rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("per_row_weight", [False, True])
+def test_weight_scale_equals_the_premultiplied_weight(per_row_weight):
+    """The one-block backward hands the kernel the upstream gradient and the loss weight apart
+    (weight_scale: no launch for their product); the gradient must be bit-equal to the one with
+    the product formed first, and scaled by it (not ignored)."""
+    from flce.kernels import launch_rows
+    C, V = 11, 37
+    opts = LossOptions(label_smoothing=0.1)
+    logits = torch.randn(C, V, device=DEVICE) * 3
+    target = torch.randint(0, V, (C,), device=DEVICE)
+    target[2] = opts.ignore_index
+    grad = torch.rand(C, device=DEVICE) + 0.5 if per_row_weight else torch.tensor(1.7, device=DEVICE)
+    scale = torch.tensor(1 / 9, device=DEVICE)
+    rows = lambda *a, **k: launch_rows(*a, block_v=16, **k)
+    stats = _run(rows, logits, target, grad, opts)[1]
+    product = _run(rows, logits, target, grad * scale, opts, stats_in=stats)[2]
+    folded = _run(lambda *a: rows(*a, weight_scale=scale), logits, target, grad, opts,
+                  stats_in=stats)[2]
+    unscaled = _run(rows, logits, target, grad, opts, stats_in=stats)[2]
+    assert torch.equal(folded, product)
+    assert not torch.allclose(folded, unscaled)
+
+
 def test_out_of_range_target_is_nan_not_garbage():
     """Documented: on the Triton path a target outside [0, V) gives a NaN loss and gradient for
     its row (no host sync to check); the PyTorch path raises IndexError instead."""
