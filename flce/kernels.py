@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flce.launch import Launcher
+
 
 @triton.jit
 def _tanh(t):
@@ -271,15 +273,22 @@ def weighted_sum_kernel(loss_ptr, target_ptr, normalizer_ptr, out_ptr, weight_pt
     tl.store(weight_ptr, weight)
 
 
+_launch_weighted_sum = Launcher(weighted_sum_kernel)
+
+
 def weighted_sum(loss, target, normalizer, inv_divisor, ignore_index, out, weight):
     """out = sum(loss) * weight, weight = 1 / divisor (`dispatch.divisor_of`): one launch where
     the PyTorch ops take seven (the count, its clamp and reciprocal, the sum, the product)."""
     divisor = 1 if normalizer is not None else (0 if inv_divisor is None else 2)
     target = target.contiguous()  # read as contiguous, like launch_rows
-    weighted_sum_kernel[(1,)](loss, target, loss if normalizer is None else normalizer, out,
-                              weight, loss.shape[0], ignore_index,
-                              1.0 if inv_divisor is None else float(inv_divisor), DIVISOR=divisor, BLOCK=2048,
-                              num_warps=8)
+    _launch_weighted_sum((1,), loss, target, loss if normalizer is None else normalizer, out,
+                         weight, loss.shape[0], ignore_index,
+                         1.0 if inv_divisor is None else float(inv_divisor), DIVISOR=divisor,
+                         BLOCK=2048, num_warps=8)
+
+
+_launch_rows = Launcher(flce_rows_kernel)
+_launch_row_stats = Launcher(flce_row_stats_kernel)
 
 
 def _block_and_warps(C, V, block_v, num_warps):
@@ -318,8 +327,8 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     assert stats is not None or not stats_given, "a gradient pass reads the row statistics"
     assert not (fp8_grad is not None and stats_given and off_max is None), \
         "a float8 gradient pass after a statistics pass reads the row maxima off the target"
-    flce_rows_kernel[(C,)](
-        logits, logits.stride(0), target, loss_out, row_max, log_sum,
+    _launch_rows(
+        (C,), logits, logits.stride(0), target, loss_out, row_max, log_sum,
         weight, 0 if weight.dim() == 0 else weight.stride(0),
         weight if weight_scale is None else weight_scale,
         V, vocab_start, vocab_total or V, opts.ignore_index, float(opts.logit_scale),
@@ -348,8 +357,8 @@ def launch_row_stats(logits, target, stats_out, opts, vocab_start, block_v=None,
         return
     target = target.contiguous()
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
-    flce_row_stats_kernel[(C,)](
-        logits, logits.stride(0), target, stats_out, V, vocab_start, opts.ignore_index,
+    _launch_row_stats(
+        (C,), logits, logits.stride(0), target, stats_out, V, vocab_start, opts.ignore_index,
         float(opts.logit_scale), float(opts.softcap or 1.0),
         HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
         BLOCK_V=block_v, num_warps=num_warps)
@@ -386,6 +395,10 @@ def quantize_rows_kernel(src_ptr, stride_r, stride_k, R, K, scale_ptr, dst_ptr, 
              q.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_row_absmax = Launcher(row_absmax_kernel)
+_launch_quantize_rows = Launcher(quantize_rows_kernel)
+
+
 def quantize_rows(src, dst, scale):
     """Rowwise float8 quantization of any 2-D view (W.t() included, read tile by tile): scale[r]
     = max |src[r]| / the float8 maximum (0 for a zero row), dst[r] = src[r] / scale[r]. Same
@@ -396,12 +409,12 @@ def quantize_rows(src, dst, scale):
         return
     BLOCK_R, BLOCK_K = 64, 64
     grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(K, BLOCK_K))
-    row_absmax_kernel[grid](src, src.stride(0), src.stride(1), R, K, scale,
-                            BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
+    _launch_row_absmax(grid, src, src.stride(0), src.stride(1), R, K, scale,
+                       BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
     fp8_max = float(torch.finfo(dst.dtype).max)
     scale.div_(fp8_max)
-    quantize_rows_kernel[grid](src, src.stride(0), src.stride(1), R, K, scale, dst, dst.stride(0),
-                               FP8_MAX=fp8_max, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
+    _launch_quantize_rows(grid, src, src.stride(0), src.stride(1), R, K, scale, dst,
+                          dst.stride(0), FP8_MAX=fp8_max, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
 
 
 @triton.jit
@@ -416,6 +429,9 @@ def scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, n, BLOCK: tl.constexpr,
     tl.store(dst_ptr + offs, v.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_scale_cast = Launcher(scale_cast_kernel)
+
+
 def scale_cast(src, dst, scale):
     """dst = src * scale (a 0-dim tensor), rounded once to dst's dtype; dst may be src (then a
     scale of exactly 1 moves no bytes, decided on the device: no host sync).
@@ -423,7 +439,6 @@ def scale_cast(src, dst, scale):
     One vectorised pass; PyTorch's mixed-dtype `mul(out=)` ran ~4x slower on an H200."""
     n = src.numel()
     BLOCK = 4096
-    scale_cast_kernel[(triton.cdiv(n, BLOCK),)](src, dst, scale, n, BLOCK=BLOCK,
-                                                IN_PLACE=dst.data_ptr() == src.data_ptr(),
-                                                num_warps=8)
+    _launch_scale_cast((triton.cdiv(n, BLOCK),), src, dst, scale, n, BLOCK=BLOCK,
+                       IN_PLACE=dst.data_ptr() == src.data_ptr(), num_warps=8)
     return dst
