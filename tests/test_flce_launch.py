@@ -54,7 +54,9 @@ def test_a_cached_kernel_is_the_one_triton_picks_and_computes_the_same():
         dst = torch.full((grid[0] * 256,), float("nan"), device="cuda", dtype=dtype)
         with torch.cuda.stream(side if on_side else torch.cuda.current_stream()):
             launcher(grid, src, dst, n, stride, 0.5, BLOCK=256, SQUARE=square)
-            compiled = _scaled_copy[grid](src, dst, n, stride, 0.5, BLOCK=256, SQUARE=square)
+            # the same options as the launcher passes: Triton keys its cache on them as given
+            compiled = _scaled_copy[grid](src, dst, n, stride, 0.5, BLOCK=256, SQUARE=square,
+                                          num_warps=4)
         torch.cuda.synchronize()
         want = src[: count * stride: stride].float() * 0.5
         want = (want * want if square else want).to(dtype)
