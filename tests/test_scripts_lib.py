@@ -162,6 +162,8 @@ def test_flce_grid_verdict_counts_each_target():
     assert "1 of 2 (worst 1.080×)" in text
     assert f"geometric mean {(1.04 * 1.08) ** 0.5:.3f}×" in text
     assert "faster than unfused_compile: 1 of 2" in text
+    assert "where they take ≥ 10 ms: 1 of 2" in text
+    assert "the fastest of flce, flce_lean, unfused_compile, liger, cce: 1 of 2 points" in text
     assert "faster than cce: 1 of 2" in text  # a peer that does not fit loses that point
     assert "≤ torch.compile's: 1 of 2 points; median ratio 0.88" in text
     assert "flce_lean memory ≤ Liger's: 1 of 2" in text and "flce_lean time ≤ Liger's: 1 of 2" in text
