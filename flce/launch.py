@@ -2,8 +2,8 @@
 
 At a few thousand tokens the loss is bound by the host: Triton's `JITFunction.run` binds and
 specializes every argument, builds a cache key from them and the options, and reads its knobs on
-each call (tens of microseconds for the row kernel's 30 arguments, more than the kernel takes at
-2048 tokens). `Launcher` does that work once per kind of call: it keys the compiled kernel on what
+each call (tens of microseconds for the row kernel's 34 arguments, about what the kernel itself
+takes at 2048 tokens). `Launcher` does that work once per kind of call: it keys the compiled kernel on what
 Triton specializes on (each tensor's dtype and 16-byte alignment; each int's divisibility by 16,
 being 1 and its integer width; the constexpr values and the launch options) and then calls the
 compiled kernel's launcher directly, as `CompiledKernel.__getitem__` does (the same call in
