@@ -175,6 +175,25 @@ def test_bad_documents_are_named_or_skipped(tmp_path, rng, capsys):
     assert not index["splits"]["validation"]["shards"]
 
 
+def test_the_first_bad_document_in_the_files_order_is_named():
+    """Workers tokenize units in parallel: a later unit's bad document can be found first. The
+    error names the earliest one (the same on every run), as one worker would have."""
+    import threading
+    from concurrent.futures import Future
+    from components.data.checks import BadDocumentError
+    from scripts.lib.prepare_shards import wait_in_order
+    units = [Future() for _ in range(4)]
+    for unit in units[:3]:
+        unit.set_running_or_notify_cancel()
+    units[2].set_exception(BadDocumentError("c.jsonl: line 9: not UTF-8"))  # found first
+    threading.Timer(0.5, lambda: units[1].set_exception(
+        BadDocumentError("b.jsonl: line 3: no field 'text'"))).start()
+    threading.Timer(0.3, lambda: units[0].set_result({})).start()
+    with pytest.raises(BadDocumentError, match="b.jsonl: line 3"):
+        wait_in_order(units)
+    assert units[3].cancelled()  # after the first bad one, not yet started: not run
+
+
 def test_an_escaped_lone_surrogate_is_named_or_skipped(tmp_path, capsys):
     """It is valid JSON, so it reached the tokenizer: a bare 'surrogates not allowed' (byte) or
     TypeError traceback (tokenizers), naming no file or line."""

@@ -443,28 +443,50 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
                    unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing",
                    dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
     started = time.time()
+
+    def show_progress():
+        if bar is not None:
+            bar.set_postfix_str(f"{tokens.value / max(time.time() - started, 1e-9):,.0f} tokens/s",
+                                refresh=False)
+            bar.update(progress.value - bar.n)
+
     with ProcessPoolExecutor(min(workers, len(todo)), mp_context=context, initializer=_start_job,
                              initargs=(job,)) as pool:
-        pending = {pool.submit(prepare_unit, u) for u in todo}
         try:
-            while pending:
-                finished, pending = wait(pending, timeout=0.2)
-                for future in finished:
-                    try:
-                        future.result()  # a worker's error is raised here
-                    except BrokenProcessPool as e:
-                        raise PrepareError("a worker process died (killed, or out of memory?); the same "
-                                           "command resumes (fewer --workers or a smaller --unit-mb need "
-                                           "less memory)") from e
-                if bar is not None:
-                    bar.set_postfix_str(f"{tokens.value / max(time.time() - started, 1e-9):,.0f} tokens/s",
-                                        refresh=False)
-                    bar.update(progress.value - bar.n)
+            wait_in_order([pool.submit(prepare_unit, u) for u in todo], show_progress)
         finally:
             if bar is not None:
                 bar.close()
-            for future in pending:
-                future.cancel()
+
+
+def wait_in_order(futures: list, show_progress=lambda: None) -> None:
+    """Waits for the units' futures (listed in the files' order). A worker's error is raised
+    here; a bad document's names the first bad document in the files' order, not whichever
+    worker came upon one first: the units before it still run (one may hold an earlier one),
+    the later ones that have not started are cancelled."""
+    order = {future: i for i, future in enumerate(futures)}
+    pending, first_bad = set(futures), None
+    try:
+        while pending:
+            finished, pending = wait(pending, timeout=0.2)
+            for future in finished:
+                try:
+                    future.result()
+                except BrokenProcessPool as e:
+                    raise PrepareError("a worker process died (killed, or out of memory?); the same "
+                                       "command resumes (fewer --workers or a smaller --unit-mb need "
+                                       "less memory)") from e
+                except BadDocumentError as e:
+                    if first_bad is None or order[future] < first_bad[0]:
+                        first_bad = (order[future], e)
+            if first_bad is not None:
+                pending = {f for f in pending if order[f] < first_bad[0] or not f.cancel()}
+            show_progress()
+    finally:
+        for future in pending:
+            future.cancel()
+    if first_bad is not None:
+        raise first_bad[1]
 
 
 def write_index(out: Path, units: list[Unit], settings: dict) -> dict:
