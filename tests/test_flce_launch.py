@@ -36,6 +36,27 @@ def test_constexpr_parameters_are_found_and_must_come_last():
         launcher((1,), torch.zeros(1), torch.zeros(1), 1, 1, BLOCK=16, SQUARE=False)
 
 
+def test_a_launch_hook_or_a_compile_under_way_sends_the_launch_through_triton():
+    from triton import knobs
+    from flce.launch import _hooked, _launchable
+    assert not _hooked()  # Triton's hook chains start empty
+    hook = lambda *args: None
+    knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        assert _hooked()
+    finally:
+        knobs.runtime.launch_exit_hook.remove(hook)
+    assert not _hooked()
+    assert not _launchable(None)  # the interpreter returns no compiled kernel
+
+    class Pending:  # what an asynchronous compile returns until it is done
+        run = function = packed_metadata = None
+
+        def result(self):
+            return self
+    assert not _launchable(Pending())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels)")
 def test_a_cached_kernel_is_the_one_triton_picks_and_computes_the_same():
     """Over calls differing in each thing Triton specializes on, two calls share a cached
