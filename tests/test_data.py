@@ -584,3 +584,45 @@ def test_local_files_load_without_datasets_progress_bar(tmp_path, capfd, bars_we
         assert datasets.are_progress_bars_disabled() == bars_were_off
     finally:
         (datasets.disable_progress_bars if before else datasets.enable_progress_bars)()
+
+
+class _FinalizedIn:
+    """Cyclic garbage whose finalizer records the process that ran it."""
+
+    def __init__(self, path):
+        self.path, self.me = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _collect(path):
+    import gc
+    gc.collect()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+@pytest.mark.parametrize("frozen", [True, False])
+def test_forked_workers_do_not_finalize_what_they_inherit(tmp_path, frozen):
+    """A forked tokenizer worker that garbage-collected its parent's objects ran their
+    finalizers without the parent's threads, and a telemetry library's aborted the worker
+    (prepare_data: "a worker process died"). Forked under `inherited_objects_frozen` it leaves
+    them alone; the unfrozen run shows the test can tell."""
+    import contextlib
+    import gc
+    from components.data.document_tokens import inherited_objects_frozen, worker_context
+    marks = tmp_path / "finalized"
+    marks.touch()
+    gc.disable()  # the garbage must still exist when the worker is forked
+    try:
+        _FinalizedIn(marks)
+        child = worker_context().Process(target=_collect, args=(marks,))
+        with inherited_objects_frozen() if frozen else contextlib.nullcontext():
+            child.start()
+        child.join(60)
+    finally:
+        gc.enable()
+        gc.collect()
+    by = marks.read_text().split()
+    assert (str(child.pid) in by) is not frozen and str(os.getpid()) in by

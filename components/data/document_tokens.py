@@ -5,6 +5,8 @@ Workers are forked on Linux, as torch's DataLoader does (they touch no CUDA; "sp
 the launching script, train.py and all, into every worker), spawned elsewhere. Each worker is one
 single-threaded tokenizer; several run side by side."""
 
+import contextlib
+import gc
 import multiprocessing
 import os
 import signal
@@ -80,6 +82,20 @@ def worker_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
 
 
+@contextlib.contextmanager
+def inherited_objects_frozen():
+    """Around the call that forks the workers: the objects they inherit are never collected in
+    them. A forked worker that garbage-collects its parent's objects runs their finalizers
+    without the parent's threads, and some abort then ("terminate called after throwing an
+    instance of 'std::system_error'", seen with a parent running telemetry threads): the
+    pattern the `gc.freeze` documentation gives for fork without exec."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class TokenizerPool:
     """num_workers processes framing batches of documents, given as texts or, for a map-style
     `datasets.Dataset` (memory-mapped, so each worker opens it cheaply), as row numbers. Results
@@ -90,7 +106,8 @@ class TokenizerPool:
                  max_token_id: int | None = None, ahead: int | None = None):
         self._executor = ProcessPoolExecutor(num_workers, mp_context=worker_context(), initializer=_start_worker,
                                              initargs=(tokenizer, documents, text_field, max_token_id))
-        self._executor.submit(int).result()  # the workers start now, from this thread
+        with inherited_objects_frozen():
+            self._executor.submit(int).result()  # the workers start now, from this thread
         self.ahead = ahead or 4 * num_workers
         # Shut down with this object (a trainer may end with os._exit, skipping atexit).
         self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)

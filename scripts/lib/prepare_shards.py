@@ -28,7 +28,7 @@ import numpy as np
 
 from components import lock
 from components.data.checks import NAMED, BadDocumentError, MissingTextField, read_documents
-from components.data.document_tokens import frame_texts, worker_context
+from components.data.document_tokens import frame_texts, inherited_objects_frozen, worker_context
 from components.data import SPLITS
 from components.data.shards import (FORMAT, INDEX, PLAN, VERSION, ShardFormatError, ShardWriter,
                                     token_dtype)
@@ -453,7 +453,9 @@ def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, d
     with ProcessPoolExecutor(min(workers, len(todo)), mp_context=context, initializer=_start_job,
                              initargs=(job,)) as pool:
         try:
-            wait_in_order([pool.submit(prepare_unit, u) for u in todo], show_progress)
+            with inherited_objects_frozen():  # the first submit forks every worker
+                futures = [pool.submit(prepare_unit, u) for u in todo]
+            wait_in_order(futures, show_progress)
         finally:
             if bar is not None:
                 bar.close()
