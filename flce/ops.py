@@ -250,23 +250,17 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
     row_scale) times the loss's gradient in place, then (dx, dW, db), each None where not
     needed, in the dtypes of x, weight and bias. row_weight: fp32, 0-dim or [N] (the upstream
     gradient); row_scale: a 0-dim fp32 tensor (the loss weight) or None, multiplied in by the
-    row kernel on the GPU (one launch fewer). With float8 "logits+dx" (and off_max kept) the dx
-    GEMM runs in float8."""
+    row pass (on the GPU inside the kernel: one launch fewer). With float8 "logits+dx" (and
+    off_max kept) the dx GEMM runs in float8."""
     N, V = x.shape[0], weight.shape[0]
     view = logits[:, :V]
     fp8 = None
     if need_dx and float8 == "logits+dx":
         fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False)
-    fp8_grad = None if fp8 is None else fp8.grad_outputs(N)
     # a gradient pass writes no loss: its loss_out (here the row maxima) is left as it is
-    if use_triton:
-        from flce.kernels import launch_rows
-        launch_rows(view, target, stats[0], stats, row_weight, opts, True, True,
-                    fp8_grad=fp8_grad, off_max=off_max, weight_scale=row_scale)
-    else:
-        chunk_rows(view, target, stats[0], stats,
-                   row_weight if row_scale is None else row_weight * row_scale, opts, True, True,
-                   fp8_grad=fp8_grad, off_max=off_max)
+    _row_fn(use_triton)(view, target, stats[0], stats, row_weight, opts, True, True,
+                        fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max,
+                        weight_scale=row_scale)
     dx = dw = db = None
     if fp8 is not None:
         dx = torch.empty_like(x)

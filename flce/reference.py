@@ -54,7 +54,7 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor,
                stats: Optional[tuple[Tensor, Tensor]], weight: Tensor, opts: LossOptions,
                stats_given: bool, compute_grad: bool,
                fp8_grad: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-               off_max: Optional[Tensor] = None) -> None:
+               off_max: Optional[Tensor] = None, weight_scale: Optional[Tensor] = None) -> None:
     """Fill loss_out for a chunk and, if compute_grad, overwrite logits with dlogits.
 
     stats: (row max of z, log sum exp(z - max)), written, or read when stats_given (a gradient
@@ -62,7 +62,8 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor,
     kept apart rather than as lse: at logits ~1e4 an fp32 lse is ~1e-3 off, and exp(z - lse)
     with it; z - max is exact.
 
-    weight is the fp32 gradient weight per row ([C]) or for all rows (a 0-dim tensor).
+    weight is the fp32 gradient weight per row ([C]) or for all rows (a 0-dim tensor), times
+    weight_scale (a 0-dim fp32 tensor) when given.
     Targets outside [0, V) raise (an index error from gather) rather than read garbage.
     fp8_grad = (g8, g8_scale, target_grad), filled for the float8 dx GEMM: dlogits / g8_scale
     in float8 with the target column 0, the row scale (a bound on |dlogits| off the target,
@@ -72,6 +73,8 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor,
     this twin recomputes it from z.
     """
     V = logits.shape[1]
+    if weight_scale is not None:
+        weight = weight * weight_scale
     z = scaled_logits(logits, opts)
     keep = target != opts.ignore_index
     bad = keep & ((target < 0) | (target >= V))
