@@ -194,6 +194,24 @@ def test_the_first_bad_document_in_the_files_order_is_named():
     assert units[3].cancelled()  # after the first bad one, not yet started: not run
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_tokenizer_workers_are_forked_with_the_inherited_objects_frozen(tmp_path, monkeypatch):
+    """prepare_data's workers and the trainer's TokenizerPool fork while gc is frozen (see
+    test_data.py::test_forked_workers_do_not_finalize_what_they_inherit for why)."""
+    import gc
+    from components.data.document_tokens import TokenizerPool
+    freezes = []
+    real_freeze = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: (freezes.append(1), real_freeze()))
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    args = ["--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--workers", 2,
+            "--val-every", 0, "--no-progress"]
+    assert prepare(*args, "--out", tmp_path / "out") == 0
+    pool = TokenizerPool(ByteTokenizer(), 2)
+    assert len(freezes) == 2 and len(multiprocessing.active_children()) >= 2
+    del pool
+
+
 def test_an_escaped_lone_surrogate_is_named_or_skipped(tmp_path, capsys):
     """It is valid JSON, so it reached the tokenizer: a bare 'surrogates not allowed' (byte) or
     TypeError traceback (tokenizers), naming no file or line."""
