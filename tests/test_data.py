@@ -597,7 +597,7 @@ class _FinalizedIn:
             f.write(f"{os.getpid()}\n")
 
 
-def _collect(path):
+def _collect():
     import gc
     gc.collect()
 
@@ -617,7 +617,7 @@ def test_forked_workers_do_not_finalize_what_they_inherit(tmp_path, frozen):
     gc.disable()  # the garbage must still exist when the worker is forked
     try:
         _FinalizedIn(marks)
-        child = worker_context().Process(target=_collect, args=(marks,))
+        child = worker_context().Process(target=_collect)
         with inherited_objects_frozen() if frozen else contextlib.nullcontext():
             child.start()
         child.join(60)

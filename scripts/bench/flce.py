@@ -422,8 +422,8 @@ def grid_verdict(results: list[dict]) -> list[str]:
         lines.append(f"- flce ≤ 1.05× the bare GEMMs where they take ≥ 10 ms: "
                      f"{sum(x <= 1.05 for x in long)} of {len(long)}")
     fastest = [s for s in shapes if at[s, "flce"]["ms"] is not None and all(
-        at[s, "flce"]["ms"] <= r["ms"] for (shape, m), r in at.items()
-        if shape == s and m in GRID_METHODS and r["ms"] is not None)]
+        at[s, "flce"]["ms"] <= r["ms"] for r in (at.get((s, m)) for m in GRID_METHODS)
+        if r is not None and r["ms"] is not None)]
     lines.append(f"- flce the fastest of {', '.join(GRID_METHODS)}: {len(fastest)} of "
                  f"{len(shapes)} points")
     for peer in ("unfused_compile", "liger", "cce"):
