@@ -118,21 +118,22 @@ def block_backward(
     weight: Tensor, bias: Optional[Tensor], row_max: Tensor, log_sum: Tensor, off_max: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], float8: str, use_triton: bool,
-    need_dx: bool, need_dw: bool, need_db: bool,
+    need_dx: bool, need_dw: bool, need_db: bool, release_stats: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dx, dW, db) of the one-block path; logits are overwritten with dlogits."""
+    """(dx, dW, db) of the one-block path; logits are overwritten with dlogits. release_stats:
+    row_max, log_sum and row_scale are freed after the row pass (`ops.block_grads`)."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     dx, dw, db = block_grads(logits, row_weight, row_scale, x, target, weight, bias,
                              (row_max, log_sum),
                              off_max if off_max.numel() else None, opts, use_triton, float8,
-                             need_dx, need_dw, need_db)
+                             need_dx, need_dw, need_db, release_stats)
     return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @block_backward.register_fake
 def _(logits, row_weight, row_scale, x, target, weight, bias, row_max, log_sum, off_max,
       ignore_index, label_smoothing, logit_scale, z_loss, softcap, float8, use_triton, need_dx,
-      need_dw, need_db):
+      need_dw, need_db, release_stats):
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))

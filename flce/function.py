@@ -40,9 +40,12 @@ class _OneBlockLoss(torch.autograd.Function):
         x, target, weight, bias, row_max, log_sum, logits, off_max, loss_weight = ctx.saved_tensors
         opts, float8, use_triton = ctx.config
         need = ctx.needs_input_grad
+        # Eager mode frees the row statistics and the loss weight before the GEMMs; a compiled
+        # graph frees its buffers at their last use itself and may reuse them, so it must not.
         dx, dw, db = block_backward(logits, grad.to(row_max.dtype), loss_weight, x, target,
                                     weight, bias, row_max, log_sum, off_max, *opts, float8,
-                                    use_triton, need[0], need[2], need[3])
+                                    use_triton, need[0], need[2], need[3],
+                                    not torch.compiler.is_compiling())
         torch.autograd.graph.increment_version(logits)  # it holds dlogits now (custom_ops.py)
         return (dx if need[0] else None, None, dw if need[2] else None,
                 db if need[3] else None, None, None, None, None, None, None)

@@ -245,13 +245,16 @@ def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
 def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor,
                 target: Tensor, weight: Tensor, bias: Optional[Tensor],
                 stats: tuple[Tensor, Tensor], off_max: Optional[Tensor], opts: LossOptions,
-                use_triton: bool, float8: str, need_dx: bool, need_dw: bool, need_db: bool):
+                use_triton: bool, float8: str, need_dx: bool, need_dw: bool, need_db: bool,
+                release_stats: bool = False):
     """Backward of the one-block path: `logits` (from `block_stats`) become row_weight (times
     row_scale) times the loss's gradient in place, then (dx, dW, db), each None where not
     needed, in the dtypes of x, weight and bias. row_weight: fp32, 0-dim or [N] (the upstream
     gradient); row_scale: a 0-dim fp32 tensor (the loss weight) or None, multiplied in by the
     row pass (on the GPU inside the kernel: one launch fewer). With float8 "logits+dx" (and
-    off_max kept) the dx GEMM runs in float8."""
+    off_max kept) the dx GEMM runs in float8. release_stats: free the memory of `stats` and
+    row_scale once the row pass has read them (they must be this loss's own, read by nothing
+    else)."""
     N, V = x.shape[0], weight.shape[0]
     view = logits[:, :V]
     fp8 = None
@@ -261,6 +264,13 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
     _row_fn(use_triton)(view, target, stats[0], stats, row_weight, opts, True, True,
                         fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max,
                         weight_scale=row_scale)
+    if release_stats:
+        # An autograd Function's saved tensors live until its backward returns, so without this
+        # the row statistics (8 bytes a token) would be held through the GEMMs, the backward's
+        # peak. The caching allocator orders the reuse after the row pass on this stream.
+        for t in (*stats, row_scale):
+            if t is not None:
+                t.untyped_storage().resize_(0)
     dx = dw = db = None
     if fp8 is not None:
         dx = torch.empty_like(x)

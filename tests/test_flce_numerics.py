@@ -307,6 +307,34 @@ def test_one_block_second_backward_is_an_error(impl, device):
         loss.backward()
 
 
+@IMPL_DEVICES
+def test_one_block_frees_its_row_statistics_before_the_gemms(impl, device, monkeypatch):
+    """The backward's peak is its dx and dW GEMMs: the row maxima, the log-sums and the loss
+    weight, read only by the row pass before them, hold no memory there (eager mode)."""
+    import flce.custom_ops
+    import flce.function
+    kept = []
+    stats, weighted = flce.custom_ops.block_stats, flce.function.weighted_sum
+    monkeypatch.setattr(flce.custom_ops, "block_stats", lambda *a: _keep(stats(*a), kept, 1, 2))
+    monkeypatch.setattr(flce.function, "weighted_sum", lambda *a: _keep(weighted(*a), kept, 1))
+    held_at_gemms = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: held_at_gemms.append(
+        [t.untyped_storage().nbytes() for t in kept]) or mm(*a, **k))
+    x, t, w, b = make_inputs(20, 8, 30, device, torch.float32)  # with a bias: logits by addmm
+    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl)
+    ref_loss, ref_grads = float64_reference(x, t, w, b, up)
+    assert [t.shape for t in kept] == [(20,), (20,), ()]
+    assert held_at_gemms == [[0, 0, 0]] * 2  # at dx's GEMM and at dW's
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref_grads))
+
+
+def _keep(outputs: tuple, kept: list, *which: int) -> tuple:
+    kept.extend(outputs[i] for i in which)
+    return outputs
+
+
 def test_float8_runs_only_where_it_pays(monkeypatch):
     """Below FLOAT8_MIN_TOKENS tokens or FLOAT8_MIN_WORK the bf16 GEMMs run (faster there, and
     exact): the loss then equals the bf16 loss bit for bit; above, float8 rounds visibly."""

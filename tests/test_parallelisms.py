@@ -6,6 +6,7 @@ dp_shard=2 x tp=2 resumes at dp_shard=4 and at one process with the same losses.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,10 +30,26 @@ BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu"
 
 def torchrun(nproc: int, dump: Path, *overrides) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node", str(nproc), str(ROOT / "train.py"), *BASE,
-                    "--job.dump_folder", str(dump), *overrides], check=True, cwd=ROOT, env=env,
-                   timeout=400, stdout=subprocess.DEVNULL)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", str(nproc), str(ROOT / "train.py"), *BASE,
+                          "--job.dump_folder", str(dump), *overrides], cwd=ROOT, env=env,
+                         timeout=400, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert run.returncode == 0, f"torchrun exited {run.returncode}: {errors(run.stderr)}"
+
+
+def errors(stderr: str, keep: int = 40) -> str:
+    """What the ranks of a failed launch printed before torchrun's own report, without the
+    warnings every rank prints (CI shows a failure's first lines only, and 8 ranks' warnings fill
+    them). torchrun prefixes each rank's lines with [rankN]:."""
+    ranks = re.split(r"^[EW]\d{4} .*torch/distributed/elastic/", stderr, maxsplit=1, flags=re.M)[0]
+    lines = []
+    for line in ranks.splitlines():
+        text = re.sub(r"^\[rank\d+\]:", "", line)
+        if text.lstrip().startswith("File ") or (
+                text.strip() and not text.startswith(" ") and "Warning" not in text
+                and not re.match(r"W\d{4} ", text)):
+            lines.append(line)
+    return " | ".join(lines[-keep:])
 
 
 def metrics(dump: Path) -> dict[int, dict]:
