@@ -7,6 +7,8 @@ has a real validation split), with and without streaming, so a run reads the sam
 either way. windows.py frames and cuts them into windows.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import json
@@ -15,9 +17,8 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import datasets
 import numpy as np
 
 from components.data import SPLITS
@@ -32,7 +33,10 @@ STDLIB_CORPUS_BYTES = 6 * 2**20
 STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib",
                                  "turtledemo", "lib2to3", "__pycache__"})
 
-Documents = datasets.Dataset | datasets.IterableDataset
+if TYPE_CHECKING:
+    import datasets
+
+    Documents = datasets.Dataset | datasets.IterableDataset
 
 
 def embedded_corpus(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
@@ -111,6 +115,7 @@ def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str,
         return _load_local(files, streaming, cache_dir)
     if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
         raise FileNotFoundError(f"data source not found: {path}")
+    import datasets
     try:
         return datasets.load_dataset(source, streaming=streaming)
     except Exception as err:
@@ -140,6 +145,7 @@ def _data_files(path: Path) -> list[Path]:
 
 
 def _load_local(files: list[Path], streaming: bool, cache_dir: Path):
+    import datasets
     builder = BUILDER_BY_SUFFIX[files[0].suffix]
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
@@ -154,6 +160,7 @@ def _no_progress_bars():
     """datasets' "Generating train split" bar, drawn when local files first go into its Arrow
     cache, lands in the training log between the config and step 1, where it reads as trouble
     (and check_files has just read the files without one). Off for these calls only."""
+    import datasets
     already_off = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()
     try:
@@ -173,7 +180,7 @@ def _pick_split(splits, split: str, val_every: int, source: str) -> Documents:
         raise ValueError(f"{source}: no 'train' split to hold validation documents out of "
                          f"(it has {', '.join(splits)})")
     documents = _hold_out(splits["train"], val_every, validation=(split == "validation"))
-    if split == "train" and isinstance(documents, datasets.Dataset) and not len(documents):
+    if split == "train" and not is_stream(documents) and not len(documents):
         raise ValueError(f"{source}: no training documents: it has one, and document 0 always goes to "
                          f"the held-out validation split (so does every [data] val_every-th)")
     return documents
@@ -183,8 +190,14 @@ def _is_held_out(_example: dict, index: int, val_every: int, validation: bool) -
     return (index % val_every == 0) == validation
 
 
+def is_stream(documents: Documents) -> bool:
+    """Whether documents are a stream (datasets.IterableDataset), not rows read by number."""
+    import datasets  # imported by whatever made the documents
+    return isinstance(documents, datasets.IterableDataset)
+
+
 def _hold_out(documents: Documents, val_every: int, validation: bool) -> Documents:
-    if isinstance(documents, datasets.IterableDataset):
+    if is_stream(documents):
         # The index counts the whole stream, because TokenWindows splits streams by example (not by
         # file shard) after this filter.
         keep = functools.partial(_is_held_out, val_every=val_every, validation=validation)

@@ -6,20 +6,24 @@ shard_batches.py reads in a shuffled, layout-independent order. Also synthetic w
 batches (Batches) that stack a source's windows.
 """
 
+from __future__ import annotations
+
 import functools
 import hashlib
 import itertools
 import logging
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
-import datasets
 import numpy as np
 import torch
 
 from components.data.checks import MissingTextField
 from components.data.document_tokens import Framed, TokenizerPool, frame_inline
-from components.data.sources import Documents
+from components.data.sources import is_stream
 from components.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from components.data.sources import Documents
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ class TokenWindows:
         self.num_workers = num_workers
         self.name = name  # the source, in messages
         self._documents = documents
-        if isinstance(documents, datasets.IterableDataset):
+        if is_stream(documents):
             # By example, so document i of the stream goes to rank i % dp_world as without
             # streaming (split_dataset_by_node's strategy="examples" needs datasets >= 5).
             self._stream = documents.filter(functools.partial(
