@@ -1,5 +1,5 @@
 """The 8-GPU node's layouts, as gloo processes on the CPU (fp32): FSDP=8, FSDP=4 x TP=2 with the
-sequence- and the vocab-parallel loss, FSDP=2 x CP=2 x TP=2, and HSDP 2 x 4 started as two
+sequence-parallel loss, FSDP=2 x CP=2 x TP=2, and HSDP 2 x 4 started as two
 "nodes" (two torchrun launchers with a c10d rendezvous on localhost, each built by
 scripts/slurm/torchrun_cmd.sh as train.sbatch starts them) give the losses, gradient norms and weights of one process; a
 checkpoint saved by 8 processes resumes at 2 and at 1 with the same losses.
@@ -65,11 +65,12 @@ def test_fsdp_over_8_matches_one_process(single, fsdp8, tmp_path):
     assert_trains_like(single, fsdp8, tmp_path)
 
 
-@pytest.mark.parametrize("parallel", ["sequence", "vocab"])
-def test_fsdp4_tp2_matches_one_process(single, tmp_path, parallel):
+def test_fsdp4_tp2_matches_one_process(single, tmp_path):
+    """The sequence-parallel loss; the vocab-parallel one at FSDP x TP is test_parallelisms.py's
+    (4 processes)."""
     dump = tmp_path / "run"
     torchrun(8, dump, *SMALL, *local_batch(4), "--parallelism.tensor_parallel_degree", "2",
-             "--loss.parallel", parallel)
+             "--loss.parallel", "sequence")
     assert_trains_like(single, dump, tmp_path)
 
 
