@@ -174,17 +174,23 @@ def float8_gemm_runs(x, w, logits):
     return runs, (f8, dx, dw, fp8_logits_out)
 
 
-def profile(fns, x, t, w):
+def profile(fns, x, t, w, calls: int = 3):
+    """The GPU kernels of `calls` calls of the bare GEMMs and of each method, after one call
+    outside the profiler: where two methods run the same GEMMs, their kernel names and times
+    side by side say whether the GEMMs or the passes between them differ."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    for name, f in fns.items():
-        run = fwd_bwd(f, x, t, w)
+    floor_run, _ = gemm_floor(x.detach(), w.detach())
+    runs = {"bare_gemms": floor_run, **{name: fwd_bwd(f, x, t, w) for name, f in fns.items()}}
+    for name, run in runs.items():
         run()
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run()
+            for _ in range(calls):
+                run()
             torch.cuda.synchronize()
-        print(f"== {name} {tuple(x.shape)} x {tuple(w.shape)}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+        print(f"== {name} {tuple(x.shape)} x {tuple(w.shape)}, {calls} calls")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                        max_name_column_width=90))
 
 
 def errors_vs_float64(fns, N, H, V, dtype):
