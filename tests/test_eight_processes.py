@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train
-from test_parallelisms import BASE, metrics, torchrun, weights
+from test_parallelisms import BASE, errors, metrics, torchrun, weights
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast subset
 
@@ -126,7 +126,7 @@ def test_two_nodes_of_4_hsdp_matches_one_process(single, tmp_path):
             if node.poll() is None:
                 node.kill()
     for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-4000:]
+        assert node.returncode == 0, errors(output)
     # c10d's rendezvous numbers the nodes in the order they join: global rank 0, which logs,
     # can be on either launcher
     assert "world 8 (dp_replicate 2, dp_shard 4, tp 1)" in outputs[0] + outputs[1]
