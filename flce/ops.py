@@ -246,7 +246,7 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
                 target: Tensor, weight: Tensor, bias: Optional[Tensor],
                 stats: tuple[Tensor, Tensor], off_max: Optional[Tensor], opts: LossOptions,
                 use_triton: bool, float8: str, need_dx: bool, need_dw: bool, need_db: bool,
-                release_stats: bool = False):
+                release_stats: bool):
     """Backward of the one-block path: `logits` (from `block_stats`) become row_weight (times
     row_scale) times the loss's gradient in place, then (dx, dW, db), each None where not
     needed, in the dtypes of x, weight and bias. row_weight: fp32, 0-dim or [N] (the upstream

@@ -37,11 +37,12 @@ def torchrun(nproc: int, dump: Path, *overrides) -> None:
     assert run.returncode == 0, f"torchrun exited {run.returncode}: {errors(run.stderr)}"
 
 
-def errors(stderr: str, keep: int = 40) -> str:
-    """What the ranks of a failed launch printed before torchrun's own report, without the
-    warnings every rank prints (CI shows a failure's first lines only, and 8 ranks' warnings fill
-    them). torchrun prefixes each rank's lines with [rankN]:."""
-    ranks = re.split(r"^[EW]\d{4} .*torch/distributed/elastic/", stderr, maxsplit=1, flags=re.M)[0]
+def errors(output: str, keep: int = 40) -> str:
+    """What the ranks of a failed launch printed (its stderr, or its merged output) before
+    torchrun's own report, without the warnings every rank prints (CI shows a failure's first
+    lines only, and 8 ranks' warnings fill them). torchrun prefixes each rank's lines with
+    [rankN]:."""
+    ranks = re.split(r"^[EW]\d{4} .*torch/distributed/elastic/", output, maxsplit=1, flags=re.M)[0]
     lines = []
     for line in ranks.splitlines():
         text = re.sub(r"^\[rank\d+\]:", "", line)

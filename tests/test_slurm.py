@@ -244,14 +244,17 @@ def job_runs(env, tmp_path: Path, dump: Path) -> dict[int, float]:
         return (f"\n--- batch log:\n{read(batch_log)[-3000:]}\n--- node log:\n"
                 f"{read(node_log)[-3000:]}")
 
+    def wait_or_diagnose(condition, timeout: float, what: str, **kw):
+        try:
+            return wait_for(condition, timeout, what, **kw)
+        except AssertionError as e:
+            raise AssertionError(f"{e}{diagnose()}") from None
+
     # 0. A preemption while the trainers are still importing torch (they are up, nothing
     # trained yet): the USR1 is kept, they stop after step 1 with a checkpoint and exit 0
     # (a USR1 then was ignored, inherited from torchrun, and lost), and the job is requeued.
-    try:
-        pids = wait_for(lambda: len(trainer_pids(dump)) == 2 and trainer_pids(dump), 150,
-                        "the two trainers to start", poll=0.05)
-    except AssertionError as e:
-        raise AssertionError(f"{e}{diagnose()}") from None
+    pids = wait_or_diagnose(lambda: len(trainer_pids(dump)) == 2 and trainer_pids(dump), 150,
+                            "the two trainers to start", poll=0.05)
     # train.py catches USR1 from its first lines on (the old one, which inherited torchrun's
     # ignored USR1, only after its imports, about 3 s); the first 0.1 s of Python's own
     # start-up are not covered.
@@ -260,26 +263,17 @@ def job_runs(env, tmp_path: Path, dump: Path) -> dict[int, float]:
         time.sleep(0.01)
     assert not losses(dump)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True)
-    try:
-        wait_for(lambda: "requeueing job" in read(batch_log), 150, "the requeue")
-    except AssertionError as e:
-        raise AssertionError(f"{e}{diagnose()}") from None
+    wait_or_diagnose(lambda: "requeueing job" in read(batch_log), 150, "the requeue")
     assert "srun exited with 0 after SIGUSR1" in read(batch_log), diagnose()
     assert "received SIGUSR1: stopped after step 1," in read(node_log), diagnose()
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1"]
-    restarts = 1
-    try:
-        wait_for(lambda: max(losses(dump), default=0) >= 3, 150, "the requeued job to train")
-    except AssertionError as e:
-        raise AssertionError(f"{e}{diagnose()}") from None
+    restarts = 1  # the requeues so far
+    wait_or_diagnose(lambda: max(losses(dump), default=0) >= 3, 150, "the requeued job to train")
     assert re.search(r"resumed from \S*step-1\b", read(node_log)), diagnose()
     print(f"{time.monotonic() - start:.0f} s: USR1 at start-up, checkpoint, requeue, resumed")
 
     # 1. The time limit's USR1: checkpoint, stop, requeue.
-    try:
-        wait_for(lambda: losses(dump), 150, "the job to train")
-    except AssertionError as e:
-        raise AssertionError(f"{e}{diagnose()}") from None
+    wait_or_diagnose(lambda: losses(dump), 150, "the job to train")
     def run_seconds():
         hms = job_field(env, job, "RunTime").split("-")[-1].split(":")
         return sum(int(x) * 60 ** i for i, x in enumerate(reversed(hms)))
@@ -289,11 +283,8 @@ def job_runs(env, tmp_path: Path, dump: Path) -> dict[int, float]:
     minutes = math.ceil((run_seconds() + 35) / 60)
     subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"], env=env,
                    check=True)
-    try:
-        wait_for(lambda: read(batch_log).count("requeueing job") > restarts, 150,
-                 "the USR1 and the requeue")
-    except AssertionError as e:
-        raise AssertionError(f"{e}{diagnose()}") from None
+    wait_or_diagnose(lambda: read(batch_log).count("requeueing job") > restarts, 150,
+                     "the USR1 and the requeue")
     print(f"{time.monotonic() - start:.0f} s: USR1, checkpoint, requeue")
     # The requeued run gets a longer limit, so that its own warning signal cannot come first.
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=env, check=True)
@@ -303,10 +294,7 @@ def job_runs(env, tmp_path: Path, dump: Path) -> dict[int, float]:
     assert f"step-{k}" in [p.name for p in (dump / "checkpoint").iterdir()]
 
     # 2. The requeued job resumes from that checkpoint.
-    try:
-        wait_for(lambda: max(losses(dump)) >= k + 3, 120, "the requeued job to train on")
-    except AssertionError as e:
-        raise AssertionError(f"{e}{diagnose()}") from None
+    wait_or_diagnose(lambda: max(losses(dump)) >= k + 3, 120, "the requeued job to train on")
     assert re.search(rf"resumed from \S*step-{k}\b", read(node_log)), diagnose()
     assert f"restart {restarts + 1}:" in read(batch_log)
     print(f"{time.monotonic() - start:.0f} s: resumed")
