@@ -2,6 +2,7 @@
 token, prefill in pieces), sampling follows temperature / top-k / top-p, and scripts/generate.py
 samples from a trainer's checkpoint and from an exported Hugging Face folder."""
 
+import copy
 import dataclasses
 import importlib
 from pathlib import Path
@@ -49,15 +50,21 @@ def test_cached_greedy_generation_is_full_recompute_token_for_token(variant, rng
 
 
 def test_prefill_in_pieces_gives_the_full_forward(rng):
-    """Chunks after the first attend through the offset causal mask to the cached keys."""
+    """Chunks after the first attend through the offset causal mask to the cached keys. The
+    pieces run other GEMM shapes and attention kernels than the full forward, so both are held
+    to a float64 forward: the pieces may not be further from it than fp32 rounding puts the
+    full forward (a fixed 1e-5 failed about one seed in fifty)."""
     model = model_for(DEBUG, seed=rng.randrange(1000))
     tokens = torch.randint(0, DEBUG.vocab_size, (2, 50))
     with torch.no_grad():
+        exact = copy.deepcopy(model).double()(tokens)
         full = model(tokens)
         cache = KVCache(DEBUG, 2, 64)
         pieces = [model(tokens[:, a:b], cache) for a, b in ((0, 17), (17, 18), (18, 41), (41, 50))]
     assert cache.length == 50
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+    rounding = (full.double() - exact).abs().max().item()
+    error = (torch.cat(pieces, dim=1).double() - exact).abs().max().item()
+    assert error <= 3 * rounding, f"pieces {error:.2e} from float64, the full forward {rounding:.2e}"
     with pytest.raises(ValueError, match="holds 64 positions, 65 needed"):
         model(torch.zeros(2, 15, dtype=torch.long), cache)
 
