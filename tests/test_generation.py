@@ -45,8 +45,16 @@ def test_cached_greedy_generation_is_full_recompute_token_for_token(variant, rng
     prompt = [rng.randrange(DEBUG.vocab_size) for _ in range(rng.randint(1, 12))]
     cached = generate(model, prompt, 40, temperature=0)
     recomputed = generate(model, prompt, 40, temperature=0, use_cache=False)
-    assert len(cached) == 40 and cached == recomputed
+    assert len(cached) == len(recomputed) == 40
     assert len(set(cached)) > 5  # not one token repeated: the comparison says something
+    split = next((i for i, pair in enumerate(zip(cached, recomputed)) if pair[0] != pair[1]), None)
+    # They may part only where the two best logits tie to within fp32 rounding: the paths' logits
+    # differ by up to 4e-5, and a step's two best came within 1e-4 in one run of ~150.
+    if split is not None:
+        with torch.no_grad():
+            logits = model.logits(model(torch.tensor([prompt + cached[:split]]))[0, -1])
+        gap = (logits[cached[split]] - logits[recomputed[split]]).abs().item()
+        assert gap < 3e-4, f"token {split}: {cached[split]} cached, {recomputed[split]} recomputed"
 
 
 def test_prefill_in_pieces_gives_the_full_forward(rng):
