@@ -47,7 +47,7 @@ def test_cached_greedy_generation_is_full_recompute_token_for_token(variant, rng
     recomputed = generate(model, prompt, 40, temperature=0, use_cache=False)
     assert len(cached) == len(recomputed) == 40
     assert len(set(cached)) > 5  # not one token repeated: the comparison says something
-    split = next((i for i, pair in enumerate(zip(cached, recomputed)) if pair[0] != pair[1]), None)
+    split = next((i for i, (a, b) in enumerate(zip(cached, recomputed)) if a != b), None)
     # They may part only where the two best logits tie to within fp32 rounding: the paths' logits
     # differ by up to 4e-5, and a step's two best came within 1e-4 in one run of ~150.
     if split is not None:
