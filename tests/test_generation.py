@@ -72,7 +72,7 @@ def test_prefill_in_pieces_gives_the_full_forward(rng):
     assert cache.length == 50
     rounding = (full.double() - exact).abs().max().item()
     error = (torch.cat(pieces, dim=1).double() - exact).abs().max().item()
-    assert error <= 3 * rounding, f"pieces {error:.2e} from float64, the full forward {rounding:.2e}"
+    assert error <= 3 * rounding, f"pieces {error:.2e} from float64, full forward {rounding:.2e}"
     with pytest.raises(ValueError, match="holds 64 positions, 65 needed"):
         model(torch.zeros(2, 15, dtype=torch.long), cache)
 
