@@ -11,7 +11,6 @@ run_train.sh, compare_fused_vs_unfused.sh, test_gpu.sh and slurm/. bench/ holds 
 harness (each benchmark writes a report into benchmarks/); lib/ what the scripts share.
 
 Run as a file, a script that imports the repository stops with a one-line error saying so;
-compare_losses.py and bench/summarize_trace.py import only the standard library and run either
-way. Only `flce` is an installed library (`pip install -e .`); the recipe runs from the
-repository.
+compare_losses.py imports only the standard library and runs either way. Only `flce` is an
+installed library (`pip install -e .`); the recipe runs from the repository.
 """

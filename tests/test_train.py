@@ -294,8 +294,8 @@ def test_profiling_writes_a_trace(tmp_path):
     traces = list((dump / "profile_traces").glob("step-*/rank-0.json"))
     assert traces and json.loads(traces[0].read_text())["traceEvents"]
     # summarize_trace.py lists GPU kernels; a CPU trace has none, which it says.
-    summary = subprocess.run([sys.executable, str(ROOT / "scripts/bench/summarize_trace.py"),
-                              str(traces[0])], capture_output=True, text=True)
+    summary = subprocess.run([sys.executable, "-m", "scripts.bench.summarize_trace",
+                              str(traces[0])], capture_output=True, text=True, cwd=ROOT)
     assert summary.returncode != 0 and "no GPU kernel events" in summary.stderr
 
 
@@ -307,6 +307,32 @@ def test_trace_summary_groups_kernels_by_name():
               {"ph": "X", "cat": "kernel", "name": "softmax", "dur": 1.0}]
     totals = kernel_totals({"traceEvents": events}, width=4)
     assert {k: tuple(v) for k, v in totals.items()} == {"gemm": (7.5, 2), "soft": (1.0, 1)}
+
+
+def test_trace_report_sums_kinds_and_names_its_sources(tmp_path, monkeypatch):
+    """Each kernel counts once, under the first kind its name matches; the report records the
+    trace, the command that made it and its own command."""
+    from scripts.bench import summarize_trace
+    names = {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 7.0, "nvjet_tst_128x256": 5.0,
+             "flce_rows_kernel": 2.0, "multi_tensor_apply_kernel<adam>": 1.5,
+             "ncclDevKernel_ReduceScatter": 1.0, "triton_red_fused_rms_norm": 0.5}
+    events = [{"ph": "X", "cat": "kernel", "name": n, "dur": us * 1e3} for n, us in names.items()]
+    trace = tmp_path / "rank-0.json"
+    trace.write_text(json.dumps({"traceEvents": events * 2}))
+    out = tmp_path / "profile"
+    monkeypatch.setattr(sys, "argv", ["summarize_trace", str(trace), "--top", "3", "--out",
+                                      str(out), "--trace-command", "python3 train.py --x 1"])
+    summarize_trace.main()
+    report = json.loads(out.with_suffix(".json").read_text())
+    kinds = {k["kind"]: k["ms"] for k in report["kinds"]}
+    assert kinds == pytest.approx({"attention": 14.0, "GEMM": 10.0, "loss (flce kernels)": 4.0,
+                                   "optimizer and gradient norm": 3.0, "collectives": 2.0,
+                                   "the rest (norms, activations, casts, copies)": 1.0})
+    assert sum(k["share"] for k in report["kinds"]) == pytest.approx(1.0)
+    assert [k["calls"] for k in report["top"]] == [2, 2, 2] and len(report["top"]) == 3
+    meta = report["meta"]
+    assert meta["trace"] == str(trace) and meta["trace_command"] == "python3 train.py --x 1"
+    assert "python3 train.py --x 1" in out.with_suffix(".md").read_text()
 
 
 def test_device_and_attention_choices_fail_clearly(tmp_path):

@@ -9,7 +9,7 @@
     peers.py             this repository against torchtitan, in one call
     data.py              the data loaders alone, against what a GPU consumes
     tune_rows_kernel.py  the row kernel's block sizes and warps (flce/kernels.py's table)
-    summarize_trace.py   a profiled step's top kernels (standard library only)
+    summarize_trace.py   a profiled step's top kernels and kinds of kernel (a report with --out)
 
     python3 -m scripts.bench.NAME --help
 """
