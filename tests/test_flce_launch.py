@@ -73,6 +73,8 @@ def test_a_cached_kernel_is_the_one_triton_picks_and_computes_the_same():
         count = min(n, grid[0] * 256)  # the elements the kernel writes
         src = base.to(dtype)[offset:]
         dst = torch.full((grid[0] * 256,), float("nan"), device="cuda", dtype=dtype)
+        # the side stream must not launch before the current one has filled dst with NaN
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side if on_side else torch.cuda.current_stream()):
             launcher(grid, src, dst, n, stride, 0.5, BLOCK=256, SQUARE=square)
             # the same options as the launcher passes: Triton keys its cache on them as given
