@@ -16,6 +16,9 @@ CITING = [*FRONT, *BENCHMARKS.rglob("README.md"), *(REPO / "flce").glob("*.py"),
 # A result file, or a folder of them (`benchmarks/x/`); output paths in usage examples
 # (`--out benchmarks/train_h200`) have no suffix and are not results.
 CITED = re.compile(r"benchmarks/[\w.*/-]*?(?:\.(?:md|json|png)\b|/(?=[`\s)]))")
+# A report named without its folder (`flce_h200.md`, "train_2xh200.md against ..."): a citation
+# too when benchmarks/ holds a report of that name.
+BARE = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")
 
 
 def test_every_cited_result_exists():
@@ -87,12 +90,22 @@ def _provenance_problems(report: Path) -> list[str]:
 def test_cited_reports_come_from_a_clean_commit_and_a_command_that_runs():
     cited = set()
     for path in FRONT:
-        cited |= {c for c in CITED.findall(path.read_text())
+        text = path.read_text()
+        cited |= {c for c in CITED.findall(text)
                   if c.endswith(".md") and "/archive/" not in c and c != "benchmarks/README.md"}
+        cited |= {f"benchmarks/{name}" for name in BARE.findall(text)
+                  if name != "README.md" and (BENCHMARKS / name).is_file()}
     problems = {Path(c).name: _provenance_problems(REPO / c) for c in sorted(cited)}
     unsound = {name: why for name, why in problems.items() if why}
     assert {n: w for n, w in unsound.items() if n not in AWAITING_REMEASUREMENT} == {}
     assert sorted(AWAITING_REMEASUREMENT - set(unsound)) == [], "re-measured: drop from the list"
+
+
+def test_a_report_named_without_its_folder_is_a_citation():
+    names = lambda text: BARE.findall(text)  # noqa: E731
+    assert names("(`benchmarks/flce_h200.md`, `train_1b_1xh200.md`; train_2xh200.md)") == [
+        "train_1b_1xh200.md", "train_2xh200.md"]
+    assert names("`archive/train_best_1xh200.md`, [loss.md](loss.md#x)") == ["loss.md"] * 2
 
 
 def test_the_command_check_catches_what_no_longer_runs():
