@@ -102,10 +102,9 @@ def test_cited_reports_come_from_a_clean_commit_and_a_command_that_runs():
 
 
 def test_a_report_named_without_its_folder_is_a_citation():
-    names = lambda text: BARE.findall(text)  # noqa: E731
-    assert names("(`benchmarks/flce_h200.md`, `train_1b_1xh200.md`; train_2xh200.md)") == [
+    assert BARE.findall("(`benchmarks/flce_h200.md`, `train_1b_1xh200.md`; train_2xh200.md)") == [
         "train_1b_1xh200.md", "train_2xh200.md"]
-    assert names("`archive/train_best_1xh200.md`, [loss.md](loss.md#x)") == ["loss.md"] * 2
+    assert BARE.findall("`archive/train_best_1xh200.md`, [loss.md](loss.md#x)") == ["loss.md"] * 2
 
 
 def test_the_command_check_catches_what_no_longer_runs():
