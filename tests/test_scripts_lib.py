@@ -174,3 +174,27 @@ def test_flce_grid_verdict_counts_each_target():
     assert "| a | - | 10.00" in table  # a report from before the path was recorded
     assert bench_flce.flce_path(8192, 4096, 128256, 2) == "one block"
     assert bench_flce.flce_path(65536, 2048, 128256, 2) == "chunks of 8192"
+
+
+def test_flce_grid_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
+    """Each round visits every run once in a fresh order (a fixed order timed a run after the
+    same predecessor each time, and favoured those that followed a light one), and each visit
+    calls its run untimed until settle_ms have passed before the one timed call."""
+    calls = []
+    runs = {name: (lambda name: lambda: (calls.append(name), time.sleep(0.002)))(name)
+            for name in "abcde"}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench_flce, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
+    ms = bench_flce.interleaved_ms(runs, seconds=0.0, max_reps=6, settle_ms=10.0)
+    assert ms == dict.fromkeys("abcde", 1.0)
+    visits = [[calls[0], 1]]
+    for name in calls[1:]:
+        if name == visits[-1][0]:
+            visits[-1][1] += 1
+        else:
+            visits.append([name, 1])
+    assert len(visits) == 3 * 5  # 3 rounds at least, each run once a round
+    assert all(n >= 4 for _, n in visits)  # >= 10 ms of 2 ms calls, then the timed one
+    orders = [tuple(name for name, _ in visits[i:i + 5]) for i in range(0, 15, 5)]
+    assert all(sorted(order) == list("abcde") for order in orders)
+    assert len(set(orders)) > 1

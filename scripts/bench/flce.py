@@ -24,8 +24,10 @@ import argparse
 import itertools
 import json
 import math
+import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
@@ -43,6 +45,7 @@ GRID_H = (1024, 2048, 4096, 8192)
 GRID_V = (32000, 128256, 256000)
 GRID_METHODS = ("flce", "flce_lean", "unfused_compile", "liger", "cce")
 FLOOR_LOGITS_BYTES = 4 << 30
+SETTLE_MS = 50.0  # untimed calls before each timed one in the grid (interleaved_ms)
 MiB = 1 << 20
 FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
                   "flce_float8_logits_dx": "logits+dx"}
@@ -323,8 +326,8 @@ def run_grid(args, origin, dtype):
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
             "timing": "interleaved rounds: each round visits the bare GEMMs and every method "
-                      "in turn, calls each twice and times the second call; the median of the "
-                      "rounds"}
+                      f"once in a shuffled order, calls each untimed for {SETTLE_MS:.0f} ms "
+                      "(once at least), then times one call; the median of the rounds"}
     for shape in args.shapes.split(",") if args.shapes else grid_shapes():
         if shape in done:
             continue
@@ -359,25 +362,41 @@ def run_grid(args, origin, dtype):
     print(grid_markdown(meta, results))
 
 
-def interleaved_ms(runs: dict, seconds: float, max_reps: int) -> dict:
-    """Median ms of each run over rounds that visit every run in turn; at each visit the run is
-    called twice and the second call timed (synchronised, as median_ms). A drift of the GPU's
-    clocks or temperature over the seconds spent at a point falls on all runs alike, not on
-    whichever ran last; the untimed call before each timed one leaves the caching allocator
-    and the GPU's power state as the run itself leaves them (the runs' different buffer sizes
-    otherwise cost a fresh cudaMalloc, and a call that follows a lighter one ran at higher
-    clocks: the bare GEMMs timed 10% faster at 16384x4096x128256). About `seconds` of timed
-    calls per run, 3 rounds at least, max_reps at most. A run that runs out of memory beside
-    the others' cached blocks is timed alone after the rounds."""
+def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
+                   seed: int = 0) -> dict:
+    """Median ms of each run over rounds that visit every run once, in an order shuffled anew
+    each round (seeded). At each visit the run is called untimed until settle_ms have passed
+    (once at least), then timed once (synchronised, as median_ms): the GPU's clocks and power
+    state, which lag behind its load, are then the run's own, and a drift over the seconds
+    spent at a point falls on all runs alike. A fixed order with one untimed call per visit
+    favoured whichever run followed a light one: the bare GEMMs timed 10% faster after a light
+    run at 16384x4096x128256, and at 2048x8192x128256 flce (always right after the bare GEMMs)
+    timed 1.164x them against torch.compile's 1.061x (always after the light flce_lean), while
+    the profiler gave their kernels 16.5 and 16.7 ms per call. The untimed calls also leave the
+    caching allocator as the run itself leaves it (a fresh cudaMalloc otherwise). About
+    `seconds` of timed calls per run, 3 rounds at least, max_reps at most. A run that runs out
+    of memory beside the others' cached blocks is timed alone after the rounds."""
     times = {name: [] for name in runs}
     alone = []
+    order = random.Random(seed)
+
+    def visit(run) -> float:
+        end = time.perf_counter() + settle_ms / 1e3
+        run()
+        torch.cuda.synchronize()
+        while time.perf_counter() < end:
+            run()
+            torch.cuda.synchronize()
+        return median_ms(run, warmup=0, reps=1)
 
     def one_round():
-        for name, run in runs.items():
+        names = list(runs)
+        order.shuffle(names)
+        for name in names:
             if name in alone:
                 continue
             try:
-                times[name].append(median_ms(run, warmup=1, reps=1))
+                times[name].append(visit(runs[name]))
             except torch.OutOfMemoryError:
                 alone.append(name)
                 torch.cuda.empty_cache()
