@@ -1,6 +1,7 @@
 """scripts/lib/: the commit a report records (a dirty tree flagged, $FLCE_GIT_REVISION honoured),
 the report files, the timer, and the loud first line of every benchmark's markdown."""
 
+import itertools
 import json
 import subprocess
 import time
@@ -187,12 +188,7 @@ def test_flce_grid_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
     monkeypatch.setattr(bench_flce, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
     ms = bench_flce.interleaved_ms(runs, seconds=0.0, max_reps=6, settle_ms=10.0)
     assert ms == dict.fromkeys("abcde", 1.0)
-    visits = [[calls[0], 1]]
-    for name in calls[1:]:
-        if name == visits[-1][0]:
-            visits[-1][1] += 1
-        else:
-            visits.append([name, 1])
+    visits = [(name, len(list(run))) for name, run in itertools.groupby(calls)]
     assert len(visits) == 3 * 5  # 3 rounds at least, each run once a round
     assert all(n >= 4 for _, n in visits)  # >= 10 ms of 2 ms calls, then the timed one
     orders = [tuple(name for name, _ in visits[i:i + 5]) for i in range(0, 15, 5)]
