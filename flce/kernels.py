@@ -64,14 +64,19 @@ def _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP: tl.conste
         mask = start + cols < V
         a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         z = tl.where(mask, _scaled(a, logit_scale, softcap, HAS_SOFTCAP), -float("inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
+        block_max = tl.max(z, axis=0)
+        m_new = tl.maximum(m, block_max)
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
         if HAS_SMOOTHING:
             sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
         if MAX_OFF_TARGET:
-            m_off = tl.maximum(m_off, tl.max(tl.where(start + cols == y_local, -float("inf"), z),
-                                             axis=0))
+            # Only the block holding the target needs a reduction of its own: one per row. One
+            # per block made the statistics pass 1.5-1.6x slower on an H200.
+            off_max = block_max
+            if (y_local >= start) & (y_local < start + BLOCK_V):
+                off_max = tl.max(tl.where(start + cols == y_local, -float("inf"), z), axis=0)
+            m_off = tl.maximum(m_off, off_max)
     return m, s, sum_z, m_off
 
 
@@ -291,13 +296,20 @@ _launch_rows = Launcher(flce_rows_kernel)
 _launch_row_stats = Launcher(flce_row_stats_kernel)
 
 
-def _block_and_warps(C, V, block_v, num_warps):
-    # Tuned on an H200 with scripts/bench/tune_rows_kernel.py (chunks of 1024-16384 rows): blocks of
-    # 8192 columns and 16 warps where a row is short (V <= 40k: 2.9-3.1 TB/s counting one read
-    # and one write), 4096 and 8 warps for longer rows (2.5-2.7 TB/s); few rows: more warps per
-    # row to keep enough bytes in flight.
+def _block_and_warps(C, V, block_v, num_warps, kind):
+    """BLOCK_V and warps of a pass of `kind`: "stats" (pass 1 alone), "grad" (pass 2 alone, after
+    a statistics pass) or "full" (both). Tuned on an H200 with scripts/bench/tune_rows_kernel.py
+    (8192-32768 rows of 32000-128256 columns): a pass that only reads runs best on 4096-column
+    blocks and 4 warps (16 elements a thread, 8 warps 10-15% slower); a gradient pass on 4096 and
+    16 warps (8 a thread: its e4m3 copy of dlogits, float8.py, drops 15-25% with 16 a thread);
+    both passes in one on 8192 and 16 warps where rows are short (V <= 40k), 4096 and 8 for
+    longer rows. Few rows: more warps per row, to keep enough bytes in flight."""
     if C <= 512:
         default_block, default_warps = 8192, 32
+    elif kind == "stats":
+        default_block, default_warps = 4096, 4
+    elif kind == "grad":
+        default_block, default_warps = 4096, 16
     elif V <= 40960:
         default_block, default_warps = 8192, 16
     else:
@@ -320,7 +332,8 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     if C == 0:
         return
     target = target.contiguous()  # the kernels read target[row] (a strided target was misread)
-    block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
+    kind = "full" if compute_grad and not stats_given else "grad" if compute_grad else "stats"
+    block_v, num_warps = _block_and_warps(C, V, block_v, num_warps, kind)
     g8, g8_scale, target_grad = fp8_grad or (logits, loss_out, loss_out)  # unused when None
     row_max, log_sum = stats or (loss_out, loss_out)  # unused when None
     keep_off_max = off_max is not None and not compute_grad
@@ -356,7 +369,7 @@ def launch_row_stats(logits, target, stats_out, opts, vocab_start, block_v=None,
     if C == 0:
         return
     target = target.contiguous()
-    block_v, num_warps = _block_and_warps(C, V, block_v, num_warps)
+    block_v, num_warps = _block_and_warps(C, V, block_v, num_warps, "stats")
     _launch_row_stats(
         (C,), logits, logits.stride(0), target, stats_out, V, vocab_start, opts.ignore_index,
         float(opts.logit_scale), float(opts.softcap or 1.0),
