@@ -37,6 +37,15 @@ def padded(n: int) -> int:
     return -(-n // 16) * 16
 
 
+def zero_padding(t: Tensor, filled_rows: int, filled_cols: int) -> Tensor:
+    """t with its rows from filled_rows and columns from filled_cols zeroed: the rest is written
+    before every read (zeroing a chunk's dlogits operand was 0.5 ms a call of 63 at
+    32768x2048x128256 on an H200)."""
+    t[filled_rows:].zero_()
+    t[:filled_rows, filled_cols:].zero_()
+    return t
+
+
 def quantize_rows_torch(src: Tensor, dst: Tensor, scale: Tensor) -> None:
     """The PyTorch twin of `kernels.quantize_rows`: scale[r] = max |src[r]| / the float8
     maximum (0 for a zero row), dst[r] = src[r] / scale[r] saturated and rounded to float8."""
@@ -81,17 +90,18 @@ class Float8Gemms:
             self.quantize = quantize_rows
         else:
             self.quantize = quantize_rows_torch
-        fp8 = lambda *shape: torch.zeros(*shape, device=weight.device, dtype=E4M3)
+        fp8 = lambda rows, cols, filled_rows, filled_cols: zero_padding(torch.empty(
+            rows, cols, device=weight.device, dtype=E4M3), filled_rows, filled_cols)
         ones32 = lambda *shape: torch.ones(*shape, device=weight.device, dtype=torch.float32)
         if logits:
-            self.w, self.w_scale = fp8(self.width, padded(H)), ones32(1, self.width)
+            self.w, self.w_scale = fp8(self.width, padded(H), V, H), ones32(1, self.width)
             self.quantize(weight, self.w[:V, :H], self.w_scale[0, :V])
-            self.x, self.x_scale = fp8(max_rows, padded(H)), ones32(max_rows, 1)
+            self.x, self.x_scale = fp8(max_rows, padded(H), max_rows, H), ones32(max_rows, 1)
             self.bias = None if bias is None else F.pad(bias.to(torch.bfloat16), (0, self.width - V))
         if dx:
-            self.wt, self.wt_scale = fp8(padded(H), self.width), ones32(1, padded(H))
+            self.wt, self.wt_scale = fp8(padded(H), self.width, H, V), ones32(1, padded(H))
             self.quantize(weight.t(), self.wt[:H, :V], self.wt_scale[0, :H])
-            self.g, self.g_scale = fp8(max_rows, self.width), ones32(max_rows, 1)
+            self.g, self.g_scale = fp8(max_rows, self.width, max_rows, V), ones32(max_rows, 1)
             self.target_grad = ones32(max_rows)
             self.dx_out = torch.empty(max_rows, padded(H), device=weight.device,
                                       dtype=torch.bfloat16)
