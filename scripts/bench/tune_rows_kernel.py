@@ -1,7 +1,11 @@
-"""Time the row kernel alone on one [C, V] chunk for several block sizes and warp counts.
+"""Time each pass of the row kernel alone on one [C, V] bf16 chunk, per block size and warps.
 
-Reports GB/s counting one read and one write of the chunk (the pass-2 re-read mostly hits L2).
-    python3 -m scripts.bench.tune_rows_kernel --rows 4096 --vocab 128256
+GB/s count the bytes a pass must move: statistics 1 read (with and without the row maxima off
+the target that the float8 dx GEMM needs); gradient after them 1 read + 1 write (and + the e4m3
+copy of dlogits, half a write); both passes in one 2 reads + 1 write (the re-read mostly hits L2).
+A bf16 copy and a bf16 -> e4m3 copy give the memory's rate. flce/kernels.py's `_block_and_warps`
+holds the result.
+    python3 -m scripts.bench.tune_rows_kernel --rows 8192,32768 --vocab 128256
 """
 
 import argparse
@@ -16,29 +20,62 @@ from flce.kernels import launch_rows  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
 from scripts.lib.timing import median_ms  # noqa: E402
 
+CONFIGS = ((None, None), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16),
+           (8192, 8), (8192, 16), (8192, 32), (16384, 16))
+
+
+def passes(C, V, opts):
+    """{name: (run(block, warps), bytes moved)} over fresh logits of C x V."""
+    dev = "cuda"
+    logits = torch.randn(C, V, device=dev, dtype=torch.bfloat16) * 3
+    work = logits.clone()
+    target = torch.randint(0, V, (C,), device=dev)
+    loss, scratch, row_max, log_sum, off_max, g8_scale, target_grad = (
+        torch.empty(C, device=dev) for _ in range(7))
+    g8 = torch.empty(C, V, device=dev, dtype=torch.float8_e4m3fn)
+    w = torch.full((), 1e-3, device=dev)
+    stats = (row_max, log_sum)
+    launch_rows(logits, target, loss, stats, w, opts, False, False, off_max=off_max)
+    n = logits.numel() * 2
+    return {
+        "stats": (lambda b, k: launch_rows(logits, target, loss, stats, w, opts, False, False,
+                                           b, k), n),
+        "stats+off_max": (lambda b, k: launch_rows(logits, target, loss, stats, w, opts, False,
+                                                   False, b, k, off_max=off_max), n),
+        "grad": (lambda b, k: launch_rows(work, target, scratch, stats, w, opts, True, True,
+                                          b, k), 2 * n),
+        "grad+e4m3": (lambda b, k: launch_rows(work, target, scratch, stats, w, opts, True, True,
+                                               b, k, fp8_grad=(g8, g8_scale, target_grad),
+                                               off_max=off_max), 2.5 * n),
+        "full": (lambda b, k: launch_rows(work, target, loss, None, w, opts, False, True, b, k),
+                 3 * n),
+    }, lambda: work.copy_(logits), lambda: g8.copy_(logits), n
+
 
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.tune_rows_kernel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--rows", default="8192,32768", help="comma-separated chunk heights")
+    p.add_argument("--vocab", default="32000,128256", help="comma-separated vocabulary sizes")
+    p.add_argument("--smoothing", action="store_true", help="with label smoothing and softcap")
     args = p.parse_args()
-    C, V = args.rows, args.vocab
-    logits = torch.randn(C, V, device="cuda", dtype=torch.bfloat16)
-    target = torch.randint(0, V, (C,), device="cuda")
-    loss = torch.empty(C, device="cuda")
-    w = torch.ones((), device="cuda")
-    nbytes = 2 * logits.numel() * logits.element_size()
-    for opts in (LossOptions(), LossOptions(label_smoothing=0.1, softcap=30.0)):
-        for rows in (256, 1024, C):
-            for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 32)):
-                src = logits[:rows].clone()
-                fn = lambda: launch_rows(src, target[:rows], loss, None, w, opts, False, True,
-                                         block, warps)
-                ms = median_ms(fn, warmup=5, reps=20)
-                print(f"smooth={opts.label_smoothing} softcap={opts.softcap} rows={rows:5d} "
-                      f"BLOCK_V={block:5d} warps={warps:2d}: {ms:.3f} ms, "
-                      f"{nbytes * rows / C / ms / 1e6:.0f} GB/s")
+    opts = LossOptions(label_smoothing=0.1, softcap=30.0) if args.smoothing else LossOptions()
+    for C in map(int, args.rows.split(",")):
+        for V in map(int, args.vocab.split(",")):
+            runs, copy, copy_e4m3, n = passes(C, V, opts)
+            print(f"== {C} x {V}: bf16 copy {2 * n / median_ms(copy, 3, 20) / 1e6:.0f} GB/s, "
+                  f"bf16 -> e4m3 copy {1.5 * n / median_ms(copy_e4m3, 3, 20) / 1e6:.0f} GB/s")
+            for block, warps in CONFIGS:
+                if block is not None and block > 2 * V:
+                    continue
+                row = []
+                for name, (run, nbytes) in runs.items():
+                    ms = median_ms(lambda: run(block, warps), 3, 10)
+                    row.append(f"{name} {ms:.3f} ms {nbytes / ms / 1e6:.0f}")
+                print(f"  BLOCK_V={block or 'default'} warps={warps or 'default'}: "
+                      + " | ".join(row), flush=True)
+            del runs
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
