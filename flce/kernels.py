@@ -300,8 +300,8 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     """BLOCK_V and warps of a pass of `kind`: "stats" (pass 1 alone), "grad" (pass 2 alone, after
     a statistics pass) or "full" (both). Tuned on an H200 with scripts/bench/tune_rows_kernel.py
     (8192-32768 rows of 32000-128256 columns): a pass that only reads runs best on 4096-column
-    blocks and 4 warps (16 elements a thread, 8 warps 10-15% slower); a gradient pass on 4096 and
-    16 warps (8 a thread: its e4m3 copy of dlogits, float8.py, drops 15-25% with 16 a thread);
+    blocks and 4 warps (16 elements a thread; 8 warps 12-50% slower); a gradient pass on 4096 and
+    16 warps (8 a thread: its e4m3 copy of dlogits, float8.py, is 18-30% slower at 16 a thread);
     both passes in one on 8192 and 16 warps where rows are short (V <= 40k), 4096 and 8 for
     longer rows. Few rows: more warps per row, to keep enough bytes in flight."""
     if C <= 512:
