@@ -2,7 +2,8 @@
 
 GB/s count the bytes a pass must move: statistics 1 read (with and without the row maxima off
 the target that the float8 dx GEMM needs); gradient after them 1 read + 1 write (and + the e4m3
-copy of dlogits, half a write); both passes in one 2 reads + 1 write (the re-read mostly hits L2).
+copy of dlogits, half a write); both passes in one 2 reads + 1 write (the re-read mostly hits L2;
+the float8 chunks' kernel, "full+e4m3", adds the e4m3 copy).
 A bf16 copy and a bf16 -> e4m3 copy give the memory's rate. flce/kernels.py's `_block_and_warps`
 holds the result.
     python3 -m scripts.bench.tune_rows_kernel --rows 8192,32768 --vocab 128256
@@ -49,6 +50,9 @@ def passes(C, V, opts):
                                                off_max=off_max), 2.5 * n),
         "full": (lambda b, k: launch_rows(work, target, loss, None, w, opts, False, True, b, k),
                  3 * n),
+        "full+e4m3": (lambda b, k: launch_rows(work, target, loss, None, w, opts, False, True,
+                                               b, k, fp8_grad=(g8, g8_scale, target_grad)),
+                      3.5 * n),
     }, lambda: work.copy_(logits), lambda: g8.copy_(logits), n
 
 
