@@ -19,8 +19,9 @@
 #   absolute  on the CPU, which trains in fp32 and deterministically (the curves agree to ~1e-6):
 #             every step's |flce - unfused| within TOLERANCE (0.02).
 # Results: ${OUT_DIR:-outputs/compare}/{flce,unfused,flce_seed<N>}/metrics.jsonl and
-# fused_vs_unfused.png there; each folder is emptied before its run. DRY_RUN=1 prints the
-# commands instead (and deletes nothing).
+# fused_vs_unfused.png there; each folder is emptied before its run, but only one that a script
+# run made (it holds .scratch-run): a folder holding anything else (another run of yours) stops
+# the script before any run starts. DRY_RUN=1 prints the commands instead (and deletes nothing).
 set -euo pipefail
 
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -66,6 +67,13 @@ if [[ $verdict == auto ]]; then
   if [[ $device == cpu ]]; then verdict=absolute; else verdict=band; fi
 fi
 echo "=== device $device: verdict $verdict"
+names=(flce unfused)
+if [[ $verdict == band ]]; then names+=("flce_seed$((seed + 1))"); fi
+run_folders() {
+  PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -m scripts.lib.run_folders "$@"
+}
+# Every run's folder must be clearable before the first run starts (the reason is printed).
+run_folders check "${names[@]/#/$out/}" || exit 2
 
 # train NAME OVERRIDES...: one run into $out/NAME.
 train() {
@@ -74,7 +82,7 @@ train() {
   echo "=== $* -> $out/$name"
   # metrics.jsonl is appended to and a checkpoint would be resumed: start from an empty folder.
   # (With DRY_RUN=1, run_train.sh prints its command instead of running it.)
-  if [[ $dry_run != 1 ]]; then rm -rf -- "${out:?}/$name"; fi
+  if [[ $dry_run != 1 ]]; then run_folders fresh "$out/$name"; fi
   # Ours come last: the trainer applies overrides in order, so they win over the caller's.
   CONFIG=$config "$scripts/run_train.sh" "${args[@]}" "$@" \
     --metrics.log_freq 1 --job.dump_folder "$out/$name" || rc=$?

@@ -22,7 +22,6 @@ job keeps what it measured. This script never imports torch.
 import argparse
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 
 from scripts.lib.report import (fmt, probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
+from scripts.lib.run_folders import exit_unless_clearable, fresh_run_folder  # noqa: E402
 from scripts.lib.runs import (REPO, last_lines, log_tail, read_metrics,  # noqa: E402
                               run_process, throughput, trainer)
 
@@ -118,9 +118,7 @@ def plan(args) -> list[dict]:
 
 
 def execute(run: dict, args) -> dict:
-    dump = Path(run["dump_folder"])
-    shutil.rmtree(dump, ignore_errors=True)  # metrics.jsonl is appended to; checkpoints resumed
-    dump.mkdir(parents=True)
+    dump = fresh_run_folder(run["dump_folder"])
     code, timed_out, seconds = run_process(run["cmd"], dump / "train.log", args.run_timeout)
     rows = read_metrics(dump / "metrics.jsonl")
     stats = throughput(rows, args.warmup_steps)
@@ -194,6 +192,7 @@ def main(argv=None) -> int:
         for r in runs:
             print(r["command"])
         return 0
+    exit_unless_clearable(run["dump_folder"] for run in runs)
     out = Path(args.out)
     meta = {**probe_environment(), **provenance(), "nproc": args.nproc, "config": args.config,
             "steps": args.steps, "warmup_steps": args.warmup_steps, "log_freq": args.log_freq,

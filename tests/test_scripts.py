@@ -709,9 +709,11 @@ def test_another_learning_rate_is_caught_by_both_verdicts(fused_vs_unfused, tmp_
 @pytest.mark.parametrize("device, verdict", [("cpu", "absolute"), ("cuda", "band")])
 def test_fused_vs_unfused_picks_its_verdict(tmp_path, device, verdict):
     """GPU runs are judged against a noise band from a third run at the next seed; CPU runs by
-    the absolute tolerance. DRY_RUN=1 prints the commands and deletes nothing."""
+    the absolute tolerance. DRY_RUN=1 prints the commands and deletes nothing, not even an
+    earlier run of the script (a folder it marked)."""
     (tmp_path / "flce").mkdir()
     (tmp_path / "flce" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "flce" / ".scratch-run").write_text("")
     result = run(["scripts/compare_fused_vs_unfused.sh", "configs/debug.toml",
                   "--training.device", device, "--training.seed", "3"],
                  env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1",
@@ -748,9 +750,34 @@ def test_fused_vs_unfused_bad_input_keeps_earlier_results(tmp_path, args):
     assert (tmp_path / "flce" / "metrics.jsonl").read_text() == "{}\n"
 
 
+def test_fused_vs_unfused_refuses_a_folder_it_did_not_make(tmp_path):
+    """OUT_DIR shared with a real run named flce: the script used to rm -rf it and train over
+    it. Now it stops before any run, names the folder, and leaves every file where it was."""
+    run_of_yours = tmp_path / "flce"
+    (run_of_yours / "checkpoint" / "step-10").mkdir(parents=True)
+    (run_of_yours / "metrics.jsonl").write_text('{"step": 10}\n')
+    before = files_under(tmp_path)
+    result = run(["scripts/compare_fused_vs_unfused.sh", "configs/debug.toml", *SHORT],
+                 env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1"})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {run_of_yours} holds files that no script run made")
+    assert files_under(tmp_path) == before
+
+
 # ---- compare_layouts.py ----------------------------------------------------------------------
 
 LAYOUTS = [sys.executable, "-m", "scripts.compare_layouts", "--config", "configs/debug.toml"]
+
+
+def test_layouts_refuse_a_runs_dir_folder_they_did_not_make(tmp_path):
+    (tmp_path / "fsdp_flce").mkdir()
+    (tmp_path / "fsdp_flce" / "notes.txt").write_text("mine\n")
+    result = run([*LAYOUTS, "--layouts", "fsdp", "--runs-dir", str(tmp_path), "--steps", "4",
+                  "--warmup-steps", "2", "--out", str(tmp_path / "report")])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "fsdp_flce holds files that no script run made" in result.stderr
+    assert (tmp_path / "fsdp_flce" / "notes.txt").read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fsdp_flce"]
 
 
 def test_layout_commands(tmp_path):

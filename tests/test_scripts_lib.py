@@ -1,17 +1,22 @@
 """scripts/lib/: the commit a report records (a dirty tree flagged, $FLCE_GIT_REVISION honoured),
-the report files, the timer, and the loud first line of every benchmark's markdown."""
+the report files, the timer, the loud first line of every benchmark's markdown, and the run
+folders that scripts clear only when they made them."""
 
 import itertools
 import json
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
-from scripts.lib import report
+from scripts.lib import report, run_folders
 from scripts.lib.timing import median_ms
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def git(repo, *args):
@@ -194,3 +199,38 @@ def test_flce_grid_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
     orders = [tuple(name for name, _ in visits[i:i + 5]) for i in range(0, 15, 5)]
     assert all(sorted(order) == list("abcde") for order in orders)
     assert len(set(orders)) > 1
+
+
+def test_fresh_run_folder_makes_clears_its_own_and_refuses_the_rest(tmp_path):
+    made = run_folders.fresh_run_folder(tmp_path / "a" / "run")
+    assert sorted(p.name for p in made.iterdir()) == [run_folders.MARKER]
+    (made / "metrics.jsonl").write_text("{}\n")
+    (made / "checkpoint").mkdir()
+    assert sorted(p.name for p in run_folders.fresh_run_folder(made).iterdir()) == [
+        run_folders.MARKER]
+    (tmp_path / "empty").mkdir()
+    run_folders.fresh_run_folder(tmp_path / "empty")
+    mine = tmp_path / "mine"
+    (mine / "checkpoint").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="holds files that no script run made"):
+        run_folders.fresh_run_folder(mine)
+    assert (mine / "checkpoint").is_dir() and not (mine / run_folders.MARKER).exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        run_folders.fresh_run_folder(tmp_path / "file")
+
+
+def test_run_folders_command_checks_every_folder_before_clearing_any(tmp_path):
+    ours = run_folders.fresh_run_folder(tmp_path / "ours")
+    (ours / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes").write_text("x")
+    cmd = [sys.executable, "-m", "scripts.lib.run_folders", "fresh", str(ours),
+           str(tmp_path / "mine")]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2 and result.stderr.startswith(f"error: {tmp_path / 'mine'}")
+    assert (ours / "metrics.jsonl").is_file()  # nothing cleared: one folder was refused
+    result = subprocess.run(cmd[:-1] + [str(tmp_path / "new")], capture_output=True, text=True,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert not (ours / "metrics.jsonl").exists() and (tmp_path / "new" / run_folders.MARKER).is_file()

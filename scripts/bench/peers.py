@@ -35,6 +35,7 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
 from scripts.lib.report import (probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
+from scripts.lib.run_folders import exit_unless_clearable, fresh_run_folder  # noqa: E402
 from scripts.lib.runs import (REPO, classify, last_lines, log_tail, read_metrics,  # noqa: E402
                               run_process, throughput, torchrun)
 
@@ -133,10 +134,7 @@ def titan_rows(log: str, same_batch: int = 1) -> list[dict]:
 
 
 def execute(args, name: str, kind: str, extra: list[str]) -> dict:
-    dump = Path(args.runs_dir) / name
-    dump.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "train.log"):
-        (dump / stale).unlink(missing_ok=True)
+    dump = fresh_run_folder(Path(args.runs_dir) / name)
     build = ours_command if kind == "ours" else titan_command
     cmd, cwd = build(args, extra, dump)
     if kind == "titan" and not (cwd / "tests/assets/c4_test/data.json").is_file():
@@ -206,6 +204,7 @@ def main(argv=None) -> int:
             build = ours_command if kind == "ours" else titan_command
             print(name, shlex.join(build(args, extra, Path(args.runs_dir) / name)[0]))
         return 0
+    exit_unless_clearable(Path(args.runs_dir) / name for name, _, _ in args.runs)
     meta = {**probe_environment(), **provenance(), "config": args.config, "flavor": args.flavor,
             "nproc": args.nproc, "seq_len": args.seq_len, "steps": args.steps,
             "warmup_steps": args.warmup_steps, "log_freq": args.log_freq}

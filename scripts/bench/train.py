@@ -28,7 +28,6 @@ The benchmark itself never imports torch: a CUDA context here would take GPU mem
 import argparse
 import os
 import shlex
-import shutil
 import signal
 import statistics
 import sys
@@ -43,6 +42,7 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 from components.config.schema import ACMode  # noqa: E402  (no torch: a launcher)
 from scripts.lib.report import (fmt, probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
+from scripts.lib.run_folders import exit_unless_clearable, fresh_run_folder  # noqa: E402
 from scripts.lib.runs import (classify, last_lines, log_tail, read_metrics,  # noqa: E402
                               run_process, throughput, trainer)
 
@@ -233,10 +233,7 @@ class Bench:
 
     def _execute(self, loss, batch, ac, phase, timeout) -> dict:
         runs_dir = Path(self.args.runs_dir)
-        dump = runs_dir / f"{loss}_b{batch}_ac-{ac}"
-        # metrics.jsonl is appended to: a folder left by an earlier benchmark would mix in.
-        shutil.rmtree(dump, ignore_errors=True)
-        dump.mkdir(parents=True)
+        dump = fresh_run_folder(runs_dir / f"{loss}_b{batch}_ac-{ac}")
         cmd = train_command(self.args, loss, batch, ac, dump)
         returncode, timed_out, seconds = run_process(cmd, dump / "train.log", timeout)
         output = log_tail(dump / "train.log")
@@ -544,6 +541,8 @@ def main(argv=None) -> int:
         print(shlex.join(train_command(args, args.losses[0], first, args.ac[0],
                                        Path(args.runs_dir) / "RUN")))
         return 0
+    # the runs' folders are named <loss>_b<batch>_ac-<mode>; which batches run is found as it goes
+    exit_unless_clearable(sorted(Path(args.runs_dir).glob("*_b*_ac-*")))
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     bench = Bench(args, build_meta(args))
     bench.write()

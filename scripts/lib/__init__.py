@@ -3,6 +3,8 @@ repository root as modules: `python3 -m scripts.bench.train`, see scripts/__init
 
     runs.py     trainer runs in their own process group: launch, stop, log tail, the rows of
                 metrics.jsonl, throughput over the measured windows, the run's status
+    run_folders.py  the dump folder of each such run: made fresh, cleared only if a script made
+                it (also `python3 -m scripts.lib.run_folders check|fresh DIR ...` for the shell)
     report.py   a report's provenance (environment, command, commit; a dirty tree flagged) and
                 its files (<out>.json and <out>.md, written atomically), table helpers
     timing.py   the one timer of the GPU benchmarks (median ms; CUDA events, or the wall clock)
