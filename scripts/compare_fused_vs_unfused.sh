@@ -67,8 +67,9 @@ if [[ $verdict == auto ]]; then
   if [[ $device == cpu ]]; then verdict=absolute; else verdict=band; fi
 fi
 echo "=== device $device: verdict $verdict"
+noise=flce_seed$((seed + 1))  # the band verdict's run at the next seed
 names=(flce unfused)
-if [[ $verdict == band ]]; then names+=("flce_seed$((seed + 1))"); fi
+if [[ $verdict == band ]]; then names+=("$noise"); fi
 run_folders() {
   PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -m scripts.lib.run_folders "$@"
 }
@@ -98,7 +99,6 @@ train unfused --loss.impl unfused
 compare=("$out/flce" "$out/unfused" --verdict "$verdict" --out "$out/fused_vs_unfused.png"
          --tolerance "${TOLERANCE:-0.02}" --band-ratio "${BAND_RATIO:-0.5}")
 if [[ $verdict == band ]]; then
-  noise=flce_seed$((seed + 1))
   train "$noise" --loss.impl flce --training.seed $((seed + 1))
   compare+=(--seed-run "$out/$noise")
 fi

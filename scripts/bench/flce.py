@@ -383,12 +383,11 @@ def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float =
 
     def visit(run) -> float:
         end = time.perf_counter() + settle_ms / 1e3
-        run()
-        torch.cuda.synchronize()
-        while time.perf_counter() < end:
+        while True:  # once at least
             run()
             torch.cuda.synchronize()
-        return median_ms(run, warmup=0, reps=1)
+            if time.perf_counter() >= end:
+                return median_ms(run, warmup=0, reps=1)
 
     def one_round():
         names = list(runs)

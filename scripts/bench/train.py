@@ -51,6 +51,7 @@ FUSED = "flce"
 LOSS_IMPLS = {"flce": "flce", "unfused": "unfused", "torch_chunked": "torch_chunked",
               "unfused_compiled": "unfused"}
 AC_MODES = typing.get_args(ACMode)  # lightest first
+RUN_FOLDER = "{loss}_b{batch}_ac-{ac}"  # each run's dump folder under --runs-dir
 
 
 class BudgetExhausted(Exception):
@@ -233,7 +234,7 @@ class Bench:
 
     def _execute(self, loss, batch, ac, phase, timeout) -> dict:
         runs_dir = Path(self.args.runs_dir)
-        dump = fresh_run_folder(runs_dir / f"{loss}_b{batch}_ac-{ac}")
+        dump = fresh_run_folder(runs_dir / RUN_FOLDER.format(loss=loss, batch=batch, ac=ac))
         cmd = train_command(self.args, loss, batch, ac, dump)
         returncode, timed_out, seconds = run_process(cmd, dump / "train.log", timeout)
         output = log_tail(dump / "train.log")
@@ -541,8 +542,9 @@ def main(argv=None) -> int:
         print(shlex.join(train_command(args, args.losses[0], first, args.ac[0],
                                        Path(args.runs_dir) / "RUN")))
         return 0
-    # the runs' folders are named <loss>_b<batch>_ac-<mode>; which batches run is found as it goes
-    exit_unless_clearable(sorted(Path(args.runs_dir).glob("*_b*_ac-*")))
+    # which batches run is found as it goes: check every folder a run of this bench could reuse
+    exit_unless_clearable(sorted(Path(args.runs_dir).glob(RUN_FOLDER.format(loss="*", batch="*",
+                                                                           ac="*"))))
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     bench = Bench(args, build_meta(args))
     bench.write()
