@@ -298,18 +298,22 @@ _launch_row_stats = Launcher(flce_row_stats_kernel)
 
 def _block_and_warps(C, V, block_v, num_warps, kind):
     """BLOCK_V and warps of a pass of `kind`: "stats" (pass 1 alone), "grad" (pass 2 alone, after
-    a statistics pass) or "full" (both). Tuned on an H200 with scripts/bench/tune_rows_kernel.py
+    a statistics pass), "full" (both) or "full+e4m3" (both, writing the e4m3 copy of dlogits
+    for the float8 dx GEMM, float8.py). Tuned on an H200 with scripts/bench/tune_rows_kernel.py
     (8192-32768 rows of 32000-128256 columns): a pass that only reads runs best on 4096-column
     blocks and 4 warps (16 elements a thread; 8 warps 12-50% slower); a gradient pass on 4096 and
-    16 warps (8 a thread: its e4m3 copy of dlogits, float8.py, is 18-30% slower at 16 a thread);
-    both passes in one on 8192 and 16 warps where rows are short (V <= 40k), 4096 and 8 for
-    longer rows. Few rows: more warps per row, to keep enough bytes in flight."""
+    16 warps (8 a thread: its e4m3 copy is 18-30% slower at 16 a thread); both passes in one on
+    8192 and 16 warps where rows are short (V <= 40k), 4096 and 8 for longer rows; both with the
+    e4m3 copy on 2048 and 8 (8 a thread: 23% faster than 4096/8 at 8192-16384 x 128256). Few
+    rows: more warps per row, to keep enough bytes in flight."""
     if C <= 512:
         default_block, default_warps = 8192, 32
     elif kind == "stats":
         default_block, default_warps = 4096, 4
     elif kind == "grad":
         default_block, default_warps = 4096, 16
+    elif kind == "full+e4m3":
+        default_block, default_warps = 2048, 8
     elif V <= 40960:
         default_block, default_warps = 8192, 16
     else:
@@ -333,6 +337,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
         return
     target = target.contiguous()  # the kernels read target[row] (a strided target was misread)
     kind = "full" if compute_grad and not stats_given else "grad" if compute_grad else "stats"
+    kind += "+e4m3" if kind == "full" and fp8_grad is not None else ""
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps, kind)
     g8, g8_scale, target_grad = fp8_grad or (logits, loss_out, loss_out)  # unused when None
     row_max, log_sum = stats or (loss_out, loss_out)  # unused when None
