@@ -51,7 +51,6 @@ def test_the_index_names_every_result():
 AWAITING_REMEASUREMENT = {
     "layouts_2xh200.md", "loss_parallel_2xh200.md", "train_2xh200.md",  # two GPUs
     "train_ac_flce_1xh200.md",  # the one-GPU side of train_2xh200's scaling figure
-    "peers_1b_seq32768_1xh200.md",
 }
 
 
