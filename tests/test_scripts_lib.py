@@ -234,3 +234,26 @@ def test_run_folders_command_checks_every_folder_before_clearing_any(tmp_path):
                             cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert not (ours / "metrics.jsonl").exists() and (tmp_path / "new" / run_folders.MARKER).is_file()
+
+
+def test_claim_folder_keeps_its_own_folder_and_refuses_a_users(tmp_path):
+    work = run_folders.claim_folder(tmp_path / "work")
+    (work / "corpus.txt").write_text("kept across runs")
+    assert run_folders.claim_folder(work) == work and (work / "corpus.txt").is_file()
+    mine = tmp_path / "mine"
+    (mine / "shards").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="holds files that no script run made"):
+        run_folders.claim_folder(mine)
+    assert not (mine / run_folders.MARKER).exists()
+
+
+def test_bench_data_refuses_a_work_dir_it_did_not_make(tmp_path):
+    """A rerun of bench.data clears work/shards: pointed at a user's folder, it deleted the
+    user's shards there before anything was checked."""
+    from scripts.bench import data as bench_data
+    mine = tmp_path / "corpus"
+    (mine / "shards").mkdir(parents=True)
+    (mine / "shards" / "index.json").write_text("{}")
+    with pytest.raises(SystemExit, match="--work-dir: .*no script run made"):
+        bench_data.main(["--work-dir", str(mine), "--out", str(tmp_path / "out")])
+    assert (mine / "shards" / "index.json").read_text() == "{}"

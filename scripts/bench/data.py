@@ -43,6 +43,7 @@ from models import FLAVORS, flops_per_token  # noqa: E402
 from scripts.lib.prepare_shards import (Plan, file_units, listing, local_files, prepare,  # noqa: E402
                                         settings_for, tokenizer_record, usable_cpus)
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.run_folders import claim_folder  # noqa: E402
 
 H200_BF16_PEAK = 989e12
 MFU = 0.5
@@ -63,7 +64,9 @@ def parse_args(argv=None):
     parser.add_argument("--prepare-workers", type=int, default=usable_cpus())
     parser.add_argument("--seconds", type=float, default=8.0, help="per measurement (default 8)")
     parser.add_argument("--compare-libraries", action="store_true")
-    parser.add_argument("--work-dir", help="keep the corpus and shards here (default: a temporary folder)")
+    parser.add_argument("--work-dir", help="keep the corpus and shards here (default: a temporary "
+                        "folder); a folder this script did not make is refused, since a rerun "
+                        "clears the shards and caches inside it")
     return parser.parse_args(argv)
 
 
@@ -150,8 +153,13 @@ def consuming_at(batches, rate: float, steps: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     meta = machine()
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench_data_"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.work_dir:
+        try:  # a rerun deletes work/shards and the libraries' outputs: never a user's own folder
+            work = claim_folder(args.work_dir)
+        except FileExistsError as e:
+            sys.exit(f"error: --work-dir: {e}")
+    else:
+        work = Path(tempfile.mkdtemp(prefix="bench_data_"))
     files = local_files(args.corpus) if args.corpus else make_corpus(work, args.copies)
     tokenizer_path = Path(args.tokenizer) if args.tokenizer else work / "tokenizer.json"
     if not args.tokenizer and not tokenizer_path.is_file():

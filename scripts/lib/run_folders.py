@@ -4,7 +4,8 @@ Each run starts from an empty folder (metrics.jsonl is appended to and a checkpo
 resumed), so a rerun clears the folder of the run before. A folder is cleared only when one of
 these scripts made it, which it marks with MARKER; a folder holding anything else may be a
 user's own run (an OUT_DIR or --runs-dir shared with training) and is refused, before any run
-starts. The shell scripts call it as
+starts. A working folder a script reuses across runs (`bench.data --work-dir`) is claimed the
+same way (`claim_folder`) before the script clears anything inside it. The shell scripts call it as
     python3 -m scripts.lib.run_folders check DIR ...   (exit 2 naming the first refused folder)
     python3 -m scripts.lib.run_folders fresh DIR ...   (check all, then clear and mark each)
 """
@@ -38,6 +39,21 @@ def fresh_run_folder(path: Path | str) -> Path:
     path.mkdir(parents=True)
     (path / MARKER).write_text("made by a script of this repository for one run; a rerun of "
                                "that script clears this folder\n")
+    return path
+
+
+def claim_folder(path: Path | str) -> Path:
+    """path as a folder a script may clear the contents of, kept as it is (a working folder
+    reused across runs, e.g. a corpus and its tokenizer): made and marked if absent or empty,
+    reused if MARKER marks it, refused (FileExistsError, nothing touched) if it holds anything
+    else."""
+    path = Path(path)
+    check_clearable(path)
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / MARKER
+    if not marker.is_file():
+        marker.write_text("made by a script of this repository as its working folder; a rerun "
+                          "of that script clears and rewrites what it holds\n")
     return path
 
 
