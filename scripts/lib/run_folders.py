@@ -36,10 +36,7 @@ def fresh_run_folder(path: Path | str) -> Path:
     check_clearable(path)
     if path.exists():
         shutil.rmtree(path)
-    path.mkdir(parents=True)
-    (path / MARKER).write_text("made by a script of this repository for one run; a rerun of "
-                               "that script clears this folder\n")
-    return path
+    return claim_folder(path)
 
 
 def claim_folder(path: Path | str) -> Path:
@@ -52,8 +49,8 @@ def claim_folder(path: Path | str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     marker = path / MARKER
     if not marker.is_file():
-        marker.write_text("made by a script of this repository as its working folder; a rerun "
-                          "of that script clears and rewrites what it holds\n")
+        marker.write_text("made by a script of this repository; a rerun of that script may "
+                          "clear what this folder holds\n")
     return path
 
 
