@@ -41,7 +41,7 @@ from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_m
                                 peak_flops)
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
-from components.process import exit_process, process_group
+from components.process import default_allocator_settings, exit_process, process_group
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
@@ -305,6 +305,7 @@ def main(argv=None) -> int:
         print(help_text(__doc__.split("\n", 1)[0]), end="", flush=True)
         return 0
     cfg = load_config(argv)
+    default_allocator_settings()
     # From here on a stop signal is remembered: it takes effect after the first training step.
     with StopRequest(saves=cfg.checkpoint.enable) as stop, \
             process_group(cfg.training.device) as (rank, world, device), \

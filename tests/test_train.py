@@ -350,6 +350,40 @@ def test_device_and_attention_choices_fail_clearly(tmp_path):
             train.main(SMALL + ["--training.device", "cuda", "--job.dump_folder", str(tmp_path)])
 
 
+
+def test_the_allocator_default_keeps_a_users_setting():
+    from components.process import ALLOCATOR_SETTINGS, default_allocator_settings
+    env = {"PATH": "/bin"}
+    default_allocator_settings(env)
+    assert env == {"PATH": "/bin", "PYTORCH_ALLOC_CONF": ALLOCATOR_SETTINGS}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        env = {name: "expandable_segments:False"}
+        default_allocator_settings(env)
+        assert env == {name: "expandable_segments:False"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("user_setting", [None, "expandable_segments:False"])
+def test_a_cuda_run_grows_its_segments_in_place_unless_its_user_says_otherwise(tmp_path,
+                                                                               user_setting):
+    import torch
+    from components.process import ALLOCATOR_ENV
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = SMALL + ["--training.device", "cuda", "--training.steps", "2",
+                    "--job.dump_folder", str(tmp_path / "run")]
+    code = ("import torch, train; "
+            f"assert train.main({args!r}) == 0; "
+            "x = torch.empty(1 << 20, device='cuda'); "
+            "print('EXPANDABLE', sorted({s['is_expandable'] for s in torch.cuda.memory_snapshot()}))")
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
+    if user_setting:
+        env["PYTORCH_ALLOC_CONF"] = user_setting
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"EXPANDABLE [{user_setting is None}]" in out.stdout
+
 def test_a_failed_run_leaves_no_process_group_behind(tmp_path):
     import torch.distributed as dist
     # Fails after the process group exists (a CUDA host) or before (the CPU): either way the next

@@ -59,13 +59,14 @@ def kill_leftovers(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_process(cmd: list[str], log_path: Path, timeout: float,
-                cwd: Path | None = None) -> tuple[int | None, bool, float]:
-    """Run cmd in its own process group with output to log_path: (exit code, timed out, s)."""
+def run_process(cmd: list[str], log_path: Path, timeout: float, cwd: Path | None = None,
+                env: dict | None = None) -> tuple[int | None, bool, float]:
+    """Run cmd in its own process group with output to log_path: (exit code, timed out, s);
+    env (default: this process's) is its environment."""
     start = time.monotonic()
     with open(log_path, "w") as log:
         # Its own session: the whole group (torchrun and its workers) can be stopped at once.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         timed_out = False
         try:
