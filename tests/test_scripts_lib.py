@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
+from scripts.bench import logits_epilogue as bench_logits_epilogue
 from scripts.lib import report, run_folders
 from scripts.lib.timing import median_ms
 
@@ -129,7 +130,17 @@ def peers_report(meta):
     return bench_peers.markdown(meta, [], None)
 
 
-@pytest.mark.parametrize("render", [flce_report, attention_report, peers_report])
+def logits_epilogue_report(meta):
+    meta = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **meta}
+    tiles = [{"config": list(c), "plain_ms": 1.0, "stats_ms": 1.2, "logits_max_abs_diff": 0.0,
+              "lse_max_abs_diff": 1e-6} for c in bench_logits_epilogue.CONFIGS]
+    return bench_logits_epilogue.markdown(meta, [{
+        "shape": "8x4x16", "cublas_ms": 1.0, "stats_pass_ms": 0.2, "cublas_tflops": 5.0,
+        "triton": tiles, "best_plain_ms": 1.0, "best_stats_ms": 1.2}])
+
+
+@pytest.mark.parametrize("render", [flce_report, attention_report, peers_report,
+                                    logits_epilogue_report])
 def test_benchmark_reports_name_the_commit_and_flag_a_dirty_tree(render):
     """The GPU benchmarks' markdown (their runs need CUDA; bench_train, compare_layouts and
     bench_loss_parallel are run for real in test_bench_train.py and test_scripts.py)."""
@@ -257,3 +268,23 @@ def test_bench_data_refuses_a_work_dir_it_did_not_make(tmp_path):
     with pytest.raises(SystemExit, match="--work-dir: .*no script run made"):
         bench_data.main(["--work-dir", str(mine), "--out", str(tmp_path / "out")])
     assert (mine / "shards" / "index.json").read_text() == "{}"
+
+
+def test_the_logits_epilogue_kernel_writes_the_logits_and_their_tile_statistics():
+    """scripts.bench.logits_epilogue's Triton GEMM (fp32 in the interpreter on the CPU, bf16 on
+    CUDA): the logits and, from its per-tile max and sum of exp, each row's log-sum-exp, at a
+    shape whose last row and column tiles are partial."""
+    torch.manual_seed(0)
+    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    x = torch.randn(45, 32, device=device).to(dtype)
+    w = torch.randn(152, 32, device=device).to(dtype)  # TMA: rows of a multiple of 16 bytes
+    run, (out, tile_max, tile_sum) = bench_logits_epilogue.triton_logits(
+        x, w, (16, 64, 16, 1, 4), stats=True)
+    run()
+    ref = x.double() @ w.double().t()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol)
+    assert tile_max.shape == (45, 3)
+    m = tile_max.double().max(dim=1).values
+    lse = m + torch.log((tile_sum.double() * torch.exp(tile_max.double() - m[:, None])).sum(1))
+    assert torch.allclose(lse, torch.logsumexp(out.double(), dim=1), atol=1e-4, rtol=1e-5)
