@@ -16,7 +16,8 @@ import argparse
 import sys
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
-    sys.exit("run from the repository root as a module: python3 -m scripts.bench.logits_epilogue")
+    sys.exit("run from the repository root as a module: "
+             "python3 -m scripts.bench.logits_epilogue ...")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -154,10 +155,11 @@ def markdown(meta, results) -> str:
         cells = [f"{t['plain_ms']:.3f} / {t['stats_ms']:.3f}" if "stats_ms" in t else "n/a"
                  for t in r["triton"]]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
-    worst = max(max(t.get("lse_max_abs_diff", 0) for t in r["triton"]) for r in results)
-    lines += ["", f"Checks: the Triton logits equal cuBLAS's at every point measured (max |diff| "
-              f"{max(max(t.get('logits_max_abs_diff', 0) for t in r['triton']) for r in results):.3g}"
-              f"); the log-sum-exp from the tiles is within {worst:.2g} of torch.logsumexp."]
+    worst = {key: max(t.get(key, 0) for r in results for t in r["triton"])
+             for key in ("logits_max_abs_diff", "lse_max_abs_diff")}
+    lines += ["", "Checks: the Triton logits against cuBLAS's, max |diff| "
+              f"{worst['logits_max_abs_diff']:.3g}; the log-sum-exp from the tiles against "
+              f"torch.logsumexp, max |diff| {worst['lse_max_abs_diff']:.2g}."]
     return "\n".join(lines) + "\n"
 
 
