@@ -41,7 +41,8 @@ from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_m
                                 peak_flops)
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
-from components.process import default_allocator_settings, exit_process, process_group
+from components.allocator import default_allocator_settings
+from components.process import exit_process, process_group
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer

@@ -23,20 +23,6 @@ from components.config.schema import ConfigError
 
 _several_gloo_ranks = False
 
-# The CUDA caching allocator's setting for a run whose user set none: segments that grow in
-# place instead of fixed-size ones, as torchtitan's launcher (run_train.sh) sets. On one H200
-# the 1B recipe's float8 run at batch 12 then peaks at 108.5 GiB reserved instead of 110.6, at
-# the same speed (docs/performance.md, "Training on one H200").
-ALLOCATOR_SETTINGS = "expandable_segments:True"
-ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-
-
-def default_allocator_settings(environ=os.environ) -> None:
-    """ALLOCATOR_SETTINGS unless the user set the allocator (either variable): called before
-    the first CUDA allocation, which is when PyTorch reads the variable."""
-    if not any(name in environ for name in ALLOCATOR_ENV):
-        environ["PYTORCH_ALLOC_CONF"] = ALLOCATOR_SETTINGS
-
 
 def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]:
     """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process. On CUDA even one

@@ -352,7 +352,7 @@ def test_device_and_attention_choices_fail_clearly(tmp_path):
 
 
 def test_the_allocator_default_keeps_a_users_setting():
-    from components.process import ALLOCATOR_SETTINGS, default_allocator_settings
+    from components.allocator import ALLOCATOR_SETTINGS, default_allocator_settings
     env = {"PATH": "/bin"}
     default_allocator_settings(env)
     assert env == {"PATH": "/bin", "PYTORCH_ALLOC_CONF": ALLOCATOR_SETTINGS}
@@ -367,7 +367,7 @@ def test_the_allocator_default_keeps_a_users_setting():
 def test_a_cuda_run_grows_its_segments_in_place_unless_its_user_says_otherwise(tmp_path,
                                                                                user_setting):
     import torch
-    from components.process import ALLOCATOR_ENV
+    from components.allocator import ALLOCATOR_ENV
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     args = SMALL + ["--training.device", "cuda", "--training.steps", "2",

@@ -33,7 +33,7 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.peers ...")
 
-from components.process import ALLOCATOR_ENV, default_allocator_settings  # noqa: E402
+from components.allocator import ALLOCATOR_ENV, default_allocator_settings  # noqa: E402
 from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
 from scripts.lib.report import (probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
