@@ -71,12 +71,12 @@ def single(tmp_path_factory):
     return dump
 
 
+# Each launch costs ~10 s of CI: a layout whose parts another one already runs together is left
+# out (tp=2 with the sequence-parallel flce runs under full AC below, the vocab-parallel flce at
+# dp_shard=2 x tp=2 under selective AC, the unfused loss under FSDP at dp_shard=2 x tp=2).
 LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, activation checkpointing])
     (2, 1, 1, "sequence", "flce"),  # FSDP: dp_shard=2 (the loss-parallel mode needs tp > 1)
-    (2, 1, 1, "sequence", "unfused"),
-    (2, 1, 2, "sequence", "flce"),
     (2, 1, 2, "sequence", "unfused"),
-    (2, 1, 2, "vocab", "flce"),
     (4, 1, 2, "sequence", "flce"),
     (4, 1, 2, "vocab", "unfused"),
     (4, 2, 1, "sequence", "flce"),  # HSDP: replicate 2 x shard 2
