@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from components.allocator import default_allocator_settings
 from components.bad_steps import BadSteps, too_many_bad_steps
 from components.checkpoint import Checkpointer, ResumePoint, find_resume_point, list_checkpoints
 from components.config.docs import help_text
@@ -41,7 +42,6 @@ from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_m
                                 peak_flops)
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
-from components.allocator import default_allocator_settings
 from components.process import exit_process, process_group
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
