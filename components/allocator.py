@@ -16,3 +16,15 @@ def default_allocator_settings(environ=os.environ) -> None:
     the first CUDA allocation, which is when PyTorch reads the variable."""
     if not any(name in environ for name in ALLOCATOR_ENV):
         environ["PYTORCH_ALLOC_CONF"] = ALLOCATOR_SETTINGS
+
+
+def run_environment(environ=os.environ) -> dict:
+    """A copy of environ as a trainer launched with it runs: with the default unless set."""
+    env = dict(environ)
+    default_allocator_settings(env)
+    return env
+
+
+def allocator_settings(environ) -> dict:
+    """The allocator variables set in environ (what a report records)."""
+    return {name: environ[name] for name in ALLOCATOR_ENV if name in environ}

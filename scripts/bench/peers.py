@@ -21,7 +21,6 @@ are against --reference (default: the fastest titan run).
 """
 
 import argparse
-import os
 import re
 import shlex
 import subprocess
@@ -33,7 +32,7 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.peers ...")
 
-from components.allocator import ALLOCATOR_ENV, default_allocator_settings  # noqa: E402
+from components.allocator import allocator_settings, run_environment  # noqa: E402
 from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
 from scripts.lib.report import (probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
@@ -145,8 +144,7 @@ def execute(args, name: str, kind: str, extra: list[str]) -> dict:
     log = dump / "train.log"
     # Both trainers get the allocator settings that each one's own launcher would give: ours sets
     # its default itself, torchtitan's run_train.sh sets the same (titan_train.py does not).
-    env = dict(os.environ)
-    default_allocator_settings(env)
+    env = run_environment()
     # torchtitan finds its data set and tokenizer relative to the working directory
     code, timed_out, seconds = run_process(cmd, log, args.run_timeout, cwd=cwd, env=env)
     output = log_tail(log)
@@ -162,7 +160,7 @@ def execute(args, name: str, kind: str, extra: list[str]) -> dict:
               "mfu_percent": round(100 * tps * fpt / PEAK_FLOPS, 2) if tps else None,
               "memory_max_reserved_gib": stats["memory_max_reserved_gib"],
               "measured_steps": stats["measured_steps"], "command": shlex.join(cmd),
-              "cwd": str(cwd), "allocator": {k: env[k] for k in ALLOCATOR_ENV if k in env}}
+              "cwd": str(cwd), "allocator": allocator_settings(env)}
     if status != "ok":
         record["output_tail"] = last_lines(output)
     return record

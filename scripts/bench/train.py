@@ -26,7 +26,6 @@ The benchmark itself never imports torch: a CUDA context here would take GPU mem
 """
 
 import argparse
-import os
 import shlex
 import signal
 import statistics
@@ -39,7 +38,7 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.train ...")
 
-from components.allocator import ALLOCATOR_ENV, default_allocator_settings  # noqa: E402
+from components.allocator import allocator_settings, run_environment  # noqa: E402
 from components.config.schema import ACMode  # noqa: E402  (no torch: a launcher)
 from scripts.lib.report import (fmt, probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
@@ -528,14 +527,7 @@ def build_meta(args) -> dict:
             "measured_steps": measured_steps(args.steps, args.log_freq, args.warmup_steps),
             "losses": args.losses, "ac_modes": args.ac, "batch": args.batch,
             "max_batch": args.max_batch, "extra": args.extra,
-            "allocator": trainer_allocator_settings()}
-
-
-def trainer_allocator_settings() -> dict:
-    """The allocator variables the trainer runs with: the user's, or train.py's default."""
-    env = dict(os.environ)
-    default_allocator_settings(env)
-    return {name: env[name] for name in ALLOCATOR_ENV if name in env}
+            "allocator": allocator_settings(run_environment())}
 
 
 def exit_on_sigterm(signum, frame):
