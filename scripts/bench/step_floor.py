@@ -16,6 +16,8 @@ the elementwise rest). --loss-float8 sets the fused loss's own float8 option.
         --out benchmarks/step_floor_h200
     python3 -m scripts.bench.step_floor --batch 12 --float8 tensorwise --loss-float8 logits+dx \\
         --out benchmarks/step_floor_float8_h200
+    python3 -m scripts.bench.step_floor --flavor llama_8b --batch 1 --shards 2 --float8 \
+        tensorwise --loss-float8 logits+dx --out benchmarks/step_floor_8b_float8_h200
 """
 
 import argparse
@@ -100,11 +102,12 @@ def loss_fwd_bwd(tokens, dim, vocab, float8="none"):
     return run
 
 
-def optimizer_step(args):
-    """One fused AdamW step over fp32 parameters shaped like the model's (gradients given)."""
+def optimizer_step(args, shards=1):
+    """One fused AdamW step over fp32 parameters shaped like the model's (gradients given), or
+    like one GPU's FSDP shards of them (dim 0 split `shards` ways): its optimizer state."""
     with torch.device("meta"):
         shapes = [p.shape for p in Llama(args, seq_len=16).parameters()]
-    params = [torch.randn(s, device="cuda") for s in shapes]
+    params = [torch.randn(-(-s[0] // shards), *s[1:], device="cuda") for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
@@ -122,6 +125,9 @@ def main():
                    help="the projections as torchao's tensorwise float8 linear layers")
     p.add_argument("--loss-float8", choices=FLOAT8, default="none",
                    help="the fused loss's float8 option")
+    p.add_argument("--shards", type=int, default=1,
+                   help="FSDP shards (GPUs): the optimizer steps 1/shards of the parameters; the "
+                        "other parts are per GPU already (its local batch)")
     p.add_argument("--measured", type=float, default=None,
                    help="train.py's tokens/s at these shapes, to report the gap to the bound")
     p.add_argument("--out", default="benchmarks/step_floor_bench",
@@ -148,15 +154,17 @@ def main():
     loss_name = "loss (flce" + (f", float8 {args.loss_float8})" if args.loss_float8 != "none"
                                 else ")")
     parts[loss_name] = (time(loss_fwd_bwd(tokens, m.dim, m.vocab_size, args.loss_float8)), "1 x")
-    step, n_params = optimizer_step(m)
-    parts["fused AdamW (fp32)"] = (time(step), f"{n_params / 1e9:.2f}B parameters")
+    step, n_params = optimizer_step(m, args.shards)
+    parts["fused AdamW (fp32)"] = (time(step), f"{n_params / 1e9:.2f}B parameters"
+                                   + (f" (1/{args.shards} of the model's)" if args.shards > 1
+                                      else ""))
 
     total = sum(ms for ms, _ in parts.values())
     peak = peak_flops("cuda")
     ceiling = tokens / (total / 1e3)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cudnn": torch.backends.cudnn.version(), **origin, "flavor": args.flavor,
-            "batch": args.batch, "seq_len": args.seq_len, "tokens": tokens,
+            "batch": args.batch, "seq_len": args.seq_len, "tokens": tokens, "shards": args.shards,
             "float8": args.float8, "loss_float8": args.loss_float8}
     result = {"parts_ms": {k: v[0] for k, v in parts.items()}, "total_ms": total,
               "ceiling_tokens_per_s": ceiling,
@@ -166,7 +174,9 @@ def main():
              f"GPU: {meta['gpu']} · torch {meta['torch']} · cuDNN {meta['cudnn']} · {precision} · "
              f"{meta['date']} · git {meta['git']}", f"Command: `{meta['command']}`", "",
              f"{args.flavor}, local batch {args.batch} x seq {args.seq_len} = {tokens} tokens a "
-             "step. Each part timed alone (forward + backward, median ms), summed over the layers.",
+             "step" + (f" per GPU, the optimizer over 1/{args.shards} of the parameters (FSDP)"
+                       if args.shards > 1 else "")
+             + ". Each part timed alone (forward + backward, median ms), summed over the layers.",
              "", "| part | ms per step | share | counted as (ms) |", "|---|---|---|---|"]
     lines += [f"| {k} | {ms:.1f} | {ms / total:.1%} | {how} |" for k, (ms, how) in parts.items()]
     lines += [f"| **sum** | **{total:.1f}** | | |", "",
