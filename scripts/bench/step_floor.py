@@ -16,7 +16,7 @@ the elementwise rest). --loss-float8 sets the fused loss's own float8 option.
         --out benchmarks/step_floor_h200
     python3 -m scripts.bench.step_floor --batch 12 --float8 tensorwise --loss-float8 logits+dx \\
         --out benchmarks/step_floor_float8_h200
-    python3 -m scripts.bench.step_floor --flavor llama_8b --batch 1 --shards 2 --float8 \
+    python3 -m scripts.bench.step_floor --flavor llama_8b --batch 1 --shards 2 --float8 \\
         tensorwise --loss-float8 logits+dx --out benchmarks/step_floor_8b_float8_h200
 """
 
@@ -133,6 +133,8 @@ def main():
     p.add_argument("--out", default="benchmarks/step_floor_bench",
                    help="output path without suffix")
     args = p.parse_args()
+    if args.shards < 1:
+        p.error(f"--shards must be at least 1, got {args.shards}")
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     torch.manual_seed(0)
