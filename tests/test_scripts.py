@@ -145,6 +145,15 @@ def test_a_script_run_as_a_file_says_how_to_run_it(script, tmp_path):
         assert line.endswith(f" -m {module_of(script)} ..."), line
 
 
+def test_step_floor_refuses_fewer_than_one_shard():
+    """--shards 0 is a one-line usage error naming the option, before any GPU is looked for
+    (it used to reach a division by zero, or on the CPU the missing-GPU assertion)."""
+    result = run([sys.executable, "-m", "scripts.bench.step_floor", "--shards", "0"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "error: --shards must be at least 1, got 0"), result.stderr
+
 def test_no_sys_path_edits():
     """The recipe runs from the repository root and the scripts as its modules: nothing needs
     to edit sys.path (only flce is installed)."""
