@@ -154,6 +154,7 @@ def test_step_floor_refuses_fewer_than_one_shard():
     assert result.stderr.strip().splitlines()[-1].endswith(
         "error: --shards must be at least 1, got 0"), result.stderr
 
+
 def test_no_sys_path_edits():
     """The recipe runs from the repository root and the scripts as its modules: nothing needs
     to edit sys.path (only flce is installed)."""
