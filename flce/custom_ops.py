@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from flce.dispatch import stat_dtype, triton_usable, weight_of_sum
 from flce.float8 import padded
-from flce.ops import block_grads, block_stats, chunked_pass
+from flce.ops import block_grads, block_stats, chunked_pass, gemm_vocab
 from flce.options import LossOptions
 
 _EMPTY = (0,)
@@ -102,8 +102,8 @@ def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_los
       float8, use_triton, keep_off_max):
     n, V = x.shape[0], weight.shape[0]
     stat = x.new_empty((n,), dtype=stat_dtype(x))
-    return (stat, torch.empty_like(stat), torch.empty_like(stat),
-            x.new_empty((n, V if float8 == "none" else padded(V))),
+    width = gemm_vocab(V, x.element_size()) if float8 == "none" else padded(V)
+    return (stat, torch.empty_like(stat), torch.empty_like(stat), x.new_empty((n, width)),
             torch.empty_like(stat) if keep_off_max else stat.new_empty(_EMPTY))
 
 

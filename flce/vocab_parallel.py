@@ -149,6 +149,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         largest_slice = -(-vocab_size // dist.get_world_size(group))
         C = pick_chunk_size(N, H, largest_slice, x.element_size(), chunk_size, lean=False)
         chunk_loop(x, weight, bias, C, row_pass, dx, dw, db)
+        dw = None if dw is None else dw[:weight.shape[0]]  # its padding rows (ops.gemm_vocab)
         total = losses.sum()
         ctx.save_for_backward(dx, dw, db, loss_weight)
         ctx.dtypes = (x.dtype, weight.dtype)

@@ -153,15 +153,20 @@ def test_flce_grid_floor_in_row_blocks_equals_the_whole_gemms():
     """The grid's floor runs the GEMMs in row blocks where the logits would not fit: the same
     three products (dW summed over the blocks), so the same work is timed."""
     torch.manual_seed(0)
-    x, w = torch.randn(37, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+    x, w = torch.randn(37, 8, dtype=torch.float64), torch.randn(12, 8, dtype=torch.float64)
     whole_run, (logits, dx, dw) = bench_flce.gemm_floor(x, w)
     whole_run()
-    block_run, (block, bdx, bdw) = bench_flce.gemm_floor(x, w, max_logits_bytes=5 * 11 * 8)
+    block_run, (block, bdx, bdw) = bench_flce.gemm_floor(x, w, max_logits_bytes=5 * 12 * 8)
     block_run()
-    assert block.shape == (5, 11)
+    assert block.shape == (5, 12)
     torch.testing.assert_close(bdx, logits @ w)
     torch.testing.assert_close(bdw, logits.t() @ x)
     torch.testing.assert_close(dx, bdx)
+    # an odd vocabulary (11 rows of 8 bytes: not whole 16-byte words) runs at flce's width, 16
+    odd_run, (odd, odx, odw) = bench_flce.gemm_floor(x, w[:11])
+    odd_run()
+    assert odd.shape == (37, 16) and odd[:, 11:].abs().max() == 0
+    torch.testing.assert_close(odw[:11], odd[:, :11].t() @ x)
 
 
 def test_flce_grid_verdict_counts_each_target():

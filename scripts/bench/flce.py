@@ -37,6 +37,7 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 import torch  # noqa: E402
 
 import flce  # noqa: E402
+from flce.ops import gemm_operands  # noqa: E402
 from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
 from scripts.lib.timing import median_ms  # noqa: E402
 
@@ -113,7 +114,10 @@ def fwd_bwd(f, x, t, w):
 
 def gemm_floor(x, w, max_logits_bytes=None):
     """The three GEMMs of the loss (logits, dx, dW) at full size, or in row blocks whose logits
-    take at most max_logits_bytes (dW summed in place over the blocks)."""
+    take at most max_logits_bytes (dW summed in place over the blocks). At an odd vocabulary they
+    run at the width flce gives them (`flce.ops.gemm_operands`: W with zero rows up to a
+    multiple of 16), where cuBLAS is fastest."""
+    w = gemm_operands(w.detach(), None)[0]
     N, V = x.shape[0], w.shape[0]
     rows = N if max_logits_bytes is None else max(
         1, min(N, max_logits_bytes // (V * x.element_size())))
@@ -267,7 +271,7 @@ def main():
                         "tflops": flops / floor_ms / 1e9, "extra_mib": None})
         print(f"{shape} bare_gemms {floor_ms:.2f} ms ({flops / floor_ms / 1e9:.0f} TFLOP/s)")
         if args.float8:
-            runs, keep = float8_gemm_runs(x.detach(), w.detach(), bufs[0])
+            runs, keep = float8_gemm_runs(x.detach(), w.detach(), bufs[0][:, :V])
             for name, (bare, n_gemms) in runs.items():
                 ms = median_ms(bare, args.warmup, args.reps)
                 tflops = n_gemms * 2 * N * H * V / ms / 1e9 if n_gemms else None
