@@ -1,8 +1,9 @@
 """The two ways the loss sweeps the tokens, and which one a call takes: what runs between the
 autograd function (`function.py`, through the custom ops of `custom_ops.py`) and the per-row
 math (`kernels.py` on CUDA, `reference.chunk_rows` on the CPU). It holds the choice
-(`uses_one_block`, `pick_chunk_size`, `float8_used`), the GEMMs and the fp32 dW accumulation
-(`matmul_into`, `weight_grad_buffer`, `chunk_loop`), and the two sweeps below.
+(`uses_one_block`, `pick_chunk_size`, `float8_used`), the GEMMs, their vocabulary width and
+the fp32 dW accumulation (`gemm_vocab`, `gemm_operands`, `matmul_into`, `weight_grad_buffer`,
+`chunk_loop`), and the two sweeps below.
 
 One block (`block_stats`, `block_grads`): when the logits of all N tokens take no more memory
 than the chunked sweep's buffers would, forward writes them once (one GEMM), a row pass forms
@@ -127,7 +128,7 @@ def matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
 def gemm_vocab(vocab: int, elem_bytes: int) -> int:
     """The vocabulary width the GEMMs run at: V, or V rounded up to a multiple of 16 where a row
     of V elements is not a whole number of 16-byte words (an odd vocabulary such as GPT-2's
-    50257). cuBLAS runs GEMMs with such a dimension 1.5-3x slower (an H200 at 16384x2048x50257:
+    50257). cuBLAS runs GEMMs with such a dimension about 5x slower (an H200 at 16384x2048x50257:
     the three GEMMs 81 ms against 15 ms at V = 50264), so W gets zero rows up to this width
     (`gemm_operands`) and the logits and dW buffers have it too. The padding's logits are 0,
     never enter the loss, and add nothing to dx; dW's padding rows are dropped."""

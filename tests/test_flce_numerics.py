@@ -107,7 +107,7 @@ def test_dw_accumulates_in_fp32(impl, device):
 @PATHS
 def test_odd_vocabulary_runs_the_gemms_at_an_aligned_width(impl, device, chunk):
     """A vocabulary whose rows are not whole 16-byte words (GPT-2's 50257) made cuBLAS run each
-    GEMM 1.5-3x slower: W gets zero rows up to a multiple of 16 (`ops.gemm_vocab`), the logits
+    GEMM about 5x slower: W gets zero rows up to a multiple of 16 (`ops.gemm_vocab`), the logits
     and dW that width, and the padding changes nothing: loss and gradients as float64's, dW of
     V rows."""
     from flce.ops import gemm_vocab
