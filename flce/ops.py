@@ -250,9 +250,9 @@ def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
                 opts: LossOptions, use_triton: bool, float8: str, keep_off_max: bool):
     """Forward of the one-block path: (per-token loss, row max, log sum exp(z - max), the logits
     of all tokens, each row's largest logit off the target or None). The logits are kept for
-    `block_grads`; with float8
-    they have the padded width of the float8 GEMM (columns V.. are padding). keep_off_max: the
-    float8 dx GEMM will need the row maxima off the target (its operand's scales)."""
+    `block_grads`, `gemm_vocab` columns wide (with float8 the float8 GEMM's padded width);
+    columns V.. are padding, 0. keep_off_max: the float8 dx GEMM will need the row maxima off
+    the target (its operand's scales)."""
     N, V = x.shape[0], weight.shape[0]
     stat_dtype = torch.promote_types(x.dtype, torch.float32)
     loss, row_max, log_sum = (torch.empty(N, device=x.device, dtype=stat_dtype) for _ in range(3))
