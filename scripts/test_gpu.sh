@@ -32,4 +32,8 @@ JOBS=${JOBS:-$((cores < 16 ? cores : 16))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 echo "scripts/test_gpu.sh: $gpus GPU(s), $JOBS workers"
-exec "$PYTHON" -m pytest -n "$JOBS" -p no:cacheprovider -q -rfE "$@"
+# pytest's own count line goes with a second -q (this passes one): say the outcome regardless
+status=0
+"$PYTHON" -m pytest -n "$JOBS" -p no:cacheprovider -q -rfE "$@" || status=$?
+echo "scripts/test_gpu.sh: pytest exit status $status on $gpus GPU(s) (0: no test failed)"
+exit "$status"
