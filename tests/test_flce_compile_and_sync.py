@@ -9,12 +9,12 @@ from flce_cases import IMPL_DEVICES, cuda_only, make_inputs, rel_err
 
 
 class TinyHead(nn.Module):
-    def __init__(self, H, V, impl, float8="none"):
+    def __init__(self, H, V, impl, float8="none", chunk_size=None):
         super().__init__()
         self.proj = nn.Linear(H, H)
         self.out = nn.Linear(H, V)
         self.loss = flce.FusedLinearCrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, impl=impl,
-                                                     float8=float8)
+                                                     float8=float8, chunk_size=chunk_size)
 
     def forward(self, x, target):
         h = torch.tanh(self.proj(x))
@@ -24,11 +24,16 @@ class TinyHead(nn.Module):
 @pytest.mark.slow
 @IMPL_DEVICES
 @pytest.mark.parametrize("float8", ["none", "logits+dx"])
-def test_inside_torch_compile(impl, device, float8, float8_at_any_size):
+# V = 37: fp32 rows of 148 bytes, so the GEMMs run 48 wide (flce.ops.gemm_vocab): the one-block
+# logits' fake shape and the chunked dW (a slice of its padded accumulator) under the compiler
+@pytest.mark.parametrize("V,chunk", [(40, None), (37, None), (37, 16)],
+                         ids=["V40", "V37_one_block", "V37_chunked"])
+def test_inside_torch_compile(impl, device, float8, V, chunk, float8_at_any_size):
+    torch._dynamo.reset()  # each case compiles TinyHead.forward anew: no recompile limit across cases
     torch.manual_seed(0)
-    model = TinyHead(16, 40, impl, float8).to(device)
+    model = TinyHead(16, V, impl, float8, chunk).to(device)
     x = torch.randn(2, 24, 16, device=device)
-    target = torch.randint(0, 40, (2, 24), device=device)
+    target = torch.randint(0, V, (2, 24), device=device)
     target[0, :5] = -100
     eager = model(x, target)
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
