@@ -19,7 +19,7 @@ from torch import Tensor
 
 from flce.custom_ops import scale_to
 from flce.dispatch import loss_weight, stat_dtype, use_triton, widened
-from flce.ops import chunk_loop, pick_chunk_size, weight_grad_buffer
+from flce.ops import chunk_loop, pick_chunk_size, unpadded, weight_grad_buffer
 from flce.options import LossOptions
 from flce.reference import scaled_logits
 
@@ -149,7 +149,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         largest_slice = -(-vocab_size // dist.get_world_size(group))
         C = pick_chunk_size(N, H, largest_slice, x.element_size(), chunk_size, lean=False)
         chunk_loop(x, weight, bias, C, row_pass, dx, dw, db)
-        dw = None if dw is None else dw[:weight.shape[0]]  # its padding rows (ops.gemm_vocab)
+        dw = unpadded(dw, weight.shape[0])
         total = losses.sum()
         ctx.save_for_backward(dx, dw, db, loss_weight)
         ctx.dtypes = (x.dtype, weight.dtype)
