@@ -175,17 +175,21 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
                       device=x.device, dtype=x.dtype)  # float8 GEMMs write a padded width
     w, b = gemm_operands(weight, bias) if fp8 is None or (dx is not None and not fp8.dx) else (
         weight, bias)
+    w_t = w.t()
+    # no slice that changes nothing: at a few thousand tokens each view is host time per chunk
+    trim = buf.shape[1] != width
     for start in range(0, N, chunk_size):
         end = min(start + chunk_size, N)
         x_c, block = x[start:end], buf[: end - start]
-        logits = block[:, :width]  # columns V.. hold 0: W's padding rows are 0
+        logits = block[:, :width] if trim else block  # columns V.. hold 0 (W's padding rows)
+        rows = logits if width == V else logits[:, :V]
         if fp8 is not None:
             fp8.logits(x_c, out=block)
         elif b is None:
-            torch.mm(x_c, w.t(), out=logits)
+            torch.mm(x_c, w_t, out=logits)
         else:
-            torch.addmm(b, x_c, w.t(), out=logits)
-        row_pass(logits[:, :V], start, end)
+            torch.addmm(b, x_c, w_t, out=logits)
+        row_pass(rows, start, end)
         if dx is not None and fp8 is not None and fp8.dx:
             fp8.dx_into(dx[start:end], weight, start)
         elif dx is not None:
@@ -193,7 +197,7 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
         if dw_acc is not None:
             matmul_into(dw_acc, logits.t(), x_c, accumulate=start > 0)
         if db_acc is not None:
-            db_acc.add_(logits[:, :V].sum(0, dtype=db_acc.dtype))
+            db_acc.add_(rows.sum(0, dtype=db_acc.dtype))
 
 
 def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -290,7 +294,8 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
     else)."""
     N, V = x.shape[0], weight.shape[0]
     view = logits[:, :V]
-    gemm_view = logits[:, :gemm_vocab(V, x.element_size())]  # columns V.. hold 0
+    width = gemm_vocab(V, x.element_size())
+    gemm_view = view if width == V else logits[:, :width]  # columns V.. hold 0
     fp8 = None
     if need_dx and float8 == "logits+dx":
         fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False)
