@@ -173,8 +173,8 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
     width = gemm_vocab(V, x.element_size())
     buf = torch.empty(min(chunk_size, N), width if fp8 is None else fp8.width,
                       device=x.device, dtype=x.dtype)  # float8 GEMMs write a padded width
-    w, b = gemm_operands(weight, bias) if fp8 is None or (dx is not None and not fp8.dx) else (
-        weight, bias)
+    bf16_gemm_reads_w = fp8 is None or (dx is not None and not fp8.dx)  # logits, or dx
+    w, b = gemm_operands(weight, bias) if bf16_gemm_reads_w else (weight, bias)
     w_t = w.t()
     # no slice that changes nothing: at a few thousand tokens each view is host time per chunk
     trim = buf.shape[1] != width
