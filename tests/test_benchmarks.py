@@ -49,8 +49,7 @@ def test_the_index_names_every_result():
 # or no longer cited; it then leaves this list (the test below fails while a listed report is
 # already sound, so the list only shrinks).
 AWAITING_REMEASUREMENT = {
-    "layouts_2xh200.md", "loss_parallel_2xh200.md", "train_2xh200.md",  # two GPUs
-    "train_ac_flce_1xh200.md",  # the one-GPU side of train_2xh200's scaling figure
+    "layouts_2xh200.md", "loss_parallel_2xh200.md", "fsdp_scaling_2xh200/",  # two GPUs
 }
 
 
@@ -72,7 +71,21 @@ def _command_problem(command: str) -> str:
     return f"{module} has no option {', '.join(unknown)}" if unknown else ""
 
 
+def _folder_provenance_problems(folder: Path) -> list[str]:
+    """A cited folder of results (raw logs beside a README.md that tables them) has no JSON
+    record: its README.md names the commit the runs came from, `git <hash>`, not a dirty tree."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return ["no README.md saying what the folder holds and where it came from"]
+    commits = re.findall(r"\bgit ([0-9a-f]{7,40})\b(\+dirty)?", readme.read_text())
+    if not commits or any(dirty for _, dirty in commits):
+        return [f"its README.md names no clean commit ({'+dirty' if commits else 'no git <hash>'})"]
+    return []
+
+
 def _provenance_problems(report: Path) -> list[str]:
+    if report.is_dir():
+        return _folder_provenance_problems(report)
     twin = report.with_suffix(".json")
     if not twin.exists():
         return ["no JSON record (command, commit)"]
@@ -90,11 +103,12 @@ def test_cited_reports_come_from_a_clean_commit_and_a_command_that_runs():
     cited = set()
     for path in FRONT:
         text = path.read_text()
-        cited |= {c for c in CITED.findall(text)
-                  if c.endswith(".md") and "/archive/" not in c and c != "benchmarks/README.md"}
+        cited |= {c for c in CITED.findall(text) if (c.endswith(".md") or c.endswith("/"))
+                  and "/archive/" not in c and c != "benchmarks/README.md"}
         cited |= {f"benchmarks/{name}" for name in BARE.findall(text)
                   if name != "README.md" and (BENCHMARKS / name).is_file()}
-    problems = {Path(c).name: _provenance_problems(REPO / c) for c in sorted(cited)}
+    problems = {Path(c).name + ("/" if c.endswith("/") else ""): _provenance_problems(REPO / c)
+                for c in sorted(cited)}
     unsound = {name: why for name, why in problems.items() if why}
     assert {n: w for n, w in unsound.items() if n not in AWAITING_REMEASUREMENT} == {}
     assert sorted(AWAITING_REMEASUREMENT - set(unsound)) == [], "re-measured: drop from the list"
@@ -113,3 +127,14 @@ def test_the_command_check_catches_what_no_longer_runs():
     assert "file path" in _command_problem("python scripts/bench_flce.py --out x")
     assert "does not exist" in _command_problem("python3 -m scripts.bench_flce --grid")
     assert "no option --gird" in _command_problem("python3 -m scripts.bench.flce --gird")
+
+
+def test_a_cited_folder_needs_a_readme_naming_a_clean_commit(tmp_path):
+    assert _folder_provenance_problems(tmp_path) == [
+        "no README.md saying what the folder holds and where it came from"]
+    (tmp_path / "README.md").write_text("# runs\n\nNVIDIA H200 · 2026-11-30\n")
+    assert "no git <hash>" in _folder_provenance_problems(tmp_path)[0]
+    (tmp_path / "README.md").write_text("NVIDIA H200 · git 89f160d+dirty\n")
+    assert "+dirty" in _folder_provenance_problems(tmp_path)[0]
+    (tmp_path / "README.md").write_text("NVIDIA H200 · git 89f160d (the commit sent)\n")
+    assert _folder_provenance_problems(tmp_path) == []
