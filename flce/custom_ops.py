@@ -9,6 +9,8 @@ to the parameter dtype.
 """
 
 import functools
+import hashlib
+from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
@@ -21,7 +23,21 @@ from flce.ops import block_grads, block_stats, chunked_pass, gemm_vocab
 from flce.options import LossOptions
 
 _EMPTY = (0,)
-NAMESPACE = "flce"  # the ops are torch.ops.flce.<name>
+
+
+def source_digest(package: Path) -> str:
+    """8 hex digits of a hash of the package's Python sources."""
+    h = hashlib.sha256()
+    for path in sorted(package.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:8]
+
+
+# The ops are torch.ops.flce_<digest>.<name>. Inductor's on-disk cache keys a compiled graph on
+# the ops it calls by name, not on their fake kernels: a graph cached by an flce whose fakes gave
+# other output shapes would be reused and fail its size asserts ("incorrect fake (aka meta)
+# kernel"). With the sources' digest in the name, another flce means other names and a new graph.
+NAMESPACE = f"flce_{source_digest(Path(__file__).parent)}"
 
 
 def _op(name: str, mutates_args=()):

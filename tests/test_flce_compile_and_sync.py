@@ -1,10 +1,14 @@
 """The loss inside torch.compile, and no host-device synchronisation on the GPU."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 import flce
+from flce.custom_ops import NAMESPACE, source_digest
 from flce_cases import IMPL_DEVICES, cuda_only, make_inputs, rel_err
 
 
@@ -64,3 +68,17 @@ def test_no_host_sync_on_cuda(reduction, float8, float8_at_any_size):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()
+
+
+def test_the_op_names_change_with_flces_sources(tmp_path):
+    # Inductor's disk cache keys a graph on the ops' names: a graph cached by another flce (whose
+    # fakes may give other shapes) must not match, so the names carry the sources' digest.
+    package = Path(flce.__file__).parent
+    assert NAMESPACE == f"flce_{source_digest(package)}"
+    assert hasattr(getattr(torch.ops, NAMESPACE), "block_forward")
+    copy = tmp_path / "flce"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == source_digest(package)
+    ops = copy / "ops.py"
+    ops.write_text(ops.read_text() + "MIN_CHUNK_TOKENS = 4096  # another flce\n")
+    assert source_digest(copy) != source_digest(package)
