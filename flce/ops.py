@@ -138,14 +138,12 @@ def gemm_vocab(vocab: int, elem_bytes: int) -> int:
 def gemm_operands(weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
     """W (and the bias) with zero rows up to `gemm_vocab`: the tensors themselves where V needs
     none, else a copy (a read and a write of V x H: about 100/N of the three GEMMs' time)."""
-    V, H = weight.shape
-    width = gemm_vocab(V, weight.element_size())
-    if width == V:
+    V = weight.shape[0]
+    extra = gemm_vocab(V, weight.element_size()) - V
+    if not extra:
         return weight, bias
-    w = weight.new_empty(width, H)
-    w[:V].copy_(weight)
-    w[V:].zero_()
-    return w, None if bias is None else torch.nn.functional.pad(bias, (0, width - V))
+    pad = torch.nn.functional.pad
+    return pad(weight, (0, 0, 0, extra)), None if bias is None else pad(bias, (0, extra))
 
 
 def unpadded(dw: Optional[Tensor], vocab: int) -> Optional[Tensor]:
