@@ -14,7 +14,7 @@ import torch
 
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
 from scripts.bench import logits_epilogue as bench_logits_epilogue
-from scripts.lib import report, run_folders
+from scripts.lib import report, run_folders, timing
 from scripts.lib.timing import median_ms
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_flce_grid_verdict_counts_each_target():
     assert bench_flce.flce_path(65536, 2048, 128256, 2) == "chunks of 8192"
 
 
-def test_flce_grid_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
+def test_interleaved_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
     """Each round visits every run once in a fresh order (a fixed order timed a run after the
     same predecessor each time, and favoured those that followed a light one), and each visit
     calls its run untimed until settle_ms have passed before the one timed call."""
@@ -206,8 +206,8 @@ def test_flce_grid_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
     runs = {name: (lambda name: lambda: (calls.append(name), time.sleep(0.002)))(name)
             for name in "abcde"}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(bench_flce, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
-    ms = bench_flce.interleaved_ms(runs, seconds=0.0, max_reps=6, settle_ms=10.0)
+    monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
+    ms = timing.interleaved_ms(runs, seconds=0.0, max_reps=6, settle_ms=10.0)
     assert ms == dict.fromkeys("abcde", 1.0)
     visits = [(name, len(list(run))) for name, run in itertools.groupby(calls)]
     assert len(visits) == 3 * 5  # 3 rounds at least, each run once a round

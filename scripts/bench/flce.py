@@ -25,10 +25,8 @@ import argparse
 import itertools
 import json
 import math
-import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
@@ -39,7 +37,7 @@ import torch  # noqa: E402
 import flce  # noqa: E402
 from flce.ops import gemm_operands  # noqa: E402
 from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
-from scripts.lib.timing import median_ms  # noqa: E402
+from scripts.lib.timing import SETTLE_MS, interleaved_ms, median_ms  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 GRID_N = (2048, 4096, 16384, 65536, 131072)
@@ -47,7 +45,6 @@ GRID_H = (1024, 2048, 4096, 8192)
 GRID_V = (32000, 128256, 256000)
 GRID_METHODS = ("flce", "flce_lean", "unfused_compile", "liger", "cce")
 FLOOR_LOGITS_BYTES = 4 << 30
-SETTLE_MS = 50.0  # untimed calls before each timed one in the grid (interleaved_ms)
 MiB = 1 << 20
 FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
                   "flce_float8_logits_dx": "logits+dx"}
@@ -134,14 +131,6 @@ def gemm_floor(x, w, max_logits_bytes=None):
             else:
                 dw.addmm_(block.t(), xs)
     return run, (logits, dx, dw)
-
-
-def timed_ms(fn, seconds, max_reps):
-    """Median ms of fn() over as many calls as fit in about `seconds` (3 at least, max_reps at
-    most), after one untimed call (compilation, autotuning)."""
-    fn()
-    probe = median_ms(fn, warmup=0, reps=1)
-    return median_ms(fn, warmup=0, reps=max(3, min(max_reps, int(seconds * 1e3 / probe))))
 
 
 def grid_shapes() -> list[str]:
@@ -365,58 +354,6 @@ def run_grid(args, origin, dtype):
                                  f"{r['extra_mib']:.0f} MiB") for r in point[1:]]), flush=True)
         write_report(args.out, {"meta": meta, "results": results}, grid_markdown(meta, results))
     print(grid_markdown(meta, results))
-
-
-def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
-                   seed: int = 0) -> dict:
-    """Median ms of each run over rounds that visit every run once, in an order shuffled anew
-    each round (seeded). At each visit the run is called untimed until settle_ms have passed
-    (once at least), then timed once (synchronised, as median_ms): the GPU's clocks and power
-    state, which lag behind its load, are then the run's own, and a drift over the seconds
-    spent at a point falls on all runs alike. A fixed order with one untimed call per visit
-    favoured whichever run followed a light one: the bare GEMMs timed 10% faster after a light
-    run at 16384x4096x128256, and at 2048x8192x128256 flce (always right after the bare GEMMs)
-    timed 1.164x them against torch.compile's 1.061x (always after the light flce_lean), while
-    the profiler gave their kernels 16.5 and 16.7 ms per call. The untimed calls also leave the
-    caching allocator as the run itself leaves it (a fresh cudaMalloc otherwise). About
-    `seconds` of timed calls per run, 3 rounds at least, max_reps at most. A run that runs out
-    of memory beside the others' cached blocks is timed alone after the rounds."""
-    times = {name: [] for name in runs}
-    alone = []
-    order = random.Random(seed)
-
-    def visit(run) -> float:
-        end = time.perf_counter() + settle_ms / 1e3
-        while True:  # once at least
-            run()
-            torch.cuda.synchronize()
-            if time.perf_counter() >= end:
-                return median_ms(run, warmup=0, reps=1)
-
-    def one_round():
-        names = list(runs)
-        order.shuffle(names)
-        for name in names:
-            if name in alone:
-                continue
-            try:
-                times[name].append(visit(runs[name]))
-            except torch.OutOfMemoryError:
-                alone.append(name)
-                torch.cuda.empty_cache()
-
-    one_round()  # also sizes the rest: about `seconds` of timed calls per run
-    per_round = sum(v[0] for v in times.values() if v) or 1.0
-    rounds = max(3, min(max_reps, int(seconds * 1e3 * len(runs) / per_round)))
-    for _ in range(rounds - 1):
-        one_round()
-    for name in alone:
-        torch.cuda.empty_cache()
-        try:
-            times[name] = [timed_ms(runs[name], seconds, max_reps)]
-        except torch.OutOfMemoryError:
-            times[name] = []
-    return {name: statistics.median(v) if v else None for name, v in times.items()}
 
 
 def flce_path(N, H, V, elem_bytes) -> str:

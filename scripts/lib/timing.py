@@ -1,10 +1,15 @@
-"""The one timer of the benchmarks that time GPU work in-process."""
+"""The timers of the benchmarks that time GPU work in-process: `median_ms` (one function, calls
+in a row), `timed_ms` (as many calls as fit in a time) and `interleaved_ms` (several functions
+in shuffled rounds, each settled before its timed call)."""
 
+import random
 import statistics
 import time
 from typing import Callable, Optional
 
 import torch
+
+SETTLE_MS = 50.0  # untimed calls before each timed one (interleaved_ms)
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, *, cuda: bool = True,
@@ -33,3 +38,63 @@ def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, *, cuda
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def timed_ms(fn, seconds, max_reps):
+    """Median ms of fn() over as many calls as fit in about `seconds` (3 at least, max_reps at
+    most), after one untimed call (compilation, autotuning)."""
+    fn()
+    probe = median_ms(fn, warmup=0, reps=1)
+    return median_ms(fn, warmup=0, reps=max(3, min(max_reps, int(seconds * 1e3 / probe))))
+
+
+def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
+                   seed: int = 0) -> dict:
+    """Median ms of each run over rounds that visit every run once, in an order shuffled anew
+    each round (seeded). At each visit the run is called untimed until settle_ms have passed
+    (once at least), then timed once (synchronised, as median_ms): the GPU's clocks and power
+    state, which lag behind its load, are then the run's own, and a drift over the seconds
+    spent at a point falls on all runs alike. A fixed order with one untimed call per visit
+    favoured whichever run followed a light one: the bare GEMMs timed 10% faster after a light
+    run at 16384x4096x128256, and at 2048x8192x128256 flce (always right after the bare GEMMs)
+    timed 1.164x them against torch.compile's 1.061x (always after the light flce_lean), while
+    the profiler gave their kernels 16.5 and 16.7 ms per call. The untimed calls also leave the
+    caching allocator as the run itself leaves it (a fresh cudaMalloc otherwise). About
+    `seconds` of timed calls per run, 3 rounds at least, max_reps at most. A run that runs out
+    of memory beside the others' cached blocks is timed alone after the rounds."""
+    times = {name: [] for name in runs}
+    alone = []
+    order = random.Random(seed)
+
+    def visit(run) -> float:
+        end = time.perf_counter() + settle_ms / 1e3
+        while True:  # once at least
+            run()
+            torch.cuda.synchronize()
+            if time.perf_counter() >= end:
+                return median_ms(run, warmup=0, reps=1)
+
+    def one_round():
+        names = list(runs)
+        order.shuffle(names)
+        for name in names:
+            if name in alone:
+                continue
+            try:
+                times[name].append(visit(runs[name]))
+            except torch.OutOfMemoryError:
+                alone.append(name)
+                torch.cuda.empty_cache()
+
+    one_round()  # also sizes the rest: about `seconds` of timed calls per run
+    per_round = sum(v[0] for v in times.values() if v) or 1.0
+    rounds = max(3, min(max_reps, int(seconds * 1e3 * len(runs) / per_round)))
+    for _ in range(rounds - 1):
+        one_round()
+    for name in alone:
+        torch.cuda.empty_cache()
+        try:
+            times[name] = [timed_ms(runs[name], seconds, max_reps)]
+        except torch.OutOfMemoryError:
+            times[name] = []
+    return {name: statistics.median(v) if v else None for name, v in times.items()}
