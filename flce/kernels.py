@@ -305,11 +305,16 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     16 warps (8 a thread: its e4m3 copy is 18-30% slower at 16 a thread); both passes in one on
     8192 and 16 warps where rows are short (V <= 40k), 4096 and 8 for longer rows; both with the
     e4m3 copy on 2048 and 8 (8 a thread: 23% faster than 4096/8 at 8192-16384 x 128256). Few
-    rows (the memory-lean chunks, C <= 512): one or two programs an SM, so each keeps more bytes
-    in flight, 32768-column blocks and 32 warps (32 a thread, Liger-Kernel's choice): at 16-512 x
-    256000 full passes 10-20% faster than on 8192 and 32 warps."""
-    if C <= 512:
-        default_block, default_warps = 32768, 32
+    long rows (C <= 512 and V > 40960, as in the memory-lean chunks at large vocabularies) leave
+    one or two programs an SM, each of which must keep more bytes in flight: wider blocks and
+    more warps. Timed in shuffled rounds at 16-512 rows x 128256 and 256000 columns, both passes
+    in one ran 6-23% faster on 32768 and 32 (Liger-Kernel's choice) than on 8192 and 32 (the
+    rule before), the statistics pass best on 16384 and 16, the gradient pass on 16384 and 32;
+    at 32000 columns the rules for many rows did as well as any. (The e4m3 pass keeps 8192 and
+    32 at few long rows: float8 runs from 2048 tokens in chunks of thousands, so it was not timed.)"""
+    if C <= 512 and V > 40960:
+        default_block, default_warps = {"stats": (16384, 16), "grad": (16384, 32),
+                                        "full": (32768, 32)}.get(kind, (8192, 32))
     elif kind == "stats":
         default_block, default_warps = 4096, 4
     elif kind == "grad":

@@ -125,6 +125,23 @@ def test_odd_vocabulary_runs_the_gemms_at_an_aligned_width(impl, device, chunk):
 
 
 @IMPL_DEVICES
+@pytest.mark.parametrize("lean", [False, True], ids=["one_block", "lean"])
+@pytest.mark.parametrize("options", [{}, OPTIONS[-1]], ids=["plain", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_few_long_rows(impl, device, lean, options, reduction):
+    """Few rows of more than 40960 classes take the row kernel's wide blocks (32768 columns for
+    both passes in one, 16384 for each alone: `kernels._block_and_warps`), whose last block is
+    mostly masked here: loss and gradients as float64's through the one-block path (a
+    statistics pass, then a gradient pass) and the memory-lean chunks (both in one)."""
+    from flce.kernels import _block_and_warps
+    N, V = 9, 45007
+    assert [_block_and_warps(N, V, None, None, k)[0] for k in ("stats", "grad", "full")] == [
+        16384, 16384, 32768]
+    _check(impl, device, torch.float32, N, 8, V, None, True, memory_lean=lean,
+           reduction=reduction, **options)
+
+
+@IMPL_DEVICES
 @PATHS
 def test_confident_target_gradient(impl, device, chunk):
     """Pitfall 2: p_y close to 1, where p_y - 1 must come from fp32 lse, not a rounded p_y."""
