@@ -149,6 +149,32 @@ def test_benchmark_reports_name_the_commit_and_flag_a_dirty_tree(render):
     assert "DIRTY" not in clean and "git abc1234" in clean
 
 
+def test_flce_grid_verdict_tells_clear_losses_from_the_rounds_spread():
+    """With each round's time kept, a loss is clear where a peer's slowest round beat flce's
+    fastest; overlapping rounds are a loss within the spread; points without rounds (older
+    grids) are counted apart."""
+    def r(shape, method, rounds):
+        ms = sorted(rounds)[len(rounds) // 2] if rounds else None
+        return {"shape": shape, "method": method, "ms": ms, "extra_mib": 1.0, "tflops": 1.0,
+                "vs_gemms": None if ms is None else ms / 10.0, "rounds_ms": rounds}
+    results = [r("a", "bare_gemms", [10.0] * 3), r("a", "flce", [10.2, 10.3, 10.4]),
+               r("a", "liger", [10.0, 10.1, 10.1]), r("a", "flce_lean", [10.5, 10.6, 10.7]),
+               r("b", "bare_gemms", [10.0] * 3), r("b", "flce", [10.2, 10.3, 10.6]),
+               r("b", "liger", [10.1, 10.2, 10.5]), r("b", "flce_lean", [10.0, 10.4, 10.4]),
+               r("c", "bare_gemms", [10.0] * 3), r("c", "flce", [10.0, 10.1, 10.2]),
+               r("c", "liger", [11.0, 11.1, 11.2]), r("c", "flce_lean", []),
+               r("d", "bare_gemms", [10.0] * 3), r("d", "flce", [10.3]), r("d", "liger", [10.0])]
+    del results[-2]["rounds_ms"], results[-1]["rounds_ms"]  # d: a point from an older grid
+    text = "\n".join(bench_flce.grid_verdict(results))
+    assert ("flce, flce_lean, unfused_compile, liger, cce: 1 of 4 points; at 1 of the 3 others "
+            "a peer was faster in every round than flce in its fastest (1 of them measured "
+            "without rounds): a\n") in text, text
+    assert ("flce_lean time ≤ Liger's: 0 of 2 points; at 1 of the 2 others a peer was faster "
+            "in every round than flce_lean in its fastest: a") in text, text
+    assert bench_flce._clear_losses({("x", "flce"): {"ms": 2.0}, ("x", "cce"): {"ms": 1.0}},
+                                    ["x"], "flce", ["cce"]) == ""  # no rounds: nothing to add
+
+
 def test_flce_grid_floor_in_row_blocks_equals_the_whole_gemms():
     """The grid's floor runs the GEMMs in row blocks where the logits would not fit: the same
     three products (dW summed over the blocks), so the same work is timed."""

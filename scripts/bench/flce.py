@@ -15,8 +15,9 @@ GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into 
 --grid times flce, flce_lean and the peers (compiled unfused, Liger, CCE) at every point of
 GRID_N x GRID_H x GRID_V, each for about --seconds (at least 3 timed calls, at most --reps),
 in rounds that visit the bare GEMMs and every method once in a shuffled order, each settled by
-50 ms of untimed calls before its timed one (`interleaved_ms`), and writes the report after
-every point: a run cut short by a time limit keeps what it measured, and --resume skips the
+50 ms of untimed calls before its timed one (`interleaved_rounds`; the JSON keeps every round's
+time, and the verdict says at which lost points a peer was faster in every round), and writes
+the report after every point: a run cut short by a time limit keeps what it measured, and --resume skips the
 points already in <out>.json. Where the logits do not fit, the bare-GEMM floor runs
 in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 import flce  # noqa: E402
 from flce.ops import gemm_operands  # noqa: E402
 from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
-from scripts.lib.timing import SETTLE_MS, interleaved_ms, median_ms  # noqa: E402
+from scripts.lib.timing import SETTLE_MS, interleaved_rounds, median_ms  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 GRID_N = (2048, 4096, 16384, 65536, 131072)
@@ -340,12 +341,15 @@ def run_grid(args, origin, dtype):
                 mib[name] = None
             x.grad = w.grad = None
             torch.cuda.empty_cache()
-        ms = interleaved_ms(runs, args.seconds, args.reps)
+        rounds = interleaved_rounds(runs, args.seconds, args.reps)
+        ms = {name: statistics.median(v) if v else None for name, v in rounds.items()}
         floor_ms = ms["bare_gemms"]
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                   "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None,
-                  "flce_path": flce_path(N, H, V, x.element_size())}]
-        point += [record(shape, name, ms.get(name), mib[name], floor_ms) for name in fns]
+                  "flce_path": flce_path(N, H, V, x.element_size()),
+                  "rounds_ms": rounds["bare_gemms"]}]
+        point += [{**record(shape, name, ms.get(name), mib[name], floor_ms),
+                   "rounds_ms": rounds.get(name, [])} for name in fns]
         del x, t, w, runs, floor_run, bufs
         torch.cuda.empty_cache()
         results += point
@@ -391,7 +395,7 @@ def grid_verdict(results: list[dict]) -> list[str]:
         at[s, "flce"]["ms"] <= r["ms"] for r in (at.get((s, m)) for m in GRID_METHODS)
         if r is not None and r["ms"] is not None)]
     lines.append(f"- flce the fastest of {', '.join(GRID_METHODS)}: {len(fastest)} of "
-                 f"{len(shapes)} points")
+                 f"{len(shapes)} points" + _clear_losses(at, shapes, "flce", GRID_METHODS))
     for peer in ("unfused_compile", "liger", "cce"):
         won, n = beats("flce", peer, "ms")
         if n:
@@ -406,8 +410,30 @@ def grid_verdict(results: list[dict]) -> list[str]:
     for key, what in (("extra_mib", "memory ≤"), ("ms", "time ≤")):
         won, n = beats("flce_lean", "liger", key)
         if n:
-            lines.append(f"- flce_lean {what} Liger's: {won} of {n} points")
+            lines.append(f"- flce_lean {what} Liger's: {won} of {n} points" +
+                         (_clear_losses(at, shapes, "flce_lean", ("liger",)) if key == "ms" else ""))
     return lines
+
+
+def _clear_losses(at: dict, shapes: list, ours: str, peers) -> str:
+    """Of the points where `ours` is not the fastest of itself and `peers`: at how many a peer
+    was faster in every round than `ours` in its fastest round (the others lie within the rounds'
+    spread), and which. Empty when no losing point kept its rounds (grids before b119f8e)."""
+    def rivals(s):
+        return [at[s, p] for p in peers if p != ours and (s, p) in at and at[s, p]["ms"] is not None]
+
+    losing = [s for s in shapes if (s, ours) in at and at[s, ours]["ms"] is not None
+              and not all(at[s, ours]["ms"] <= r["ms"] for r in rivals(s))]
+    timed = [s for s in losing if at[s, ours].get("rounds_ms")]
+    if not timed:
+        return ""
+    clear = [s for s in timed if any(r.get("rounds_ms") and max(r["rounds_ms"]) <
+                                     min(at[s, ours]["rounds_ms"]) for r in rivals(s))]
+    text = (f"; at {len(clear)} of the {len(losing)} others a peer was faster in every round "
+            f"than {ours} in its fastest")
+    if len(timed) < len(losing):
+        text += f" ({len(losing) - len(timed)} of them measured without rounds)"
+    return text + (f": {', '.join(clear)}" if clear else "")
 
 
 def grid_markdown(meta, results):

@@ -1,6 +1,7 @@
 """The timers of the benchmarks that time GPU work in-process: `median_ms` (one function, calls
-in a row), `timed_ms` (as many calls as fit in a time) and `interleaved_ms` (several functions
-in shuffled rounds, each settled before its timed call)."""
+in a row), `timed_ms` (as many calls as fit in a time) and `interleaved_rounds` / `interleaved_ms`
+(several functions in shuffled rounds, each settled before its timed call: every round's time,
+or their medians)."""
 
 import random
 import statistics
@@ -50,7 +51,14 @@ def timed_ms(fn, seconds, max_reps):
 
 def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
                    seed: int = 0) -> dict:
-    """Median ms of each run over rounds that visit every run once, in an order shuffled anew
+    """The median of each run's rounds in `interleaved_rounds` (None where it did not fit)."""
+    rounds = interleaved_rounds(runs, seconds, max_reps, settle_ms, seed)
+    return {name: statistics.median(v) if v else None for name, v in rounds.items()}
+
+
+def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
+                       seed: int = 0) -> dict:
+    """Each run's ms in each of the rounds, which visit every run once, in an order shuffled anew
     each round (seeded). At each visit the run is called untimed until settle_ms have passed
     (once at least), then timed once (synchronised, as median_ms): the GPU's clocks and power
     state, which lag behind its load, are then the run's own, and a drift over the seconds
@@ -61,7 +69,8 @@ def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float =
     the profiler gave their kernels 16.5 and 16.7 ms per call. The untimed calls also leave the
     caching allocator as the run itself leaves it (a fresh cudaMalloc otherwise). About
     `seconds` of timed calls per run, 3 rounds at least, max_reps at most. A run that runs out
-    of memory beside the others' cached blocks is timed alone after the rounds."""
+    of memory beside the others' cached blocks is timed alone after the rounds (one value: the
+    median of those calls), or gets [] if it does not fit alone either."""
     times = {name: [] for name in runs}
     alone = []
     order = random.Random(seed)
@@ -97,4 +106,4 @@ def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float =
             times[name] = [timed_ms(runs[name], seconds, max_reps)]
         except torch.OutOfMemoryError:
             times[name] = []
-    return {name: statistics.median(v) if v else None for name, v in times.items()}
+    return times
