@@ -17,8 +17,8 @@ GRID_N x GRID_H x GRID_V, each for about --seconds (at least 3 timed calls, at m
 in rounds that visit the bare GEMMs and every method once in a shuffled order, each settled by
 50 ms of untimed calls before its timed one (`interleaved_rounds`; the JSON keeps every round's
 time, and the verdict says at which lost points a peer was faster in every round), and writes
-the report after every point: a run cut short by a time limit keeps what it measured, and --resume skips the
-points already in <out>.json. Where the logits do not fit, the bare-GEMM floor runs
+the report after every point: a run cut short by a time limit keeps what it measured, and
+--resume skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM floor runs
 in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
 

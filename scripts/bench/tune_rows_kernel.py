@@ -5,9 +5,9 @@ the target that the float8 dx GEMM needs); gradient after them 1 read + 1 write 
 copy of dlogits, half a write); both passes in one 2 reads + 1 write (the re-read mostly hits L2;
 the float8 chunks' kernel, "full+e4m3", adds the e4m3 copy).
 A bf16 copy and a bf16 -> e4m3 copy give the memory's rate. Each pass's configurations are timed
-in shuffled rounds (`interleaved_ms`, each call settled by a few ms of untimed ones): timed one
-after another, a configuration's median moved 5-20% with the one before it at the few rows of
-the memory-lean chunks. flce/kernels.py's `_block_and_warps` holds the result.
+in shuffled rounds (`interleaved_ms`, each call settled by a few ms of untimed ones), as the loss
+grid is, so that a drift of the GPU's clocks falls on all of them alike: the passes at a few
+hundred rows take tenths of a millisecond. flce/kernels.py's `_block_and_warps` holds the result.
     python3 -m scripts.bench.tune_rows_kernel --rows 8192,32768 --vocab 128256
     python3 -m scripts.bench.tune_rows_kernel --rows 16,128,512,2048 --vocab 32000,256000 --passes full
 """
