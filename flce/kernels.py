@@ -296,6 +296,11 @@ _launch_rows = Launcher(flce_rows_kernel)
 _launch_row_stats = Launcher(flce_row_stats_kernel)
 
 
+# BLOCK_V and warps of each pass at few long rows (`_block_and_warps`)
+_FEW_LONG_ROWS = {"stats": (16384, 16), "grad": (16384, 32), "full": (32768, 32),
+                  "full+e4m3": (8192, 32)}
+
+
 def _block_and_warps(C, V, block_v, num_warps, kind):
     """BLOCK_V and warps of a pass of `kind`: "stats" (pass 1 alone), "grad" (pass 2 alone, after
     a statistics pass), "full" (both) or "full+e4m3" (both, writing the e4m3 copy of dlogits
@@ -313,8 +318,7 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     at 32000 columns the rules for many rows did as well as any. (The e4m3 pass keeps 8192 and
     32 at few long rows: float8 runs from 2048 tokens in chunks of thousands, so it was not timed.)"""
     if C <= 512 and V > 40960:
-        default_block, default_warps = {"stats": (16384, 16), "grad": (16384, 32),
-                                        "full": (32768, 32)}.get(kind, (8192, 32))
+        default_block, default_warps = _FEW_LONG_ROWS[kind]
     elif kind == "stats":
         default_block, default_warps = 4096, 4
     elif kind == "grad":

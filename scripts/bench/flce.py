@@ -18,8 +18,8 @@ in rounds that visit the bare GEMMs and every method once in a shuffled order, e
 50 ms of untimed calls before its timed one (`interleaved_rounds`; the JSON keeps every round's
 time, and the verdict says at which lost points a peer was faster in every round), and writes
 the report after every point: a run cut short by a time limit keeps what it measured, and
---resume skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM floor runs
-in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
+--resume skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM
+floor runs in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
 
 import argparse
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import flce  # noqa: E402
 from flce.ops import gemm_operands  # noqa: E402
 from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
-from scripts.lib.timing import SETTLE_MS, interleaved_rounds, median_ms  # noqa: E402
+from scripts.lib.timing import SETTLE_MS, interleaved_rounds, median_ms, medians  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 GRID_N = (2048, 4096, 16384, 65536, 131072)
@@ -342,7 +342,7 @@ def run_grid(args, origin, dtype):
             x.grad = w.grad = None
             torch.cuda.empty_cache()
         rounds = interleaved_rounds(runs, args.seconds, args.reps)
-        ms = {name: statistics.median(v) if v else None for name, v in rounds.items()}
+        ms = medians(rounds)
         floor_ms = ms["bare_gemms"]
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                   "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None,
@@ -410,8 +410,8 @@ def grid_verdict(results: list[dict]) -> list[str]:
     for key, what in (("extra_mib", "memory ≤"), ("ms", "time ≤")):
         won, n = beats("flce_lean", "liger", key)
         if n:
-            lines.append(f"- flce_lean {what} Liger's: {won} of {n} points" +
-                         (_clear_losses(at, shapes, "flce_lean", ("liger",)) if key == "ms" else ""))
+            clear = _clear_losses(at, shapes, "flce_lean", ("liger",)) if key == "ms" else ""
+            lines.append(f"- flce_lean {what} Liger's: {won} of {n} points" + clear)
     return lines
 
 
@@ -420,7 +420,8 @@ def _clear_losses(at: dict, shapes: list, ours: str, peers) -> str:
     was faster in every round than `ours` in its fastest round (the others lie within the rounds'
     spread), and which. Empty when no losing point kept its rounds (grids before b119f8e)."""
     def rivals(s):
-        return [at[s, p] for p in peers if p != ours and (s, p) in at and at[s, p]["ms"] is not None]
+        return [at[s, p] for p in peers
+                if p != ours and (s, p) in at and at[s, p]["ms"] is not None]
 
     losing = [s for s in shapes if (s, ours) in at and at[s, ours]["ms"] is not None
               and not all(at[s, ours]["ms"] <= r["ms"] for r in rivals(s))]

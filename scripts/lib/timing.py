@@ -52,7 +52,11 @@ def timed_ms(fn, seconds, max_reps):
 def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
                    seed: int = 0) -> dict:
     """The median of each run's rounds in `interleaved_rounds` (None where it did not fit)."""
-    rounds = interleaved_rounds(runs, seconds, max_reps, settle_ms, seed)
+    return medians(interleaved_rounds(runs, seconds, max_reps, settle_ms, seed))
+
+
+def medians(rounds: dict) -> dict:
+    """{name: the median of its times, or None where it has none}."""
     return {name: statistics.median(v) if v else None for name, v in rounds.items()}
 
 
