@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from flce.dispatch import stat_dtype, triton_usable, weight_of_sum
+from flce.dispatch import folds_loss_weight, stat_dtype, triton_usable, weight_of_sum
 from flce.float8 import padded
 from flce.ops import block_grads, block_stats, chunked_pass, gemm_vocab
 from flce.options import LossOptions
@@ -74,17 +74,17 @@ def fused_forward(
     softcap: Optional[float], chunk_size: Optional[int], lean: bool, float8: str,
     use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Loss (sum of token losses times loss_weight) and the gradients of the unweighted sum,
-    left in their fp32 accumulators; lean: of the weighted sum, in the parameter dtypes."""
+    """Loss (sum of token losses times loss_weight) and the gradients of the weighted sum
+    (`dispatch.folds_loss_weight`; else of the unweighted sum): dx in x's dtype (else fp32),
+    dW and db in their fp32 accumulators (lean: in the parameter dtypes)."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    # The kernel writes unweighted dlogits: their bf16 rounding then does not depend on the batch's
-    # token count, and loss_weight is applied exactly, in fp32, with the upstream gradient. Lean
-    # gradients are rounded to bf16 as they accumulate anyway: loss_weight goes into dlogits, so
-    # that backward leaves them as they are for the usual upstream gradient of 1.
-    row_weight = loss_weight if lean else torch.ones((), device=x.device, dtype=stat_dtype(x))
+    # loss_weight goes into dlogits (rounded to bf16 with it, as the unfused loss rounds them),
+    # so that backward leaves dx as its GEMM wrote it for the usual upstream gradient of 1
+    fold = folds_loss_weight(x.dtype, lean)
+    row_weight = loss_weight if fold else torch.ones((), device=x.device, dtype=stat_dtype(x))
     loss, dx, dw, db = chunked_pass(
         x, target, weight, bias, row_weight, None, False, opts, chunk_size, lean,
-        use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8)
+        use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8, dx_final=fold)
     return loss.sum() * loss_weight, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
@@ -93,7 +93,8 @@ def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit
       softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw, need_db):
     acc = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     return (x.new_empty((), dtype=stat_dtype(x)),
-            torch.empty_like(x, dtype=x.dtype if lean else stat_dtype(x)) if need_dx
+            torch.empty_like(x, dtype=x.dtype if folds_loss_weight(x.dtype, lean)
+                             else stat_dtype(x)) if need_dx
             else x.new_empty(_EMPTY),
             torch.empty_like(weight, dtype=acc) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias, dtype=stat_dtype(x)) if need_db else weight.new_empty(_EMPTY))
@@ -104,13 +105,14 @@ def block_forward(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], float8: str, use_triton: bool, keep_off_max: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(per-token loss, row max, log sum exp(z - max), the logits of all tokens, row maxima off
-    the target or empty)."""
+    the target or empty, W's column maxima or empty: the last two with keep_off_max)."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    loss, row_max, log_sum, logits, off_max = block_stats(x, target, weight, bias, opts,
-                                                          use_triton, float8, keep_off_max)
-    return loss, row_max, log_sum, logits, _or_empty(off_max, loss)
+    loss, row_max, log_sum, logits, off_max, w_col_absmax = block_stats(
+        x, target, weight, bias, opts, use_triton, float8, keep_off_max)
+    return (loss, row_max, log_sum, logits, _or_empty(off_max, loss),
+            _or_empty(w_col_absmax, loss))
 
 
 @block_forward.register_fake
@@ -120,7 +122,9 @@ def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_los
     stat = x.new_empty((n,), dtype=stat_dtype(x))
     width = gemm_vocab(V, x.element_size()) if float8 == "none" else padded(V)
     return (stat, torch.empty_like(stat), torch.empty_like(stat), x.new_empty((n, width)),
-            torch.empty_like(stat) if keep_off_max else stat.new_empty(_EMPTY))
+            torch.empty_like(stat) if keep_off_max else stat.new_empty(_EMPTY),
+            x.new_empty((weight.shape[1],), dtype=torch.float32) if keep_off_max
+            else stat.new_empty(_EMPTY))
 
 
 # block_backward overwrites `logits` with dlogits, yet says it mutates nothing: its caller (the
@@ -132,6 +136,7 @@ def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_los
 def block_backward(
     logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor, target: Tensor,
     weight: Tensor, bias: Optional[Tensor], row_max: Tensor, log_sum: Tensor, off_max: Tensor,
+    w_col_absmax: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], float8: str, use_triton: bool,
     need_dx: bool, need_dw: bool, need_db: bool, release_stats: bool,
@@ -141,15 +146,16 @@ def block_backward(
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     dx, dw, db = block_grads(logits, row_weight, row_scale, x, target, weight, bias,
                              (row_max, log_sum),
-                             off_max if off_max.numel() else None, opts, use_triton, float8,
-                             need_dx, need_dw, need_db, release_stats)
+                             off_max if off_max.numel() else None,
+                             w_col_absmax if w_col_absmax.numel() else None, opts, use_triton,
+                             float8, need_dx, need_dw, need_db, release_stats)
     return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @block_backward.register_fake
 def _(logits, row_weight, row_scale, x, target, weight, bias, row_max, log_sum, off_max,
-      ignore_index, label_smoothing, logit_scale, z_loss, softcap, float8, use_triton, need_dx,
-      need_dw, need_db, release_stats):
+      w_col_absmax, ignore_index, label_smoothing, logit_scale, z_loss, softcap, float8,
+      use_triton, need_dx, need_dw, need_db, release_stats):
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))

@@ -46,12 +46,24 @@ def zero_padding(t: Tensor, filled_rows: int, filled_cols: int) -> Tensor:
     return t
 
 
-def quantize_rows_torch(src: Tensor, dst: Tensor, scale: Tensor) -> None:
+def quantize_rows_torch(src: Tensor, dst: Tensor, scale: Tensor,
+                        col_absmax: Optional[Tensor] = None) -> None:
     """The PyTorch twin of `kernels.quantize_rows`: scale[r] = max |src[r]| / the float8
-    maximum (0 for a zero row), dst[r] = src[r] / scale[r] saturated and rounded to float8."""
+    maximum (0 for a zero row), dst[r] = src[r] / scale[r] saturated and rounded to float8;
+    col_absmax (given): max |src| per column."""
     fp8_max = torch.finfo(dst.dtype).max
-    absmax = src.abs().amax(dim=1) if src.shape[1] else src.new_zeros(src.shape[0])
+    a = src.abs()
+    absmax = a.amax(dim=1) if src.shape[1] else src.new_zeros(src.shape[0])
     scale.copy_(absmax.to(torch.float32) / fp8_max)
+    if col_absmax is not None:
+        col_absmax.copy_(a.amax(dim=0) if src.shape[0] else torch.zeros_like(col_absmax))
+    quantize_scaled_torch(src, dst, scale)
+
+
+def quantize_scaled_torch(src: Tensor, dst: Tensor, scale: Tensor) -> None:
+    """The PyTorch twin of `kernels.quantize_scaled`: dst[r] = src[r] / scale[r] (0 where the
+    scale is 0), saturated and rounded to float8."""
+    fp8_max = torch.finfo(dst.dtype).max
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     dst.copy_((src.to(torch.float32) * inv[:, None]).clamp_(-fp8_max, fp8_max))
 
@@ -79,28 +91,35 @@ class Float8Gemms:
     W is quantized once here; each chunk quantizes its rows of x. Padding stays zero."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], target: Tensor, max_rows: int,
-                 dx: bool, use_triton: bool, logits: bool = True):
-        """logits / dx: prepare the operands of that GEMM (the one-block path of `ops.py`
-        quantizes W per row in forward and per column in backward, each where it is used)."""
+                 dx: bool, use_triton: bool, logits: bool = True,
+                 w_col_absmax: Optional[Tensor] = None):
+        """logits / dx: prepare the operands of that GEMM. W's column scales (the dx operand's)
+        come from the pass that quantizes its rows (one read of W for both); the one-block path
+        of `ops.py` quantizes the rows in forward, where w_col_absmax ([H] fp32) is filled, and
+        the columns in backward, where it is given back (and logits is False)."""
         V, H = weight.shape
         self.V, self.H, self.width, self.dx = V, H, padded(V), dx
         self.target = target
         if use_triton:
-            from flce.kernels import quantize_rows
-            self.quantize = quantize_rows
+            from flce.kernels import quantize_rows, quantize_scaled
+            self.quantize, quantize_cols = quantize_rows, quantize_scaled
         else:
-            self.quantize = quantize_rows_torch
+            self.quantize, quantize_cols = quantize_rows_torch, quantize_scaled_torch
         fp8 = lambda rows, cols, filled_rows, filled_cols: zero_padding(torch.empty(
             rows, cols, device=weight.device, dtype=E4M3), filled_rows, filled_cols)
         ones32 = lambda *shape: torch.ones(*shape, device=weight.device, dtype=torch.float32)
         if logits:
+            if dx and w_col_absmax is None:
+                w_col_absmax = weight.new_empty(H, dtype=torch.float32)
             self.w, self.w_scale = fp8(self.width, padded(H), V, H), ones32(1, self.width)
-            self.quantize(weight, self.w[:V, :H], self.w_scale[0, :V])
+            self.quantize(weight, self.w[:V, :H], self.w_scale[0, :V], w_col_absmax)
             self.x, self.x_scale = fp8(max_rows, padded(H), max_rows, H), ones32(max_rows, 1)
             self.bias = None if bias is None else F.pad(bias.to(torch.bfloat16), (0, self.width - V))
         if dx:
+            assert w_col_absmax is not None, "the dx operand's scales need W's column maxima"
             self.wt, self.wt_scale = fp8(padded(H), self.width, H, V), ones32(1, padded(H))
-            self.quantize(weight.t(), self.wt[:H, :V], self.wt_scale[0, :H])
+            torch.div(w_col_absmax, torch.finfo(E4M3).max, out=self.wt_scale[0, :H])
+            quantize_cols(weight.t(), self.wt[:H, :V], self.wt_scale[0, :H])
             self.g, self.g_scale = fp8(max_rows, self.width, max_rows, V), ones32(max_rows, 1)
             self.target_grad = ones32(max_rows)
             self.dx_out = torch.empty(max_rows, padded(H), device=weight.device,

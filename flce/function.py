@@ -7,7 +7,8 @@ from torch import Tensor
 
 from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to, token_losses,
                               token_losses_backward, weighted_sum)
-from flce.dispatch import divisor_of, loss_weight, stat_dtype, use_triton, widened
+from flce.dispatch import (divisor_of, folds_loss_weight, loss_weight, stat_dtype, use_triton,
+                           widened)
 from flce.float8 import FLOAT8
 from flce.ops import float8_used, uses_one_block
 from flce.options import LossOptions
@@ -23,7 +24,7 @@ class _OneBlockLoss(torch.autograd.Function):
     def forward(ctx, x, target, weight, bias, normalizer, opts, float8, use_triton, reduce,
                 inv_divisor):
         need = ctx.needs_input_grad
-        loss, row_max, log_sum, logits, off_max = block_forward(
+        loss, row_max, log_sum, logits, off_max, w_col_absmax = block_forward(
             x, target, weight, bias, *opts, float8, use_triton,
             need[0] and float8 == "logits+dx")
         loss_weight = None
@@ -31,20 +32,21 @@ class _OneBlockLoss(torch.autograd.Function):
             loss, loss_weight = weighted_sum(loss, target, normalizer, inv_divisor, opts[0],
                                              use_triton)
         ctx.save_for_backward(x, target, weight, bias, row_max, log_sum, logits, off_max,
-                              loss_weight)
+                              w_col_absmax, loss_weight)
         ctx.config = (opts, float8, use_triton)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        x, target, weight, bias, row_max, log_sum, logits, off_max, loss_weight = ctx.saved_tensors
+        (x, target, weight, bias, row_max, log_sum, logits, off_max, w_col_absmax,
+         loss_weight) = ctx.saved_tensors
         opts, float8, use_triton = ctx.config
         need = ctx.needs_input_grad
         # Eager mode frees the row statistics and the loss weight before the GEMMs; a compiled
         # graph frees its buffers at their last use itself and may reuse them, so it must not.
         dx, dw, db = block_backward(logits, grad.to(row_max.dtype), loss_weight, x, target,
-                                    weight, bias, row_max, log_sum, off_max, *opts, float8,
-                                    use_triton, need[0], need[2], need[3],
+                                    weight, bias, row_max, log_sum, off_max, w_col_absmax, *opts,
+                                    float8, use_triton, need[0], need[2], need[3],
                                     not torch.compiler.is_compiling())
         torch.autograd.graph.increment_version(logits)  # it holds dlogits now (custom_ops.py)
         return (dx if need[0] else None, None, dw if need[2] else None,
@@ -62,7 +64,7 @@ class _ReducedLoss(torch.autograd.Function):
                                          lean, float8, use_triton, need[0], need[2], need[3])
         ctx.save_for_backward(dx, dw, db, loss_weight)
         ctx.dtypes = (x.dtype, weight.dtype)
-        ctx.lean = lean  # loss_weight is already in the lean gradients (custom_ops.fused_forward)
+        ctx.folded = folds_loss_weight(x.dtype, lean)  # loss_weight is in the gradients then
         return loss
 
     @staticmethod
@@ -70,7 +72,7 @@ class _ReducedLoss(torch.autograd.Function):
         dx, dw, db, loss_weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         x_dtype, w_dtype = ctx.dtypes
-        if not ctx.lean:
+        if not ctx.folded:
             grad = grad * loss_weight
         return (scale_to(dx, grad, x_dtype) if need[0] else None, None,
                 scale_to(dw, grad, w_dtype) if need[2] else None,

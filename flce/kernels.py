@@ -394,6 +394,38 @@ def launch_row_stats(logits, target, stats_out, opts, vocab_start, block_v=None,
 
 
 @triton.jit
+def quantize_whole_rows_kernel(src_ptr, stride_r, R, K, scale_ptr, dst_ptr, stride_dst,
+                               col_absmax_ptr, FP8_MAX: tl.constexpr, COL_ABSMAX: tl.constexpr,
+                               ROWS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
+    """Rows of at most BLOCK_K values, BLOCK_R at a time: each row is read once, and its scale
+    (max |row| / FP8_MAX) and float8 values come from the same registers. COL_ABSMAX: also
+    max |src| per column into col_absmax, one atomic per column and program (the column scales
+    of the transposed operand, without a read of their own)."""
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    col_max = tl.zeros([BLOCK_K], dtype=tl.float32)
+    first = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM
+    for r in range(0, ROWS_PER_PROGRAM, BLOCK_R):
+        rows = first + r + tl.arange(0, BLOCK_R)
+        mask = (rows < R)[:, None] & col_ok[None, :]
+        v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        a = tl.abs(v)
+        scale = tl.math.div_rn(tl.max(a, axis=1), FP8_MAX)
+        q = v * tl.where(scale > 0, 1.0 / scale, 0.0)[:, None]
+        q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
+        tl.store(dst_ptr + rows[:, None] * stride_dst + cols[None, :],
+                 q.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + rows, scale, mask=rows < R)
+        if COL_ABSMAX:
+            col_max = tl.maximum(col_max, tl.max(a, axis=0))
+    if COL_ABSMAX:
+        tl.atomic_max(col_absmax_ptr + cols, col_max, mask=col_ok)
+
+
+@triton.jit
 def _tile(src_ptr, stride_r, stride_k, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -403,12 +435,15 @@ def _tile(src_ptr, stride_r, stride_k, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def row_absmax_kernel(src_ptr, stride_r, stride_k, R, K, absmax_ptr,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """absmax[r] = max(absmax[r], max |src[r, tile]|): a 2-D grid, so that few long rows (the
-    columns of W, read through W.t()) still spread over the whole GPU."""
+def row_absmax_kernel(src_ptr, stride_r, stride_k, R, K, absmax_ptr, col_absmax_ptr,
+                      COL_ABSMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """absmax[r] = max(absmax[r], max |src[r, tile]|) (and per column, COL_ABSMAX): a 2-D grid,
+    so that few long rows (the columns of W, read through W.t()) still spread over the GPU."""
     rows, cols, mask, v = _tile(src_ptr, stride_r, stride_k, R, K, BLOCK_R, BLOCK_K)
-    tl.atomic_max(absmax_ptr + rows, tl.max(tl.abs(v), axis=1), mask=rows < R)
+    a = tl.abs(v)
+    tl.atomic_max(absmax_ptr + rows, tl.max(a, axis=1), mask=rows < R)
+    if COL_ABSMAX:
+        tl.atomic_max(col_absmax_ptr + cols, tl.max(a, axis=0), mask=cols < K)
 
 
 @triton.jit
@@ -424,26 +459,60 @@ def quantize_rows_kernel(src_ptr, stride_r, stride_k, R, K, scale_ptr, dst_ptr, 
              q.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_whole_rows = Launcher(quantize_whole_rows_kernel)
 _launch_row_absmax = Launcher(row_absmax_kernel)
 _launch_quantize_rows = Launcher(quantize_rows_kernel)
+WHOLE_ROW_MAX = 16384  # longest row quantize_rows reads once (held in registers: 64 a thread)
+_TILE = 64
 
 
-def quantize_rows(src, dst, scale):
-    """Rowwise float8 quantization of any 2-D view (W.t() included, read tile by tile): scale[r]
-    = max |src[r]| / the float8 maximum (0 for a zero row), dst[r] = src[r] / scale[r]. Same
-    contract as `float8.quantize_rows_torch`; dst must have unit column stride."""
+def _fp8_max(dst) -> float:
+    return float(torch.finfo(dst.dtype).max)
+
+
+def quantize_rows(src, dst, scale, col_absmax=None):
+    """Rowwise float8 quantization of any 2-D view (W.t() included): scale[r] = max |src[r]| /
+    the float8 maximum (0 for a zero row), dst[r] = src[r] / scale[r]; with col_absmax ([K]
+    fp32) also max |src| per column. Same contract as `float8.quantize_rows_torch`; dst must
+    have unit column stride. Rows of contiguous values up to WHOLE_ROW_MAX long (x, and W's
+    rows) are read once; others (W.t()) twice, tile by tile: a pass for the maxima, one for
+    the values."""
     R, K = src.shape
+    if col_absmax is not None:
+        col_absmax.zero_()
+    if R == 0 or K == 0:
+        scale.zero_()
+        return
+    fp8_max = _fp8_max(dst)
+    block_k = triton.next_power_of_2(K)
+    if src.stride(1) == 1 and block_k <= WHOLE_ROW_MAX:
+        block_r = max(1, 4096 // block_k)
+        rows_per_program = max(64, block_r)
+        _launch_whole_rows((triton.cdiv(R, rows_per_program),), src, src.stride(0), R, K, scale,
+                           dst, dst.stride(0), scale if col_absmax is None else col_absmax,
+                           FP8_MAX=fp8_max, COL_ABSMAX=col_absmax is not None,
+                           ROWS_PER_PROGRAM=rows_per_program, BLOCK_R=block_r, BLOCK_K=block_k,
+                           num_warps=8 if block_r * block_k <= 8192 else 16)
+        return
     scale.zero_()
+    grid = (triton.cdiv(R, _TILE), triton.cdiv(K, _TILE))
+    _launch_row_absmax(grid, src, src.stride(0), src.stride(1), R, K, scale,
+                       scale if col_absmax is None else col_absmax,
+                       COL_ABSMAX=col_absmax is not None, BLOCK_R=_TILE, BLOCK_K=_TILE)
+    scale.div_(fp8_max)
+    quantize_scaled(src, dst, scale)
+
+
+def quantize_scaled(src, dst, scale):
+    """dst[r] = src[r] / scale[r] (saturated, rounded to dst's float8 type) with the scales
+    given: the second pass of `quantize_rows`, or W's columns with the maxima its row pass
+    found. Same contract as `float8.quantize_scaled_torch`; dst must have unit column stride."""
+    R, K = src.shape
     if R == 0 or K == 0:
         return
-    BLOCK_R, BLOCK_K = 64, 64
-    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(K, BLOCK_K))
-    _launch_row_absmax(grid, src, src.stride(0), src.stride(1), R, K, scale,
-                       BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
-    fp8_max = float(torch.finfo(dst.dtype).max)
-    scale.div_(fp8_max)
+    grid = (triton.cdiv(R, _TILE), triton.cdiv(K, _TILE))
     _launch_quantize_rows(grid, src, src.stride(0), src.stride(1), R, K, scale, dst,
-                          dst.stride(0), FP8_MAX=fp8_max, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
+                          dst.stride(0), FP8_MAX=_fp8_max(dst), BLOCK_R=_TILE, BLOCK_K=_TILE)
 
 
 @triton.jit

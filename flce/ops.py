@@ -203,12 +203,14 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
                  opts: LossOptions,
                  chunk_size: Optional[int], lean: bool, use_triton: bool,
                  need_dx: bool, need_dw: bool, need_db: bool, cast_grads: bool,
-                 float8: str = "none"):
+                 float8: str = "none", dx_final: bool = False):
     """One sweep over the tokens. Returns (per-token loss, dx, dW, db); unneeded grads are None.
 
     With cast_grads the gradients come back in the dtypes of x, weight and bias. Without, they
     stay in their accumulators (fp32, or the parameter dtypes when lean) so that a later
-    upstream-gradient multiply rounds to the parameter dtype only once.
+    upstream-gradient multiply rounds to the parameter dtype only once; dx, which no chunk
+    accumulates, comes in x's dtype where dx_final (row_weight holds the loss weight: only
+    the upstream gradient is left to multiply, and for the usual 1 nothing), else fp32.
 
     row_weight: fp32, 0-dim (one weight for every token) or [N]; it scales the gradients only.
     stats: (row max, log sum exp(z - max)), [N] fp32 each (float64 for float64 inputs), read
@@ -222,7 +224,7 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     stat_dtype = torch.promote_types(x.dtype, torch.float32)
     accum_dtype = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     loss = torch.empty(N, device=x.device, dtype=stat_dtype)
-    dx_dtype = x.dtype if cast_grads or lean else stat_dtype
+    dx_dtype = x.dtype if cast_grads or lean or dx_final else stat_dtype
     dx = torch.empty(N, H, device=x.device, dtype=dx_dtype) if need_dx else None
     dw_acc = weight_grad_buffer(weight, accum_dtype, N) if need_dw else None
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
@@ -255,16 +257,21 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
 def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
                 opts: LossOptions, use_triton: bool, float8: str, keep_off_max: bool):
     """Forward of the one-block path: (per-token loss, row max, log sum exp(z - max), the logits
-    of all tokens, each row's largest logit off the target or None). The logits are kept for
-    `block_grads`, `gemm_vocab` columns wide (with float8 the float8 GEMM's padded width);
-    columns V.. are padding, 0. keep_off_max: the float8 dx GEMM will need the row maxima off
-    the target (its operand's scales)."""
-    N, V = x.shape[0], weight.shape[0]
+    of all tokens, each row's largest logit off the target or None, W's largest |value| per
+    column or None). The logits are kept for `block_grads`, `gemm_vocab` columns wide (with
+    float8 the float8 GEMM's padded width); columns V.. are padding, 0. keep_off_max: the
+    float8 dx GEMM will need the row maxima off the target and W's column maxima (its
+    operands' scales)."""
+    N, (V, H) = x.shape[0], weight.shape
     stat_dtype = torch.promote_types(x.dtype, torch.float32)
     loss, row_max, log_sum = (torch.empty(N, device=x.device, dtype=stat_dtype) for _ in range(3))
     off_max = torch.empty(N, device=x.device, dtype=stat_dtype) if keep_off_max else None
+    w_col_absmax = None
     if float8 != "none":
-        fp8 = Float8Gemms(weight, bias, target, N, dx=False, use_triton=use_triton)
+        if keep_off_max:
+            w_col_absmax = torch.empty(H, device=x.device, dtype=torch.float32)
+        fp8 = Float8Gemms(weight, bias, target, N, dx=False, use_triton=use_triton,
+                          w_col_absmax=w_col_absmax)
         logits = torch.empty(N, fp8.width, device=x.device, dtype=x.dtype)
         if N:
             fp8.logits(x, out=logits)
@@ -274,29 +281,30 @@ def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
     # no gradient in this pass: the row weight (here loss, for a tensor) is not read
     _row_fn(use_triton)(logits[:, :V], target, loss, (row_max, log_sum), loss, opts, False,
                         False, off_max=off_max)
-    return loss, row_max, log_sum, logits, off_max
+    return loss, row_max, log_sum, logits, off_max, w_col_absmax
 
 
 def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor,
                 target: Tensor, weight: Tensor, bias: Optional[Tensor],
-                stats: tuple[Tensor, Tensor], off_max: Optional[Tensor], opts: LossOptions,
-                use_triton: bool, float8: str, need_dx: bool, need_dw: bool, need_db: bool,
-                release_stats: bool):
+                stats: tuple[Tensor, Tensor], off_max: Optional[Tensor],
+                w_col_absmax: Optional[Tensor], opts: LossOptions, use_triton: bool,
+                float8: str, need_dx: bool, need_dw: bool, need_db: bool, release_stats: bool):
     """Backward of the one-block path: `logits` (from `block_stats`) become row_weight (times
     row_scale) times the loss's gradient in place, then (dx, dW, db), each None where not
     needed, in the dtypes of x, weight and bias. row_weight: fp32, 0-dim or [N] (the upstream
     gradient); row_scale: a 0-dim fp32 tensor (the loss weight) or None, multiplied in by the
     row pass (on the GPU inside the kernel: one launch fewer). With float8 "logits+dx" (and
-    off_max kept) the dx GEMM runs in float8. release_stats: free the memory of `stats` and
-    row_scale once the row pass has read them (they must be this loss's own, read by nothing
-    else)."""
+    off_max and w_col_absmax kept) the dx GEMM runs in float8. release_stats: free the memory
+    of `stats` and row_scale once the row pass has read them (they must be this loss's own,
+    read by nothing else)."""
     N, V = x.shape[0], weight.shape[0]
     view = logits[:, :V]
     width = gemm_vocab(V, x.element_size())
     gemm_view = view if width == V else logits[:, :width]  # columns V.. hold 0
     fp8 = None
     if need_dx and float8 == "logits+dx":
-        fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False)
+        fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False,
+                          w_col_absmax=w_col_absmax)
     # a gradient pass writes no loss: its loss_out (here the row maxima) is left as it is
     _row_fn(use_triton)(view, target, stats[0], stats, row_weight, opts, True, True,
                         fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max,

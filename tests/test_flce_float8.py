@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import flce
-from flce.float8 import E4M3, Float8Gemms, quantize_rows_torch, zero_padding
+from flce.float8 import (E4M3, Float8Gemms, quantize_rows_torch, quantize_scaled_torch,
+                         zero_padding)
 from flce.options import LossOptions
 from flce.reference import chunk_rows
 from flce_cases import (IMPL_DEVICES, cuda_only, float64_reference, loss_and_grads, make_inputs,
@@ -169,23 +170,33 @@ def test_bound_report():
 
 
 @IMPL_DEVICES
-@pytest.mark.parametrize("src_shape,transpose", [((37, 50), False), ((83, 48), True)])
+@pytest.mark.parametrize("src_shape,transpose", [
+    ((37, 50), False), ((83, 48), True),
+    ((150, 50), False),        # rows over several programs of the one-read kernel
+    ((3, 16384 + 5), False),   # a row longer than it holds: the two-pass tiles
+], ids=["rows", "transposed", "many_rows", "long_rows"])
 def test_quantize_rows(impl, device, src_shape, transpose):
-    """scale = max|row| / 448; Q(v) * scale within half an e4m3 step of v; padding untouched."""
+    """scale = max|row| / 448; Q(v) * scale within half an e4m3 step of v; the column maxima
+    exact; padding untouched. Then the same columns quantized with the scales given (W's
+    columns, from the maxima its row pass found): the scales left as they are, values equal."""
     src = torch.randn(*src_shape, device=device, dtype=torch.bfloat16) * 3
     src[1] = 0  # a zero row (a zero column of the transposed view)
     src = src.t() if transpose else src
     R, K = src.shape
     dst = torch.zeros(R + 5, K + 7, device=device, dtype=E4M3)
     scale = torch.full((R + 5,), -1.0, device=device)
+    col_absmax = torch.full((K + 3,), -1.0, device=device)
     if impl == "triton":
-        from flce.kernels import quantize_rows
-        quantize_rows(src, dst[:R, :K], scale[:R])
+        from flce.kernels import quantize_rows, quantize_scaled
+        quantize_rows(src, dst[:R, :K], scale[:R], col_absmax[:K])
     else:
-        quantize_rows_torch(src, dst[:R, :K], scale[:R])
+        quantize_rows_torch(src, dst[:R, :K], scale[:R], col_absmax[:K])
+        quantize_scaled = quantize_scaled_torch
     v = src.double().cpu()
     # 2 fp32 ulps: on an H200 the transposed case's scale came out 1.7 ulps from the exact one
     torch.testing.assert_close(scale[:R].double().cpu(), v.abs().amax(1) / 448, rtol=2.4e-7, atol=0)
+    assert torch.equal(col_absmax[:K].double().cpu(), v.abs().amax(0))
+    assert (col_absmax[K:] == -1).all()
     q = dst[:R, :K].cpu()
     if impl == "triton" and device == "cpu":
         twin = torch.empty(R, K, dtype=E4M3)
@@ -196,6 +207,17 @@ def test_quantize_rows(impl, device, src_shape, transpose):
         assert ((deq - v).abs() <= quant_err(v) * 1.0001).all()
     assert not dst[R:].float().any() and not dst[:, K:].float().any()
     assert (scale[R:] == -1).all()
+
+    cols = src.t()
+    col_scale = col_absmax[:K] / 448
+    given = col_scale.clone()
+    dst_cols = torch.zeros(K, R, device=device, dtype=E4M3)
+    quantize_scaled(cols, dst_cols, col_scale)
+    assert torch.equal(col_scale, given)
+    twin, twin_scale = torch.empty(K, R, dtype=E4M3), torch.empty(K)
+    quantize_rows_torch(cols.cpu(), twin, twin_scale)
+    torch.testing.assert_close(col_scale.cpu(), twin_scale, rtol=2.4e-7, atol=0)
+    assert fp8_close(dst_cols.cpu(), twin)
 
 
 ROW_OPTIONS = [LossOptions(), LossOptions(label_smoothing=0.2, z_loss=1e-3),
