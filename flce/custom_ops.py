@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from flce.dispatch import folds_loss_weight, stat_dtype, triton_usable, weight_of_sum
+from flce.dispatch import stat_dtype, triton_usable, weight_of_sum
 from flce.float8 import padded
 from flce.ops import block_grads, block_stats, chunked_pass, gemm_vocab
 from flce.options import LossOptions
@@ -74,17 +74,17 @@ def fused_forward(
     softcap: Optional[float], chunk_size: Optional[int], lean: bool, float8: str,
     use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Loss (sum of token losses times loss_weight) and the gradients of the weighted sum
-    (`dispatch.folds_loss_weight`; else of the unweighted sum): dx in x's dtype (else fp32),
-    dW and db in their fp32 accumulators (lean: in the parameter dtypes)."""
+    """Loss (sum of token losses times loss_weight) and the gradients of the unweighted sum,
+    left in their fp32 accumulators; lean: of the weighted sum, in the parameter dtypes."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    # loss_weight goes into dlogits (rounded to bf16 with it, as the unfused loss rounds them),
-    # so that backward leaves dx as its GEMM wrote it for the usual upstream gradient of 1
-    fold = folds_loss_weight(x.dtype, lean)
-    row_weight = loss_weight if fold else torch.ones((), device=x.device, dtype=stat_dtype(x))
+    # The kernel writes unweighted dlogits: their bf16 rounding then does not depend on the batch's
+    # token count, and loss_weight is applied exactly, in fp32, with the upstream gradient. Lean
+    # gradients are rounded to bf16 as they accumulate anyway: loss_weight goes into dlogits, so
+    # that backward leaves them as they are for the usual upstream gradient of 1.
+    row_weight = loss_weight if lean else torch.ones((), device=x.device, dtype=stat_dtype(x))
     loss, dx, dw, db = chunked_pass(
         x, target, weight, bias, row_weight, None, False, opts, chunk_size, lean,
-        use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8, dx_final=fold)
+        use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8)
     return loss.sum() * loss_weight, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
@@ -93,8 +93,7 @@ def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit
       softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw, need_db):
     acc = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     return (x.new_empty((), dtype=stat_dtype(x)),
-            torch.empty_like(x, dtype=x.dtype if folds_loss_weight(x.dtype, lean)
-                             else stat_dtype(x)) if need_dx
+            torch.empty_like(x, dtype=x.dtype if lean else stat_dtype(x)) if need_dx
             else x.new_empty(_EMPTY),
             torch.empty_like(weight, dtype=acc) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias, dtype=stat_dtype(x)) if need_db else weight.new_empty(_EMPTY))

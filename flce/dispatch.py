@@ -52,14 +52,6 @@ def stat_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def folds_loss_weight(dtype: torch.dtype, lean: bool) -> bool:
-    """Whether the chunked sweep's dlogits carry the loss weight (1 / the divisor), so that dx
-    comes out of its GEMM in x's dtype, final for an upstream gradient of 1 (the trainer's), as
-    in the unfused loss. Not for fp16 without memory_lean: dlogits of ~p / N tokens fall below
-    its subnormals at large N, so they stay unweighted and dx fp32 until backward's multiply."""
-    return lean or dtype != torch.float16
-
-
 def divisor_of(normalizer: Optional[object], opts: LossOptions
                ) -> tuple[Optional[Tensor], Optional[float]]:
     """What the summed loss is divided by, checked without reading a device tensor: (a scalar

@@ -7,8 +7,7 @@ from torch import Tensor
 
 from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to, token_losses,
                               token_losses_backward, weighted_sum)
-from flce.dispatch import (divisor_of, folds_loss_weight, loss_weight, stat_dtype, use_triton,
-                           widened)
+from flce.dispatch import divisor_of, loss_weight, stat_dtype, use_triton, widened
 from flce.float8 import FLOAT8
 from flce.ops import float8_used, uses_one_block
 from flce.options import LossOptions
@@ -64,7 +63,7 @@ class _ReducedLoss(torch.autograd.Function):
                                          lean, float8, use_triton, need[0], need[2], need[3])
         ctx.save_for_backward(dx, dw, db, loss_weight)
         ctx.dtypes = (x.dtype, weight.dtype)
-        ctx.folded = folds_loss_weight(x.dtype, lean)  # loss_weight is in the gradients then
+        ctx.lean = lean  # loss_weight is already in the lean gradients (custom_ops.fused_forward)
         return loss
 
     @staticmethod
@@ -72,7 +71,7 @@ class _ReducedLoss(torch.autograd.Function):
         dx, dw, db, loss_weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         x_dtype, w_dtype = ctx.dtypes
-        if not ctx.folded:
+        if not ctx.lean:
             grad = grad * loss_weight
         return (scale_to(dx, grad, x_dtype) if need[0] else None, None,
                 scale_to(dw, grad, w_dtype) if need[2] else None,

@@ -203,14 +203,12 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
                  opts: LossOptions,
                  chunk_size: Optional[int], lean: bool, use_triton: bool,
                  need_dx: bool, need_dw: bool, need_db: bool, cast_grads: bool,
-                 float8: str = "none", dx_final: bool = False):
+                 float8: str = "none"):
     """One sweep over the tokens. Returns (per-token loss, dx, dW, db); unneeded grads are None.
 
     With cast_grads the gradients come back in the dtypes of x, weight and bias. Without, they
     stay in their accumulators (fp32, or the parameter dtypes when lean) so that a later
-    upstream-gradient multiply rounds to the parameter dtype only once; dx, which no chunk
-    accumulates, comes in x's dtype where dx_final (row_weight holds the loss weight: only
-    the upstream gradient is left to multiply, and for the usual 1 nothing), else fp32.
+    upstream-gradient multiply rounds to the parameter dtype only once.
 
     row_weight: fp32, 0-dim (one weight for every token) or [N]; it scales the gradients only.
     stats: (row max, log sum exp(z - max)), [N] fp32 each (float64 for float64 inputs), read
@@ -224,7 +222,7 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     stat_dtype = torch.promote_types(x.dtype, torch.float32)
     accum_dtype = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     loss = torch.empty(N, device=x.device, dtype=stat_dtype)
-    dx_dtype = x.dtype if cast_grads or lean or dx_final else stat_dtype
+    dx_dtype = x.dtype if cast_grads or lean else stat_dtype
     dx = torch.empty(N, H, device=x.device, dtype=dx_dtype) if need_dx else None
     dw_acc = weight_grad_buffer(weight, accum_dtype, N) if need_dw else None
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
