@@ -228,16 +228,22 @@ def test_interleaved_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
     """Each round visits every run once in a fresh order (a fixed order timed a run after the
     same predecessor each time, and favoured those that followed a light one), and each visit
     calls its run untimed until settle_ms have passed before the one timed call."""
-    calls = []
-    runs = {name: (lambda name: lambda: (calls.append(name), time.sleep(0.002)))(name)
-            for name in "abcde"}
+    calls, clock = [], [0.0]
+
+    def run_of(name):
+        def run():  # a call that takes 2 ms of a clock of the test's own: a loaded machine's
+            calls.append(name)  # sleeps overran and let fewer calls into the settling time
+            clock[0] += 0.002
+        return run
+    runs = {name: run_of(name) for name in "abcde"}
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
     ms = timing.interleaved_ms(runs, seconds=0.0, max_reps=6, settle_ms=10.0)
     assert ms == dict.fromkeys("abcde", 1.0)
     visits = [(name, len(list(run))) for name, run in itertools.groupby(calls)]
     assert len(visits) == 3 * 5  # 3 rounds at least, each run once a round
-    assert all(n >= 4 for _, n in visits)  # >= 10 ms of 2 ms calls, then the timed one
+    assert all(n == 6 for _, n in visits)  # 10 ms of 2 ms calls, then the timed one
     orders = [tuple(name for name, _ in visits[i:i + 5]) for i in range(0, 15, 5)]
     assert all(sorted(order) == list("abcde") for order in orders)
     assert len(set(orders)) > 1
