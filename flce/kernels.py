@@ -47,6 +47,19 @@ def _scaled(a, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _saturated(q, FP8_MAX: tl.constexpr):
+    """q clamped to +-FP8_MAX (NaN kept), ready to round to float8."""
+    return tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _quantized(v, scale, FP8_MAX: tl.constexpr):
+    """Rows of v over their scales (0 where a scale is 0), saturated: the float8 values."""
+    return _saturated(v * tl.where(scale > 0, 1.0 / scale, 0.0)[:, None], FP8_MAX)
+
+
+@triton.jit
 def _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP: tl.constexpr,
                HAS_SMOOTHING: tl.constexpr, MAX_OFF_TARGET: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 1 over one row: max, sum of exp(z - max), sum of z (for label smoothing) and, when
@@ -218,9 +231,7 @@ def flce_rows_kernel(
                 g = g * (1.0 - r * r)
             tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
             if FP8_GRAD:
-                q = tl.where(offs == y_local, 0.0, g * inv_scale)
-                q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL),
-                               FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+                q = _saturated(tl.where(offs == y_local, 0.0, g * inv_scale), FP8_MAX)
                 tl.store(g8_row_ptr + offs, q.to(g8_ptr.dtype.element_ty), mask=mask)
 
 
@@ -414,9 +425,7 @@ def quantize_whole_rows_kernel(src_ptr, stride_r, R, K, scale_ptr, dst_ptr, stri
                     other=0.0).to(tl.float32)
         a = tl.abs(v)
         scale = tl.math.div_rn(tl.max(a, axis=1), FP8_MAX)
-        q = v * tl.where(scale > 0, 1.0 / scale, 0.0)[:, None]
-        q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                       propagate_nan=tl.PropagateNan.ALL)
+        q = _quantized(v, scale, FP8_MAX)
         tl.store(dst_ptr + rows[:, None] * stride_dst + cols[None, :],
                  q.to(dst_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=rows < R)
@@ -452,10 +461,7 @@ def quantize_rows_kernel(src_ptr, stride_r, stride_k, R, K, scale_ptr, dst_ptr, 
                          FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """dst[r] = src[r] / scale[r], saturated to +-FP8_MAX and rounded to dst's float8 type."""
     rows, cols, mask, v = _tile(src_ptr, stride_r, stride_k, R, K, BLOCK_R, BLOCK_K)
-    scale = tl.load(scale_ptr + rows, mask=rows < R, other=1.0)
-    q = v * tl.where(scale > 0, 1.0 / scale, 0.0)[:, None]
-    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
+    q = _quantized(v, tl.load(scale_ptr + rows, mask=rows < R, other=1.0), FP8_MAX)
     tl.store(dst_ptr + rows[:, None].to(tl.int64) * stride_dst + cols[None, :],
              q.to(dst_ptr.dtype.element_ty), mask=mask)
 
