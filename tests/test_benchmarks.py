@@ -138,3 +138,17 @@ def test_a_cited_folder_needs_a_readme_naming_a_clean_commit(tmp_path):
     assert "+dirty" in _folder_provenance_problems(tmp_path)[0]
     (tmp_path / "README.md").write_text("NVIDIA H200 · git 89f160d (the commit sent)\n")
     assert _folder_provenance_problems(tmp_path) == []
+
+
+def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
+    """benchmarks/flce_grid.md is what scripts.bench.flce renders from flce_grid.json (no figure
+    edited by hand), and README's results quote that grid's geometric mean and fastest-count."""
+    from scripts.bench.flce import grid_markdown
+    record = json.loads((BENCHMARKS / "flce_grid.json").read_text())
+    report = grid_markdown(record["meta"], record["results"])
+    assert (BENCHMARKS / "flce_grid.md").read_text() == report
+    geomean = re.search(r"geometric mean (\d\.\d{3})×", report).group(1)
+    fastest = re.search(r"flce the fastest of [^:]+: (\d+) of (\d+) points", report).groups()
+    readme = (REPO / "README.md").read_text()
+    assert f"flce {geomean}× its bare GEMMs" in readme
+    assert f"at {fastest[0]} of {fastest[1]} points" in readme
