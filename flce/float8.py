@@ -48,7 +48,7 @@ def zero_padding(t: Tensor, filled_rows: int, filled_cols: int) -> Tensor:
 
 def quantize_rows_torch(src: Tensor, dst: Tensor, scale: Tensor,
                         col_absmax: Optional[Tensor] = None) -> None:
-    """The PyTorch twin of `kernels.quantize_rows`: scale[r] = max |src[r]| / the float8
+    """The PyTorch twin of `quantize_kernels.quantize_rows`: scale[r] = max |src[r]| / the float8
     maximum (0 for a zero row), dst[r] = src[r] / scale[r] saturated and rounded to float8;
     col_absmax (given): max |src| per column."""
     fp8_max = torch.finfo(dst.dtype).max
@@ -61,8 +61,8 @@ def quantize_rows_torch(src: Tensor, dst: Tensor, scale: Tensor,
 
 
 def quantize_scaled_torch(src: Tensor, dst: Tensor, scale: Tensor) -> None:
-    """The PyTorch twin of `kernels.quantize_scaled`: dst[r] = src[r] / scale[r] (0 where the
-    scale is 0), saturated and rounded to float8."""
+    """The PyTorch twin of `quantize_kernels.quantize_scaled`: dst[r] = src[r] / scale[r] (0
+    where the scale is 0), saturated and rounded to float8."""
     fp8_max = torch.finfo(dst.dtype).max
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     dst.copy_((src.to(torch.float32) * inv[:, None]).clamp_(-fp8_max, fp8_max))
@@ -101,7 +101,7 @@ class Float8Gemms:
         self.V, self.H, self.width, self.dx = V, H, padded(V), dx
         self.target = target
         if use_triton:
-            from flce.kernels import quantize_rows, quantize_scaled
+            from flce.quantize_kernels import quantize_rows, quantize_scaled
             self.quantize, quantize_cols = quantize_rows, quantize_scaled
         else:
             self.quantize, quantize_cols = quantize_rows_torch, quantize_scaled_torch

@@ -187,7 +187,7 @@ def test_quantize_rows(impl, device, src_shape, transpose):
     scale = torch.full((R + 5,), -1.0, device=device)
     col_absmax = torch.full((K + 3,), -1.0, device=device)
     if impl == "triton":
-        from flce.kernels import quantize_rows, quantize_scaled
+        from flce.quantize_kernels import quantize_rows, quantize_scaled
         quantize_rows(src, dst[:R, :K], scale[:R], col_absmax[:K])
     else:
         quantize_rows_torch(src, dst[:R, :K], scale[:R], col_absmax[:K])

@@ -143,7 +143,7 @@ def float8_gemm_runs(x, w, logits):
     bf16 out, operands quantized beforehand, as flce/float8.py calls them), the float8 floor
     (float8 logits and dx, bf16 dW) and the quantizations the float8 loss adds."""
     from flce.float8 import Float8Gemms
-    from flce.kernels import quantize_rows, quantize_scaled
+    from flce.quantize_kernels import quantize_rows, quantize_scaled
     N, H = x.shape
     V = w.shape[0]
     target = torch.zeros(N, dtype=torch.long, device=x.device)
