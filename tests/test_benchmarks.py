@@ -152,3 +152,36 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
     readme = (REPO / "README.md").read_text()
     assert f"flce {geomean}× its bare GEMMs" in readme
     assert f"at {fastest[0]} of {fastest[1]} points" in readme
+
+
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?)")
+
+
+def _figures(text: str) -> set[float]:
+    return {float(f.replace(",", "")) for f in FIGURE.findall(text)}
+
+
+def test_the_readmes_figures_are_in_the_reports_it_cites():
+    """Every figure in a result of README's table (tokens/s, ms, ratios, counts) is one its cited
+    report states: a README figure that no report holds is stale or computed by hand."""
+    unbacked = []
+    for line in (REPO / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        cited = re.findall(r"\]\((benchmarks/[^)]+)\)", cells[-1]) if len(cells) == 3 else []
+        if not cited or cited == ["benchmarks/README.md"]:
+            continue
+        reports = [p for c in cited for p in
+                   ([REPO / c] if (REPO / c).is_file() else sorted((REPO / c).rglob("*.md")))]
+        held = set().union(*(_figures(p.read_text()) for p in reports))
+        unbacked += [f"{cells[0]}: {f}" for f in FIGURE.findall(cells[1])
+                     if float(f.replace(",", "")) not in held]
+    assert unbacked == []
+
+
+def test_the_performance_pages_grid_table_is_the_reports():
+    """docs/performance.md's table of the grid by tokens is the one in benchmarks/flce_grid.md."""
+    def table(text):
+        start = text.index("| N | geomean × its GEMMs |")
+        return [line.replace("**", "") for line in text[start:].split("\n\n")[0].splitlines()]
+    assert (table((REPO / "docs/performance.md").read_text())
+            == table((BENCHMARKS / "flce_grid.md").read_text()))

@@ -220,6 +220,12 @@ def test_flce_grid_verdict_counts_each_target():
     table = bench_flce.grid_markdown(meta, results)
     assert "| b | one block | 10.00 (1 TFLOP/s) | 1.080× / 300 |" in table and "| OOM |" in table
     assert "| a | - | 10.00" in table  # a report from before the path was recorded
+    by_tokens = "\n".join(bench_flce.grid_by_tokens(results))
+    assert "| a | 1.040 | 1/1 | 1/1 | 1/1 | 1/1 |" in by_tokens
+    assert "| b | 1.080 | 0/1 | 0/1 | 1/1 | 0/1 |" in by_tokens
+    assert "| all | 1.060 | 1/2 | 1/2 | 2/2 | 1/2 |" in by_tokens
+    assert "not the fastest (1 of 2 points) the fastest is 8.0% faster" in by_tokens
+    assert by_tokens in table
     assert bench_flce.flce_path(8192, 4096, 128256, 2) == "one block"
     assert bench_flce.flce_path(65536, 2048, 128256, 2) == "chunks of 8192"
 

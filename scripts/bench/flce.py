@@ -440,6 +440,38 @@ def _clear_losses(at: dict, shapes: list, ours: str, peers) -> str:
     return text + (f": {', '.join(clear)}" if clear else "")
 
 
+def grid_by_tokens(results: list[dict]) -> list[str]:
+    """flce by tokens N (and over all points): its geometric mean over the bare GEMMs, the points
+    within 1.05x of them, where it beats torch.compile and Liger (a peer that does not fit loses)
+    and where it is the fastest of GRID_METHODS; then by how much the fastest beats flce where
+    flce is not."""
+    at = {(r["shape"], r["method"]): r for r in results}
+    shapes = [s for s in dict.fromkeys(r["shape"] for r in results)
+              if at.get((s, "flce"), {}).get("ms") is not None]
+    ms = lambda s, m: (at.get((s, m)) or {}).get("ms") or math.inf  # noqa: E731
+    rows = ["| N | geomean × its GEMMs | ≤ 1.05× | faster than torch.compile | faster than Liger "
+            "| fastest of all five |", "|---|---|---|---|---|---|"]
+    groups = {n: [s for s in shapes if s.split("x")[0] == n]
+              for n in dict.fromkeys(s.split("x")[0] for s in shapes)}
+    for name, group in [*groups.items(), ("all", shapes)]:
+        ratios = [at[s, "flce"]["vs_gemms"] for s in group]
+        counts = [sum(x <= 1.05 for x in ratios),
+                  sum(ms(s, "flce") < ms(s, "unfused_compile") for s in group),
+                  sum(ms(s, "flce") < ms(s, "liger") for s in group),
+                  sum(all(ms(s, "flce") <= ms(s, m) for m in GRID_METHODS) for s in group)]
+        geomean = math.exp(statistics.fmean(map(math.log, ratios)))
+        rows.append(f"| {name} | {geomean:.3f} | " +
+                    " | ".join(f"{c}/{len(group)}" for c in counts) + " |")
+    margins = [ms(s, "flce") / min(ms(s, m) for m in GRID_METHODS) - 1 for s in shapes]
+    lost = [m for m in margins if m > 0]
+    if lost:
+        spread = f"{100 * min(lost):.1f}-{100 * max(lost):.1f}" if len(lost) > 1 else \
+            f"{100 * lost[0]:.1f}"
+        rows += ["", f"Where flce is not the fastest ({len(lost)} of {len(shapes)} points) the "
+                     f"fastest is {spread}% faster."]
+    return rows
+
+
 def grid_markdown(meta, results):
     names = [m for m in ("bare_gemms", *GRID_METHODS) if any(r["method"] == m for r in results)]
     at = {(r["shape"], r["method"]): r for r in results}
@@ -452,7 +484,7 @@ def grid_markdown(meta, results):
              f"Command: `{meta['command']}`", "",
              "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
              "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory).", "",
-             *grid_verdict(results), "",
+             *grid_verdict(results), "", "By tokens N:", "", *grid_by_tokens(results), "",
              "| N×H×V | flce path | " + " | ".join(names) + " |",
              "|---|---|" + "---|" * len(names)]
     for shape in dict.fromkeys(r["shape"] for r in results):
