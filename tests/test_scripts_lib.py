@@ -118,6 +118,16 @@ def flce_report(meta):
                                        "extra_mib": 2.0, "vs_gemms": 1.1}], {})
 
 
+def test_flce_float8_report_says_when_the_threshold_was_lifted():
+    """--ungated times the float8 GEMMs below flce's threshold (what sets it); its report says
+    so, and the flag without --float8 is refused before any GPU is asked for."""
+    assert "float8 ungated" in flce_report({**CLEAN, "float8": "ungated: every shape"})
+    assert "ungated" not in flce_report(CLEAN)
+    run = subprocess.run([sys.executable, "-m", "scripts.bench.flce", "--ungated"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 2 and "--ungated applies to --float8" in run.stderr
+
+
 def attention_report(meta):
     meta = {"gpu": "G", "torch": "t", "cudnn": 1, "date": "d", "command": "c", **meta}
     return bench_attention.markdown(meta, [{"shape": "1x2x1x8x4", "backend": "cudnn", "ms": 1.0,

@@ -224,6 +224,9 @@ def main():
     p.add_argument("--float8", action="store_true",
                    help="the float8 loss (flce float8=logits, logits+dx) against flce in bf16, "
                         "and each bare GEMM in bf16 and float8")
+    p.add_argument("--ungated", action="store_true",
+                   help="with --float8: the float8 GEMMs at every shape, below flce's threshold "
+                        "(flce.ops.FLOAT8_MIN_TOKENS, FLOAT8_MIN_WORK) too: what sets it")
     p.add_argument("--only", default="", help="comma-separated method names to run")
     p.add_argument("--accuracy-tokens", type=int, default=4096,
                    help="tokens for the error-vs-float64 check at the first shape (0: skip)")
@@ -239,11 +242,16 @@ def main():
                    "benchmarks/flce_bench, benchmarks/flce_float8 with --float8, "
                    "benchmarks/flce_grid with --grid)")
     args = p.parse_args()
+    if args.ungated and not args.float8:
+        p.error("--ungated applies to --float8")
     args.out = args.out or ("benchmarks/flce_float8" if args.float8 else
                             "benchmarks/flce_grid" if args.grid else "benchmarks/flce_bench")
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     dtype = getattr(torch, args.dtype)
+    if args.ungated:
+        import flce.ops  # float8_used reads these at each call
+        flce.ops.FLOAT8_MIN_TOKENS = flce.ops.FLOAT8_MIN_WORK = 0
     if args.grid:
         return run_grid(args, origin, dtype)
     args.shapes = args.shapes or SHAPES
@@ -288,6 +296,8 @@ def main():
     if args.profile:
         return
     meta = run_meta(origin, args.dtype)
+    if args.ungated:
+        meta["float8"] = "ungated: the float8 GEMMs at every shape, below flce's threshold too"
     text = markdown(meta, results, accuracy)
     write_report(args.out, {"meta": meta, "results": results, "accuracy": accuracy}, text)
     print(text)
@@ -513,6 +523,8 @@ def markdown(meta, results, accuracy):
              f"Command: `{meta['command']}`", "",
              "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time).", "",
              *grid_table(results, "method", "N×H×V", _method_cell)]
+    if meta.get("float8"):
+        lines += ["", f"float8 {meta['float8']}."]
     if any(r["method"].startswith("bare_fp8") for r in results):
         lines += ["", "bare_gemms: the three bf16 GEMMs (logits, dx, dW); bare_*: one GEMM alone "
                   "at full size, float8 ones with rowwise scales and bf16 output; bare_fp8_floor: "
