@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
+from scripts.bench import chunk_sizes as bench_chunk_sizes
 from scripts.bench import logits_epilogue as bench_logits_epilogue
 from scripts.lib import report, run_folders, timing
 from scripts.lib.timing import median_ms
@@ -128,6 +129,33 @@ def test_flce_float8_report_says_when_the_threshold_was_lifted():
     assert run.returncode == 2 and "--ungated applies to --float8" in run.stderr
 
 
+def chunk_sizes_report(meta):
+    meta = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **meta}
+    runs = [{"run": "default", "chunk_size": None, "path": "chunks of 8192", "ms": 11.0,
+             "extra_mib": 300.0}, {"run": "c16384", "chunk_size": 16384, "path": "one block",
+                                   "ms": 10.0, "extra_mib": 500.0},
+            {"run": "c4096", "chunk_size": 4096, "path": "chunks of 4096", "ms": None,
+             "extra_mib": None}]
+    return bench_chunk_sizes.markdown(meta, [{"shape": "16384x8x16", "gemms_ms": 8.0,
+                                              "runs": runs}])
+
+
+def test_chunk_sizes_bench_reads_its_points_and_reports_each_run():
+    assert bench_chunk_sizes.parse_points("16384x1024x128256:4096/16384,8x4x2:1") == [
+        (16384, 1024, 128256, [4096, 16384]), (8, 4, 2, [1])]
+    for bad in ("16384x1024:4096", "16384x1024x128256", "8x4x2:0", "8x4x2:a/4"):
+        with pytest.raises(SystemExit, match="--points"):
+            bench_chunk_sizes.parse_points(bad)
+    # the path flce takes for a forced chunk size: N or more is the one-block path
+    assert bench_chunk_sizes.path_name(16384, 1024, 128256, 16384) == "one block"
+    assert bench_chunk_sizes.path_name(16384, 1024, 128256, 4096) == "chunks of 4096"
+    assert bench_chunk_sizes.path_name(65536, 2048, 128256, None) == "chunks of 8192"
+    text = chunk_sizes_report(CLEAN)
+    assert "| 16384x8x16 | default | chunks of 8192 | 11.00 | 1.375 | 1.100 | 300 |" in text
+    assert "| 16384x8x16 | c16384 | one block | 10.00 | 1.250 | 1.000 | 500 |" in text
+    assert "| 16384x8x16 | c4096 | chunks of 4096 | OOM | - | - | - |" in text
+
+
 def attention_report(meta):
     meta = {"gpu": "G", "torch": "t", "cudnn": 1, "date": "d", "command": "c", **meta}
     return bench_attention.markdown(meta, [{"shape": "1x2x1x8x4", "backend": "cudnn", "ms": 1.0,
@@ -150,7 +178,7 @@ def logits_epilogue_report(meta):
 
 
 @pytest.mark.parametrize("render", [flce_report, attention_report, peers_report,
-                                    logits_epilogue_report])
+                                    logits_epilogue_report, chunk_sizes_report])
 def test_benchmark_reports_name_the_commit_and_flag_a_dirty_tree(render):
     """The GPU benchmarks' markdown (their runs need CUDA; bench_train, compare_layouts and
     bench_loss_parallel are run for real in test_bench_train.py and test_scripts.py)."""

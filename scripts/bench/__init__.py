@@ -2,6 +2,7 @@
 (scripts/lib/report.py); benchmarks/README.md indexes the results.
 
     flce.py              the loss alone: fused vs unfused vs peers, float8, chunk sweeps, a grid
+    chunk_sizes.py       flce at forced chunk sizes against its own choice (its rule's evidence)
     loss_parallel.py     the loss under TP=2: sequence- vs vocab-parallel (torchrun)
     attention.py         causal SDPA per backend at the models' shapes
     step_floor.py        a step's GEMMs, attention, loss and optimizer timed alone, summed

@@ -1,0 +1,129 @@
+"""flce at forced chunk sizes, against its own choice: what `flce.ops.pick_chunk_size` and
+`uses_one_block` should pick at a shape.
+
+    python3 -m scripts.bench.chunk_sizes --points 16384x1024x128256:4096/8192/16384,...
+
+Each point is NxHxV:C1/C2/...; a chunk size of N or more is the one-block path. At each point
+flce's default (its own choice) and every forced chunk size are timed forward+backward in
+interleaved rounds (each visit settled by untimed calls, the order shuffled anew each round, as
+`bench.flce --grid`), with the bare GEMMs as the floor, and their peak extra memory measured.
+Writes <out>.json and <out>.md, after every point (a run cut short keeps what it measured).
+"""
+
+import argparse
+import sys
+
+if not __package__:
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.chunk_sizes ...")
+
+import torch  # noqa: E402
+
+import flce  # noqa: E402
+from flce.ops import pick_chunk_size, uses_one_block  # noqa: E402
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, fwd_bwd, gemm_floor, make_inputs,  # noqa: E402
+                                peak_extra_mib)
+from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
+
+
+def parse_points(text: str) -> list[tuple[int, int, int, list[int]]]:
+    """"NxHxV:C1/C2,..." -> [(N, H, V, [C1, C2]), ...], with a clear error for a malformed one."""
+    points = []
+    for item in text.split(","):
+        try:
+            shape, chunks = item.split(":")
+            N, H, V = map(int, shape.split("x"))
+            sizes = [int(c) for c in chunks.split("/")]
+        except ValueError:
+            raise SystemExit(f"--points: {item!r} is not NxHxV:C1/C2/... (e.g. "
+                             "16384x1024x128256:4096/8192/16384)") from None
+        if min(N, H, V, *sizes) < 1:
+            raise SystemExit(f"--points: {item!r} has a size below 1")
+        points.append((N, H, V, sizes))
+    return points
+
+
+def path_name(N: int, H: int, V: int, chunk_size) -> str:
+    """"one block" or "chunks of C", as flce takes it for this chunk_size (None: its choice)."""
+    if uses_one_block(N, H, V, 2, chunk_size, lean=False):
+        return "one block"
+    return f"chunks of {pick_chunk_size(N, H, V, 2, chunk_size, lean=False)}"
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    lines = [*warning_lines(meta),
+             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · bfloat16 · "
+             f"{meta['date']} · git {meta['git']}",
+             f"Command: `{meta['command']}`", "",
+             "flce forward+backward at forced chunk sizes (a size of N or more: the one-block "
+             "path) and at its own choice (default), in interleaved rounds: ms (× the bare "
+             "GEMMs; × the fastest run at the point) / peak extra MiB.", "",
+             "| N×H×V | run | path | ms | × GEMMs | × fastest | MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for point in results:
+        timed = [r["ms"] for r in point["runs"] if r["ms"] is not None]
+        for r in point["runs"]:
+            head = f"| {point['shape']} | {r['run']} | {r['path']} | "
+            if r["ms"] is None:  # out of memory
+                lines.append(head + "OOM | - | - | - |")
+                continue
+            lines.append(head + f"{r['ms']:.2f} | {r['ms'] / point['gemms_ms']:.3f} | "
+                         f"{r['ms'] / min(timed):.3f} | {r['extra_mib']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def measure_point(N, H, V, sizes, seconds, reps) -> dict:
+    x, t, w = make_inputs(N, H, V, torch.bfloat16)
+    floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
+    chunk_of = {"default": None, **{f"c{c}": c for c in sizes}}
+    runs = {name: fwd_bwd(lambda x, t, w, c=c: flce.fused_linear_cross_entropy(
+        x, t, w, chunk_size=c), x, t, w) for name, c in chunk_of.items()}
+    mib = {}
+    for name, run in list(runs.items()):
+        try:
+            run()  # first call outside the measurements
+            mib[name] = peak_extra_mib(run, x, w)
+        except torch.OutOfMemoryError:
+            mib[name] = None
+            del runs[name]
+        x.grad = w.grad = None
+        torch.cuda.empty_cache()
+    rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
+    ms = medians(rounds)
+    point = {"shape": f"{N}x{H}x{V}", "gemms_ms": ms["bare_gemms"],
+             "runs": [{"run": name, "chunk_size": c, "path": path_name(N, H, V, c),
+                       "ms": ms.get(name), "extra_mib": mib[name],
+                       "rounds_ms": rounds.get(name, [])} for name, c in chunk_of.items()]}
+    del x, t, w, runs, floor_run, bufs
+    torch.cuda.empty_cache()
+    return point
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.chunk_sizes", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--points", required=True, help="comma-separated NxHxV:C1/C2/...")
+    p.add_argument("--seconds", type=float, default=0.5,
+                   help="about this long timing each run at each point")
+    p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
+    p.add_argument("--out", default="benchmarks/flce_chunk_sizes",
+                   help="output path without suffix")
+    args = p.parse_args()
+    points = parse_points(args.points)
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, **provenance(),
+            "seconds_per_run": args.seconds}
+    results = []
+    for N, H, V, sizes in points:
+        results.append(measure_point(N, H, V, sizes, args.seconds, args.reps))
+        print(" | ".join([results[-1]["shape"]] + [
+            f"{r['run']} " + ("OOM" if r["ms"] is None else
+                              f"{r['ms']:.2f} ms {r['extra_mib']:.0f} MiB")
+            for r in results[-1]["runs"]]), flush=True)
+        write_report(args.out, {"meta": meta, "results": results}, markdown(meta, results))
+    print(markdown(meta, results))
+
+
+if __name__ == "__main__":
+    main()
