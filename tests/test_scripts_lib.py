@@ -156,6 +156,36 @@ def test_chunk_sizes_bench_reads_its_points_and_reports_each_run():
     assert "| 16384x8x16 | c4096 | chunks of 4096 | OOM | - | - | - |" in text
 
 
+def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
+    """measure_point on the CPU (its GPU timing and memory replaced): every forced chunk size and
+    flce's own choice run forward+backward through the loss, and a size that runs out of memory
+    is reported as such, not dropped."""
+    seen = []
+    real = bench_chunk_sizes.flce.fused_linear_cross_entropy
+
+    def loss(x, t, w, chunk_size=None):
+        seen.append(chunk_size)
+        if chunk_size == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(x, t, w, chunk_size=chunk_size, impl="torch")
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(bench_chunk_sizes.flce, "fused_linear_cross_entropy", loss)
+    monkeypatch.setattr(bench_chunk_sizes, "make_inputs", lambda N, H, V, dtype: (
+        torch.randn(N, H, requires_grad=True), torch.randint(0, V, (N,)),
+        torch.randn(V, H, requires_grad=True)))
+    monkeypatch.setattr(bench_chunk_sizes, "peak_extra_mib", lambda run, x, w: run() or 5.0)
+    monkeypatch.setattr(bench_chunk_sizes, "interleaved_rounds", lambda runs, s, r: {
+        name: [run() or 2.0] for name, run in runs.items()})
+    point = bench_chunk_sizes.measure_point(16, 8, 12, [4, 16, 3], 0.1, 3)
+    assert set(seen) == {None, 4, 16, 3}
+    assert [(r["run"], r["path"], r["ms"], r["extra_mib"]) for r in point["runs"]] == [
+        ("default", "one block", 2.0, 5.0), ("c4", "chunks of 4", 2.0, 5.0),
+        ("c16", "one block", 2.0, 5.0), ("c3", "chunks of 3", None, None)]
+    assert "| c3 | chunks of 3 | OOM |" in bench_chunk_sizes.markdown(
+        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+
+
 def attention_report(meta):
     meta = {"gpu": "G", "torch": "t", "cudnn": 1, "date": "d", "command": "c", **meta}
     return bench_attention.markdown(meta, [{"shape": "1x2x1x8x4", "backend": "cudnn", "ms": 1.0,
