@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
-from scripts.bench import chunk_sizes as bench_chunk_sizes
+from scripts.bench import chunk_sizes as bench_chunk_sizes, float8_grid as bench_float8_grid
 from scripts.bench import logits_epilogue as bench_logits_epilogue
 from scripts.lib import report, run_folders, timing
 from scripts.lib.timing import median_ms
@@ -186,6 +186,55 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
         {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
 
 
+def float8_grid_results():
+    def r(shape, method, ms, rounds, **extra):
+        return {"shape": shape, "method": method, "ms": ms, "rounds_ms": rounds, **extra}
+    results = []
+    # a: float8 used, faster, 1.10x its floor; b: float8 used, slower in every round, 1.30x its
+    # floor; c: below the threshold (the same code), a hair slower within the rounds' spread
+    for shape, used, gemms, floor8, bf16, f8, bf16_rounds, f8_rounds in (
+            ("a", "logits+dx", 20.0, 12.0, 21.0, 13.2, [20.8, 21.0, 21.4], [13.0, 13.2, 13.3]),
+            ("b", "logits+dx", 20.0, 12.0, 15.0, 15.6, [14.9, 15.0, 15.1], [15.5, 15.6, 15.9]),
+            ("c", "none", 2.0, 1.5, 2.2, 2.21, [2.1, 2.2, 2.3], [2.15, 2.21, 2.25])):
+        results += [r(shape, "bare_gemms", gemms, [gemms], float8_used=used),
+                    r(shape, "float8_floor", floor8, [floor8], vs_gemms=floor8 / gemms)]
+        for name, ms, rounds in (("flce", bf16, bf16_rounds), ("flce_float8", f8, f8_rounds)):
+            results.append(r(shape, name, ms, rounds, extra_mib=100.0, vs_gemms=ms / gemms,
+                             vs_float8_floor=ms / floor8))
+    return results
+
+
+def float8_grid_report(meta):
+    meta = {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
+            "command": "c", **meta}
+    return bench_float8_grid.markdown(meta, float8_grid_results())
+
+
+def test_float8_grid_verdict_checks_both_targets():
+    text = "\n".join(bench_float8_grid.verdict(float8_grid_results()))
+    assert "float8 GEMMs used at 2 of 3 points" in text
+    assert ("no slower than the bf16 loss: 1 of 3 points; at 1 of the 2 others slower in every "
+            "round than bf16 in its slowest: b") in text
+    assert "its float8 floor where the bf16 GEMMs take ≥ 10 ms: 1 of 2 (worst 1.300×" in text
+    report = float8_grid_report(CLEAN)
+    assert "| c | no (below the threshold) | 2.00 | 0.750× | 1.100× | 1.105× | 1.473× |" in report
+    assert "| a | yes | 20.00 | 0.600× | 1.050× | 0.660× | 1.100× | 100 / 100 |" in report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (float8 GEMMs)")
+def test_float8_floor_in_row_blocks_sums_dw_over_the_blocks():
+    torch.manual_seed(0)
+    x = torch.randn(40, 32, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(48, 32, device="cuda", dtype=torch.bfloat16) / 6
+    run, (f8, logits, out, dw) = bench_float8_grid.float8_floor(x, w, max_logits_bytes=16 * 48 * 2)
+    run()
+    assert logits.shape == (16, 48)  # blocks of 16, 16 and 8 rows
+    expected = sum(logits[:n].float().t() @ x[s:s + n].float()
+                   for s, n in ((0, 16), (16, 16), (32, 8)))
+    torch.testing.assert_close(dw.float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[:16].float(), logits.float(), rtol=0.1, atol=0.3)  # e4m3 logits
+
+
 def attention_report(meta):
     meta = {"gpu": "G", "torch": "t", "cudnn": 1, "date": "d", "command": "c", **meta}
     return bench_attention.markdown(meta, [{"shape": "1x2x1x8x4", "backend": "cudnn", "ms": 1.0,
@@ -208,7 +257,8 @@ def logits_epilogue_report(meta):
 
 
 @pytest.mark.parametrize("render", [flce_report, attention_report, peers_report,
-                                    logits_epilogue_report, chunk_sizes_report])
+                                    logits_epilogue_report, chunk_sizes_report,
+                                    float8_grid_report])
 def test_benchmark_reports_name_the_commit_and_flag_a_dirty_tree(render):
     """The GPU benchmarks' markdown (their runs need CUDA; bench_train, compare_layouts and
     bench_loss_parallel are run for real in test_bench_train.py and test_scripts.py)."""

@@ -3,6 +3,7 @@
 
     flce.py              the loss alone: fused vs unfused vs peers, float8, chunk sweeps, a grid
     chunk_sizes.py       flce at forced chunk sizes against its own choice (its rule's evidence)
+    float8_grid.py       the float8 loss over the grid, against bf16 and its float8 floor
     loss_parallel.py     the loss under TP=2: sequence- vs vocab-parallel (torchrun)
     attention.py         causal SDPA per backend at the models' shapes
     step_floor.py        a step's GEMMs, attention, loss and optimizer timed alone, summed

@@ -1,0 +1,194 @@
+"""The float8 loss over the whole N x H x V grid of `bench.flce --grid`: against the bf16 loss
+and against its own floor, the float8 GEMMs alone.
+
+    python3 -m scripts.bench.float8_grid [--resume] [--shapes NxHxV,...]
+
+At each point: flce in bf16, flce with float8="logits+dx" (which runs the bf16 GEMMs below
+flce's threshold, `flce.ops.float8_used`: the report says where), the bare bf16 GEMMs and the
+float8 floor (float8 logits and dx GEMMs with their operands quantized beforehand, bf16 dW; in
+row blocks where the logits would not fit, as the bf16 floor), timed in interleaved rounds as
+the bf16 grid. The targets it checks: the float8 loss never slower than the bf16 loss, and
+within 1.15x its float8 floor where the GEMMs take 10 ms or more. Writes <out>.json and <out>.md
+after every point; --resume skips the points already in <out>.json.
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+if not __package__:
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.float8_grid ...")
+
+import torch  # noqa: E402
+
+import flce  # noqa: E402
+from flce.ops import float8_used, gemm_operands  # noqa: E402
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, fwd_bwd, gemm_floor, grid_shapes,  # noqa: E402
+                                make_inputs, peak_extra_mib, run_meta)
+from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
+
+MODE = "logits+dx"
+FLOOR_TARGET = 1.15  # the issue's bound on the float8 loss over its float8 floor
+
+
+def float8_floor(x, w, max_logits_bytes=None):
+    """The float8 loss's GEMMs alone: float8 logits and dx (rowwise scales, bf16 out, operands
+    quantized beforehand, as flce/float8.py calls them) and the bf16 dW, at full size or in row
+    blocks whose logits take at most max_logits_bytes (dW summed in place). The operands hold
+    real values (x's first rows, their logits as the stand-in dlogits), not zeros, which a GEMM
+    runs faster on."""
+    from flce.float8 import Float8Gemms
+    from flce.quantize_kernels import quantize_rows
+    w = gemm_operands(w.detach(), None)[0]
+    (N, H), V = x.shape, w.shape[0]
+    rows = N if max_logits_bytes is None else max(
+        1, min(N, max_logits_bytes // (V * x.element_size())))
+    target = torch.zeros(N, dtype=torch.long, device=x.device)
+    f8 = Float8Gemms(w, None, target, rows, dx=True, use_triton=True)
+    logits = torch.mm(x[:rows], w.t())
+    quantize_rows(x[:rows], f8.x[:, :H], f8.x_scale[:, 0])
+    quantize_rows(logits, f8.g[:, :V], f8.g_scale[:, 0])
+    out = torch.empty(rows, f8.width, device=x.device, dtype=torch.bfloat16)
+    dw = torch.empty_like(w)
+
+    def run():
+        for start in range(0, N, rows):
+            n = min(rows, N - start)
+            torch._scaled_mm(f8.x[:n], f8.w.t(), f8.x_scale[:n], f8.w_scale,
+                             out_dtype=torch.bfloat16, use_fast_accum=True, out=out[:n])
+            torch._scaled_mm(f8.g[:n], f8.wt.t(), f8.g_scale[:n], f8.wt_scale,
+                             out_dtype=torch.bfloat16, use_fast_accum=False, out=f8.dx_out[:n])
+            if start == 0:
+                torch.mm(logits[:n].t(), x[start:start + n], out=dw)
+            else:
+                dw.addmm_(logits[:n].t(), x[start:start + n])
+    return run, (f8, logits, out, dw)
+
+
+def measure_point(shape: str, dtype, seconds: float, reps: int) -> list[dict]:
+    N, H, V = map(int, shape.split("x"))
+    x, t, w = make_inputs(N, H, V, dtype)
+    runs = {"bare_gemms": gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)[0],
+            "float8_floor": float8_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)[0]}
+    mib = {}
+    for name, mode in (("flce", "none"), ("flce_float8", MODE)):
+        run = fwd_bwd(lambda x, t, w, mode=mode: flce.fused_linear_cross_entropy(
+            x, t, w, float8=mode), x, t, w)
+        try:
+            run()  # outside the measurements
+            mib[name] = peak_extra_mib(run, x, w)
+            runs[name] = run
+        except torch.OutOfMemoryError:
+            mib[name] = None
+        x.grad = w.grad = None
+        torch.cuda.empty_cache()
+    rounds = interleaved_rounds(runs, seconds, reps)
+    ms = medians(rounds)
+    gemms, floor8 = ms["bare_gemms"], ms["float8_floor"]
+    point = [{"shape": shape, "method": "bare_gemms", "ms": gemms,
+              "rounds_ms": rounds["bare_gemms"], "float8_used": float8_used(MODE, N, H, V)},
+             {"shape": shape, "method": "float8_floor", "ms": floor8,
+              "vs_gemms": floor8 / gemms, "rounds_ms": rounds["float8_floor"]}]
+    for name in ("flce", "flce_float8"):
+        m = ms.get(name)
+        point.append({"shape": shape, "method": name, "ms": m, "extra_mib": mib[name],
+                      "vs_gemms": None if m is None else m / gemms,
+                      "vs_float8_floor": None if m is None else m / floor8,
+                      "rounds_ms": rounds.get(name, [])})
+    del x, t, w, runs
+    torch.cuda.empty_cache()
+    return point
+
+
+def verdict(results: list[dict]) -> list[str]:
+    """The two targets, each with what the grid measured."""
+    at = {(r["shape"], r["method"]): r for r in results}
+    shapes = [s for s in dict.fromkeys(r["shape"] for r in results)
+              if (at.get((s, "flce_float8")) or {}).get("ms") is not None
+              and (at.get((s, "flce")) or {}).get("ms") is not None]
+    if not shapes:
+        return ["no grid point measured both losses"]
+    used = [s for s in shapes if at[s, "bare_gemms"]["float8_used"] != "none"]
+    slower = [s for s in shapes if at[s, "flce_float8"]["ms"] > at[s, "flce"]["ms"]]
+    clear = [s for s in slower if max(at[s, "flce"]["rounds_ms"]) <
+             min(at[s, "flce_float8"]["rounds_ms"])]
+    lines = [f"- float8 GEMMs used at {len(used)} of {len(shapes)} points (below flce's "
+             f"threshold the float8 loss runs the bf16 GEMMs: the same code as flce)",
+             f"- the float8 loss no slower than the bf16 loss: {len(shapes) - len(slower)} of "
+             f"{len(shapes)} points; at {len(clear)} of the {len(slower)} others slower in every "
+             f"round than bf16 in its slowest" + (f": {', '.join(clear)}" if clear else "")]
+    long = [s for s in used if at[s, "bare_gemms"]["ms"] >= 10]
+    if long:
+        ratios = [at[s, "flce_float8"]["vs_float8_floor"] for s in long]
+        lines.append(f"- the float8 loss ≤ {FLOOR_TARGET}× its float8 floor where the bf16 "
+                     f"GEMMs take ≥ 10 ms: {sum(r <= FLOOR_TARGET for r in ratios)} of "
+                     f"{len(long)} (worst {max(ratios):.3f}×; geometric mean "
+                     f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}×)")
+    speedup = [at[s, "flce"]["ms"] / at[s, "flce_float8"]["ms"] for s in used]
+    if speedup:
+        lines.append(f"- where float8 is used, the bf16 loss's time over the float8 loss's: "
+                     f"{min(speedup):.2f}-{max(speedup):.2f}×")
+    return lines
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    at = {(r["shape"], r["method"]): r for r in results}
+    cell = lambda r, key: "OOM" if r is None or r["ms"] is None else f"{r[key]:.3f}×"  # noqa: E731
+    lines = [*warning_lines(meta),
+             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
+             f"{meta['dtype']} · {meta['date']} · git {meta['git']}",
+             f"Command: `{meta['command']}`", "",
+             "Forward+backward: the bf16 loss (flce) and the float8 loss (flce, "
+             f"float8=\"{MODE}\") against the bare bf16 GEMMs (ms) and the float8 floor "
+             "(float8 logits and dx GEMMs, bf16 dW; × the bf16 GEMMs); the float8 loss also × "
+             "its float8 floor.", "",
+             *verdict(results), "",
+             "| N×H×V | float8 GEMMs | bare bf16 GEMMs ms | float8 floor | flce | flce_float8 | "
+             "flce_float8 × its floor | MiB bf16 / float8 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        gemms, f8, b, q = (at.get((shape, m)) for m in
+                           ("bare_gemms", "float8_floor", "flce", "flce_float8"))
+        used = "yes" if gemms["float8_used"] != "none" else "no (below the threshold)"
+        mib = " / ".join("-" if r is None or r.get("extra_mib") is None else
+                         f"{r['extra_mib']:.0f}" for r in (b, q))
+        lines.append(f"| {shape} | {used} | {gemms['ms']:.2f} | {cell(f8, 'vs_gemms')} | "
+                     f"{cell(b, 'vs_gemms')} | {cell(q, 'vs_gemms')} | "
+                     f"{cell(q, 'vs_float8_floor')} | {mib} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.float8_grid", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", default=None, help="comma-separated NxHxV (default: the grid)")
+    p.add_argument("--seconds", type=float, default=0.5,
+                   help="about this long timing each run at each point")
+    p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the points already in <out>.json, measure the rest")
+    p.add_argument("--out", default="benchmarks/flce_float8_grid",
+                   help="output path without suffix")
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    path = Path(args.out).with_suffix(".json")
+    results = json.loads(path.read_text())["results"] if args.resume and path.exists() else []
+    done = {r["shape"] for r in results}
+    meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds,
+            "timing": "interleaved rounds as bench.flce --grid (each visit settled for "
+                      f"{SETTLE_MS:.0f} ms, the order shuffled each round); the median"}
+    for shape in args.shapes.split(",") if args.shapes else grid_shapes():
+        if shape in done:
+            continue
+        results += measure_point(shape, torch.bfloat16, args.seconds, args.reps)
+        print(" | ".join(f"{r['method']} " + ("OOM" if r["ms"] is None else f"{r['ms']:.2f} ms")
+                         for r in results[-4:]), shape, flush=True)
+        write_report(args.out, {"meta": meta, "results": results}, markdown(meta, results))
+    print(markdown(meta, results))
+
+
+if __name__ == "__main__":
+    main()
