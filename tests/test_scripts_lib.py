@@ -221,6 +221,37 @@ def test_float8_grid_verdict_checks_both_targets():
     assert "| a | yes | 20.00 | 0.600× | 1.050× | 0.660× | 1.100× | 100 / 100 |" in report
 
 
+def test_float8_grid_point_on_the_cpu(monkeypatch):
+    """measure_point with its GPU parts replaced (inputs on the CPU, the float8 floor a bf16
+    one, fixed timings): both losses run through flce with their float8 mode, and the records
+    carry what the verdict and the report read."""
+    modes = []
+    real = bench_float8_grid.flce.fused_linear_cross_entropy
+
+    def loss(x, t, w, float8):
+        modes.append(float8)
+        return real(x, t, w, impl="torch")
+
+    monkeypatch.setattr(bench_float8_grid.flce, "fused_linear_cross_entropy", loss)
+    monkeypatch.setattr(bench_float8_grid, "make_inputs", lambda N, H, V, dtype: (
+        torch.randn(N, H, requires_grad=True), torch.randint(0, V, (N,)),
+        torch.randn(V, H, requires_grad=True)))
+    monkeypatch.setattr(bench_float8_grid, "float8_floor", bench_flce.gemm_floor)
+    monkeypatch.setattr(bench_float8_grid, "peak_extra_mib", lambda run, x, w: run() or 7.0)
+    times = {"bare_gemms": 4.0, "float8_floor": 2.0, "flce": 5.0, "flce_float8": 3.0}
+    monkeypatch.setattr(bench_float8_grid, "interleaved_rounds", lambda runs, s, r: {
+        name: [run() or times[name]] for name, run in runs.items()})
+    point = bench_float8_grid.measure_point("16x8x12", torch.float32, 0.1, 3)
+    assert set(modes) == {"none", "logits+dx"}
+    assert [r["method"] for r in point] == ["bare_gemms", "float8_floor", "flce", "flce_float8"]
+    assert point[0]["float8_used"] == "none"  # 16 tokens: below flce's threshold
+    assert point[3]["vs_gemms"] == 0.75 and point[3]["vs_float8_floor"] == 1.5
+    assert "| 16x8x12 | no (below the threshold) | 4.00 | 0.500× | 1.250× | 0.750× | 1.500× | " \
+        "7 / 7 |" in bench_float8_grid.markdown(
+            {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
+             "command": "c", **CLEAN}, point)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (float8 GEMMs)")
 def test_float8_floor_in_row_blocks_sums_dw_over_the_blocks():
     torch.manual_seed(0)
