@@ -174,7 +174,7 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
     monkeypatch.setattr(bench_chunk_sizes, "make_inputs", lambda N, H, V, dtype: (
         torch.randn(N, H, requires_grad=True), torch.randint(0, V, (N,)),
         torch.randn(V, H, requires_grad=True)))
-    monkeypatch.setattr(bench_chunk_sizes, "peak_extra_mib", lambda run, x, w: run() or 5.0)
+    monkeypatch.setattr(bench_flce, "peak_extra_mib", lambda run, x, w: run() or 5.0)
     monkeypatch.setattr(bench_chunk_sizes, "interleaved_rounds", lambda runs, s, r: {
         name: [run() or 2.0] for name, run in runs.items()})
     point = bench_chunk_sizes.measure_point(16, 8, 12, [4, 16, 3], 0.1, 3)
@@ -237,7 +237,7 @@ def test_float8_grid_point_on_the_cpu(monkeypatch):
         torch.randn(N, H, requires_grad=True), torch.randint(0, V, (N,)),
         torch.randn(V, H, requires_grad=True)))
     monkeypatch.setattr(bench_float8_grid, "float8_floor", bench_flce.gemm_floor)
-    monkeypatch.setattr(bench_float8_grid, "peak_extra_mib", lambda run, x, w: run() or 7.0)
+    monkeypatch.setattr(bench_flce, "peak_extra_mib", lambda run, x, w: run() or 7.0)
     times = {"bare_gemms": 4.0, "float8_floor": 2.0, "flce": 5.0, "flce_float8": 3.0}
     monkeypatch.setattr(bench_float8_grid, "interleaved_rounds", lambda runs, s, r: {
         name: [run() or times[name]] for name, run in runs.items()})

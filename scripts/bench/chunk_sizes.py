@@ -20,8 +20,8 @@ import torch  # noqa: E402
 
 import flce  # noqa: E402
 from flce.ops import pick_chunk_size, uses_one_block  # noqa: E402
-from scripts.bench.flce import (FLOOR_LOGITS_BYTES, fwd_bwd, gemm_floor, make_inputs,  # noqa: E402
-                                peak_extra_mib)
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
+                                make_inputs)
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
 
@@ -76,18 +76,8 @@ def measure_point(N, H, V, sizes, seconds, reps) -> dict:
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
     chunk_of = {"default": None, **{f"c{c}": c for c in sizes}}
-    runs = {name: fwd_bwd(lambda x, t, w, c=c: flce.fused_linear_cross_entropy(
-        x, t, w, chunk_size=c), x, t, w) for name, c in chunk_of.items()}
-    mib = {}
-    for name, run in list(runs.items()):
-        try:
-            run()  # first call outside the measurements
-            mib[name] = peak_extra_mib(run, x, w)
-        except torch.OutOfMemoryError:
-            mib[name] = None
-            del runs[name]
-        x.grad = w.grad = None
-        torch.cuda.empty_cache()
+    runs, mib = first_calls({name: (lambda x, t, w, c=c: flce.fused_linear_cross_entropy(
+        x, t, w, chunk_size=c)) for name, c in chunk_of.items()}, x, t, w)
     rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
     ms = medians(rounds)
     point = {"shape": f"{N}x{H}x{V}", "gemms_ms": ms["bare_gemms"],

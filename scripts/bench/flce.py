@@ -82,6 +82,24 @@ def methods(N, H, V, sweep, float8=False):
     return m
 
 
+def first_calls(fns: dict, x, t, w) -> tuple[dict, dict]:
+    """({name: forward+backward run} of the loss functions that fit in memory, {name: peak extra
+    MiB, None where it did not fit}), each called once first: compilation and autotuning stay
+    out of the measurements."""
+    runs, mib = {}, {}
+    for name, f in fns.items():
+        run = fwd_bwd(f, x, t, w)
+        try:
+            run()
+            mib[name] = peak_extra_mib(run, x, w)
+            runs[name] = run
+        except torch.OutOfMemoryError:
+            mib[name] = None
+        x.grad = w.grad = None
+        torch.cuda.empty_cache()
+    return runs, mib
+
+
 def peak_extra_mib(fn, *params):
     for p in params:  # gradients are produced by the run, so they count as extra memory
         p.grad = None
@@ -343,18 +361,8 @@ def run_grid(args, origin, dtype):
         fns = {k: f for k, f in methods(N, H, V, sweep=False).items() if k in GRID_METHODS}
         x, t, w = make_inputs(N, H, V, dtype)
         floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
-        runs, mib = {"bare_gemms": floor_run}, {}
-        for name, f in fns.items():
-            run = fwd_bwd(f, x, t, w)
-            try:
-                run()  # compiles and autotunes outside the measurements
-                mib[name] = peak_extra_mib(run, x, w)
-                runs[name] = run
-            except torch.OutOfMemoryError:
-                mib[name] = None
-            x.grad = w.grad = None
-            torch.cuda.empty_cache()
-        rounds = interleaved_rounds(runs, args.seconds, args.reps)
+        runs, mib = first_calls(fns, x, t, w)
+        rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, args.seconds, args.reps)
         ms = medians(rounds)
         floor_ms = ms["bare_gemms"]
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,

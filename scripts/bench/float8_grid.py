@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 import flce  # noqa: E402
 from flce.ops import float8_used, gemm_operands  # noqa: E402
-from scripts.bench.flce import (FLOOR_LOGITS_BYTES, fwd_bwd, gemm_floor, grid_shapes,  # noqa: E402
-                                make_inputs, peak_extra_mib, run_meta)
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
+                                grid_shapes, make_inputs, run_meta)
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
 
@@ -73,19 +73,10 @@ def measure_point(shape: str, dtype, seconds: float, reps: int) -> list[dict]:
     x, t, w = make_inputs(N, H, V, dtype)
     runs = {"bare_gemms": gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)[0],
             "float8_floor": float8_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)[0]}
-    mib = {}
-    for name, mode in (("flce", "none"), ("flce_float8", MODE)):
-        run = fwd_bwd(lambda x, t, w, mode=mode: flce.fused_linear_cross_entropy(
-            x, t, w, float8=mode), x, t, w)
-        try:
-            run()  # outside the measurements
-            mib[name] = peak_extra_mib(run, x, w)
-            runs[name] = run
-        except torch.OutOfMemoryError:
-            mib[name] = None
-        x.grad = w.grad = None
-        torch.cuda.empty_cache()
-    rounds = interleaved_rounds(runs, seconds, reps)
+    losses = {name: (lambda x, t, w, mode=mode: flce.fused_linear_cross_entropy(
+        x, t, w, float8=mode)) for name, mode in (("flce", "none"), ("flce_float8", MODE))}
+    timed, mib = first_calls(losses, x, t, w)
+    rounds = interleaved_rounds({**runs, **timed}, seconds, reps)
     ms = medians(rounds)
     gemms, floor8 = ms["bare_gemms"], ms["float8_floor"]
     point = [{"shape": shape, "method": "bare_gemms", "ms": gemms,
