@@ -46,8 +46,8 @@ class Job:
     dump_folder: str = "./outputs/debug"
     """The run's folder: metrics.jsonl, config.toml, checkpoints, traces.
 
-    A second run into the same folder waits for the first (a lock file), and a fresh run sets an
-    earlier run's metrics.jsonl aside rather than appending to it."""
+    A second run into the same folder is refused at once, naming the run that holds it (a lock
+    file), and a fresh run sets an earlier run's metrics.jsonl aside rather than appending to it."""
     description: str = ""
     """A line about the run, shown in the start and summary lines and as the wandb run's notes."""
     print_config: bool = True
@@ -195,9 +195,11 @@ class Data:
 
     Token shards hold theirs out when they are prepared (scripts.prepare_data --val-every)."""
     num_workers: int = 2
-    """Text sources: tokenizer processes per rank, running ahead of training; 0: the training thread.
+    """Text sources: tokenizer processes per rank, running ahead of training; 0: the loader's
+    background thread.
 
-    0 is fine for the byte tokenizer; a 32k BPE tokenizes ~0.5M tokens/s per core."""
+    0 is fine for the byte tokenizer; a 32k BPE tokenizes ~0.6M tokens/s per core
+    (benchmarks/data_loader_cpu.md)."""
     cache_dir: str = "~/.cache/flce-recipes"
     """Where hub datasets are cached; also the embedded stdlib corpus, and local files' Arrow copies and check reports.
 
