@@ -16,7 +16,7 @@
 #             A third run, flce at the config's seed + 1, measures the noise band; the smoothed
 #             fused-unfused difference must stay within BAND_RATIO (0.5) of the smoothed
 #             seed-to-seed difference.
-#   absolute  on the CPU, which trains in fp32 and deterministically (the curves agree to ~1e-6):
+#   absolute  on the CPU, which trains in fp32 and deterministically (debug config: 1.6e-4 at most):
 #             every step's |flce - unfused| within TOLERANCE (0.02).
 # Results: ${OUT_DIR:-outputs/compare}/{flce,unfused,flce_seed<N>}/metrics.jsonl and
 # fused_vs_unfused.png there; each folder is emptied before its run, but only one that a script
