@@ -15,6 +15,7 @@ import torch
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
 from scripts.bench import chunk_sizes as bench_chunk_sizes, float8_grid as bench_float8_grid
 from scripts.bench import logits_epilogue as bench_logits_epilogue
+from scripts.bench import row_overlap as bench_row_overlap
 from scripts.lib import report, run_folders, timing
 from scripts.lib.timing import median_ms
 
@@ -221,6 +222,25 @@ def test_float8_grid_verdict_checks_both_targets():
     assert "| a | yes | 20.00 | 0.600× | 1.050× | 0.660× | 1.100× | 100 / 100 |" in report
 
 
+def test_float8_grid_ceiling_names_the_points_no_row_pass_brings_to_the_target():
+    # row passes at 4.8 TB/s: 7·65536·32000 bytes = 3.058 ms, 7·16384·128256 = 3.065 ms
+    def point(shape, floor8, f8):
+        return [{"shape": shape, "method": "bare_gemms", "ms": 20.0, "rounds_ms": [20.0],
+                 "float8_used": "logits+dx"},
+                {"shape": shape, "method": "float8_floor", "ms": floor8, "rounds_ms": [floor8],
+                 "vs_gemms": floor8 / 20.0},
+                *({"shape": shape, "method": name, "ms": ms, "rounds_ms": [ms],
+                   "vs_gemms": ms / 20.0, "vs_float8_floor": ms / floor8, "extra_mib": 1.0}
+                  for name, ms in (("flce", 30.0), ("flce_float8", f8)))]
+    results = point("65536x1024x32000", 14.0, 18.0) + point("16384x8192x128256", 110.0, 113.0)
+    text = "\n".join(bench_float8_grid.verdict(results, "NVIDIA H200"))
+    assert ("put the float8 loss at 1.028-1.218× its floor at those 2 points; ≤ 1.15× is out of "
+            "reach at 1 (65536x1024x32000: 1.218-1.218×)") in text
+    # above the floor: 4.0 ms / 3.058 = 1.31 and 3.0 / 3.065 = 0.98; the median of two: the upper
+    assert "a median 1.31× those passes' time" in text
+    assert "ceiling" not in "\n".join(bench_float8_grid.verdict(results, "some other GPU"))
+
+
 def test_float8_grid_point_on_the_cpu(monkeypatch):
     """measure_point with its GPU parts replaced (inputs on the CPU, the float8 floor a bf16
     one, fixed timings): both losses run through flce with their float8 mode, and the records
@@ -250,6 +270,41 @@ def test_float8_grid_point_on_the_cpu(monkeypatch):
         "7 / 7 |" in bench_float8_grid.markdown(
             {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
              "command": "c", **CLEAN}, point)
+
+
+def test_row_overlap_report_rates_each_variant_against_flce():
+    point = {"shape": "64x8x40", "path": "chunks of 16", "gemms_ms": 2.0, "runs": [
+        {"run": "flce", "ms": 2.5, "extra_mib": 3.0, "bitwise_same": True},
+        {"run": "overlap", "ms": 2.4, "extra_mib": 4.0, "bitwise_same": True},
+        {"run": "overlap_high_priority", "ms": None, "extra_mib": None, "bitwise_same": False}]}
+    text = bench_row_overlap.markdown(
+        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+    assert "| 64x8x40 | chunks of 16 | overlap | 2.40 | 1.200× | 0.960× | 4 | yes |" in text
+    assert "| 64x8x40 | chunks of 16 | overlap_high_priority | OOM |" in text
+    assert "Overlap over flce: 0.960-0.960× at 1 points." in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (streams)")
+@pytest.mark.parametrize("priority", [0, -1])
+def test_row_overlap_variant_is_bitwise_flces_chunked_sweep(priority):
+    """Two buffers, row passes on a side stream: the same loss, dx and dW bit for bit, at an odd
+    token count whose last chunk is short."""
+    torch.manual_seed(0)
+    x = torch.randn(203, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16) / 8).requires_grad_()
+    t = torch.randint(0, 1000, (203,), device="cuda")
+    t[::7] = -100
+    side = torch.cuda.Stream(priority=priority)
+    got = []
+    for loop in (bench_row_overlap.SEQUENTIAL, bench_row_overlap.overlapped_chunk_loop(side)):
+        x.grad = w.grad = None
+        with bench_row_overlap.chunk_loop(loop):
+            loss = bench_row_overlap.flce.fused_linear_cross_entropy(x, t, w, chunk_size=48)
+        loss.backward()
+        got.append((loss.detach(), x.grad, w.grad))
+    assert bench_row_overlap.flce.ops.chunk_loop is bench_row_overlap.SEQUENTIAL
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (float8 GEMMs)")

@@ -32,6 +32,23 @@ from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E
 
 MODE = "logits+dx"
 FLOOR_TARGET = 1.15  # the issue's bound on the float8 loss over its float8 floor
+# Bytes the float8 loss's row passes move per logit beyond the GEMMs' own traffic: the
+# statistics pass reads it (2), the gradient pass reads it (2) and writes the bf16 dlogits for
+# the bf16 dW GEMM (2) and the e4m3 ones for the float8 dx GEMM (1).
+ROW_BYTES = 7
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # the makers' peak figures
+
+
+def hbm_peak(gpu: str):
+    """The HBM's peak bytes/s of a GPU named `gpu` (torch.cuda.get_device_name), or None."""
+    return next((bps for name, bps in HBM_BYTES_PER_S.items() if name in gpu), None)
+
+
+def row_pass_ceiling(shape: str, floor_ms: float, bytes_per_s: float) -> float:
+    """The float8 loss over its float8 floor if its row passes ran at the HBM's peak and
+    nothing else were added: 1 + (ROW_BYTES·N·V / peak) / the floor's time."""
+    N, _, V = map(int, shape.split("x"))
+    return 1 + ROW_BYTES * N * V / bytes_per_s * 1e3 / floor_ms
 
 
 def float8_floor(x, w, max_logits_bytes=None):
@@ -94,8 +111,9 @@ def measure_point(shape: str, dtype, seconds: float, reps: int) -> list[dict]:
     return point
 
 
-def verdict(results: list[dict]) -> list[str]:
-    """The two targets, each with what the grid measured."""
+def verdict(results: list[dict], gpu: str = "") -> list[str]:
+    """The two targets, each with what the grid measured, and on a GPU of known HBM peak the
+    points where no row pass could meet the second."""
     at = {(r["shape"], r["method"]): r for r in results}
     shapes = [s for s in dict.fromkeys(r["shape"] for r in results)
               if (at.get((s, "flce_float8")) or {}).get("ms") is not None
@@ -118,11 +136,29 @@ def verdict(results: list[dict]) -> list[str]:
                      f"GEMMs take ≥ 10 ms: {sum(r <= FLOOR_TARGET for r in ratios)} of "
                      f"{len(long)} (worst {max(ratios):.3f}×; geometric mean "
                      f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}×)")
+        if hbm_peak(gpu):
+            lines.append(ceiling_line(at, long, hbm_peak(gpu)))
     speedup = [at[s, "flce"]["ms"] / at[s, "flce_float8"]["ms"] for s in used]
     if speedup:
         lines.append(f"- where float8 is used, the bf16 loss's time over the float8 loss's: "
                      f"{min(speedup):.2f}-{max(speedup):.2f}×")
     return lines
+
+
+def ceiling_line(at: dict, long: list[str], bytes_per_s: float) -> str:
+    ceiling = {s: row_pass_ceiling(s, at[s, "float8_floor"]["ms"], bytes_per_s) for s in long}
+    out = sorted((s for s in long if ceiling[s] > FLOOR_TARGET), key=ceiling.get)
+    above = [(at[s, "flce_float8"]["ms"] - at[s, "float8_floor"]["ms"])
+             / (ROW_BYTES * int(s.split("x")[0]) * int(s.split("x")[2]) / bytes_per_s * 1e3)
+             for s in long]
+    text = (f"- its ceiling: row passes alone at the HBM's peak ({bytes_per_s / 1e12:.2f} TB/s, "
+            f"{ROW_BYTES} bytes a logit) put the float8 loss at {min(ceiling.values()):.3f}-"
+            f"{max(ceiling.values()):.3f}× its floor at those {len(long)} points; ≤ "
+            f"{FLOOR_TARGET}× is out of reach at {len(out)}")
+    if out:
+        text += (f" ({', '.join(out)}: {ceiling[out[0]]:.3f}-{ceiling[out[-1]]:.3f}×)")
+    return text + (f"; its time above the floor is a median "
+                   f"{sorted(above)[len(above) // 2]:.2f}× those passes' time at the peak")
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
@@ -136,7 +172,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
              f"float8=\"{MODE}\") against the bare bf16 GEMMs (ms) and the float8 floor "
              "(float8 logits and dx GEMMs, bf16 dW; × the bf16 GEMMs); the float8 loss also × "
              "its float8 floor.", "",
-             *verdict(results), "",
+             *verdict(results, meta["gpu"]), "",
              "| N×H×V | float8 GEMMs | bare bf16 GEMMs ms | float8 floor | flce | flce_float8 | "
              "flce_float8 × its floor | MiB bf16 / float8 |",
              "|---|---|---|---|---|---|---|---|"]

@@ -1,0 +1,191 @@
+"""Would the chunked sweep gain from running its row pass beside a GEMM? An experiment, not a
+path of the loss.
+
+    python3 -m scripts.bench.row_overlap --shapes 65536x1024x128256,...
+
+flce's chunked sweep (`flce.ops.chunk_loop`) runs, per chunk, the logits GEMM, the row pass
+(memory-bound: ~15% of the three GEMMs' time at H = 1024) and the dx and dW GEMMs one after
+another on one stream. The variant here keeps two logits buffers and puts chunk i's row pass on
+a second stream, where it can run while the main stream's logits GEMM of chunk i + 1 does; the
+GEMMs stay in order on the main stream, so dW sums the chunks in the same order and every
+result is bitwise the same (checked at each point). Timed against flce and the bare GEMMs in
+interleaved rounds, with the side stream at the default and at the highest priority. Writes
+<out>.json and <out>.md.
+"""
+
+import argparse
+import contextlib
+import sys
+
+if not __package__:
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.row_overlap ...")
+
+import torch  # noqa: E402
+
+import flce  # noqa: E402
+import flce.ops  # noqa: E402
+from flce.ops import gemm_operands, gemm_vocab, matmul_into  # noqa: E402
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
+                                make_inputs)
+from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
+
+SEQUENTIAL = flce.ops.chunk_loop
+
+
+def overlapped_chunk_loop(side: torch.cuda.Stream):
+    """chunk_loop's signature and results, the row pass of each chunk on `side` beside the next
+    chunk's logits GEMM (bf16 only: no bias, db or float8; those take the sequential loop)."""
+    def loop(x, weight, bias, chunk_size, row_pass, dx, dw_acc, db_acc, fp8=None):
+        if fp8 is not None or bias is not None or db_acc is not None:
+            return SEQUENTIAL(x, weight, bias, chunk_size, row_pass, dx, dw_acc, db_acc, fp8)
+        N, V = x.shape[0], weight.shape[0]
+        width = gemm_vocab(V, x.element_size())
+        C = min(chunk_size, N)
+        buffers = [torch.empty(C, width, device=x.device, dtype=x.dtype) for _ in range(2)]
+        w = gemm_operands(weight, None)[0]
+        main = torch.cuda.current_stream()
+        starts = range(0, N, chunk_size)
+
+        def logits_of(i):
+            start = starts[i]
+            block = buffers[i % 2][:min(C, N - start)]
+            torch.mm(x[start:start + len(block)], w.t(), out=block)
+            written = torch.cuda.Event()
+            written.record(main)
+            return block, written
+
+        pending = logits_of(0)
+        for i, start in enumerate(starts):
+            block, written = pending
+            end = start + len(block)
+            side.wait_event(written)
+            with torch.cuda.stream(side):
+                row_pass(block if width == V else block[:, :V], start, end)
+            done = torch.cuda.Event()
+            done.record(side)
+            if i + 1 < len(starts):
+                pending = logits_of(i + 1)  # the other buffer: its last reader ran on main
+            main.wait_event(done)
+            if dx is not None:
+                matmul_into(dx[start:end], block, w, accumulate=False)
+            if dw_acc is not None:
+                matmul_into(dw_acc, block.t(), x[start:end], accumulate=start > 0)
+    return loop
+
+
+@contextlib.contextmanager
+def chunk_loop(loop):
+    flce.ops.chunk_loop = loop
+    try:
+        yield
+    finally:
+        flce.ops.chunk_loop = SEQUENTIAL
+
+
+def loss_with(loop):
+    def f(x, t, w):
+        with chunk_loop(loop):
+            return flce.fused_linear_cross_entropy(x, t, w)
+    return f
+
+
+def variants() -> dict:
+    low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically low > high
+    return {"flce": loss_with(SEQUENTIAL),
+            "overlap": loss_with(overlapped_chunk_loop(torch.cuda.Stream(priority=low))),
+            "overlap_high_priority": loss_with(overlapped_chunk_loop(
+                torch.cuda.Stream(priority=high)))}
+
+
+def bitwise_same(fns: dict, x, t, w) -> dict:
+    """{name: whether its loss, dx and dW equal flce's bit for bit}."""
+    out = {}
+    for name, f in fns.items():
+        x.grad = w.grad = None
+        loss = f(x, t, w)
+        loss.backward()
+        out[name] = (loss.detach().clone(), x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    return {name: all(map(torch.equal, out["flce"], got)) for name, got in out.items()}
+
+
+def measure_point(shape: str, seconds: float, reps: int) -> dict:
+    N, H, V = map(int, shape.split("x"))
+    x, t, w = make_inputs(N, H, V, torch.bfloat16)
+    fns = variants()
+    same = bitwise_same(fns, x, t, w)
+    floor_run, buffers = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
+    runs, mib = first_calls(fns, x, t, w)
+    rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
+    ms = medians(rounds)
+    point = {"shape": shape, "path": flce_path(N, H, V), "gemms_ms": ms["bare_gemms"],
+             "runs": [{"run": name, "ms": ms.get(name), "extra_mib": mib[name],
+                       "bitwise_same": same[name], "rounds_ms": rounds.get(name, [])}
+                      for name in fns]}
+    del x, t, w, runs, floor_run, buffers
+    torch.cuda.empty_cache()
+    return point
+
+
+def flce_path(N, H, V) -> str:
+    if flce.ops.uses_one_block(N, H, V, 2, None, lean=False):
+        return "one block (the variants are flce)"
+    return f"chunks of {flce.ops.pick_chunk_size(N, H, V, 2, None, lean=False)}"
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    lines = [*warning_lines(meta),
+             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · bfloat16 · "
+             f"{meta['date']} · git {meta['git']}",
+             f"Command: `{meta['command']}`", "",
+             "flce's chunked sweep forward+backward as it runs (flce), and with each chunk's row "
+             "pass on a second stream beside the next chunk's logits GEMM (overlap; the side "
+             "stream at the default and at the highest priority), in interleaved rounds: ms "
+             "(× the bare GEMMs; × flce) / peak extra MiB; bitwise: loss, dx and dW equal "
+             "flce's.", "",
+             "| N×H×V | flce path | run | ms | × GEMMs | × flce | MiB | bitwise |",
+             "|---|---|---|---|---|---|---|---|"]
+    for point in results:
+        base = next(r["ms"] for r in point["runs"] if r["run"] == "flce")
+        for r in point["runs"]:
+            head = f"| {point['shape']} | {point['path']} | {r['run']} | "
+            if r["ms"] is None:
+                lines.append(head + "OOM | - | - | - | - |")
+                continue
+            lines.append(head + f"{r['ms']:.2f} | {r['ms'] / point['gemms_ms']:.3f}× | "
+                         f"{r['ms'] / base:.3f}× | {r['extra_mib']:.0f} | "
+                         f"{'yes' if r['bitwise_same'] else 'NO'} |")
+    ratios = [r["ms"] / next(q["ms"] for q in p["runs"] if q["run"] == "flce")
+              for p in results for r in p["runs"] if r["run"] != "flce" and r["ms"]]
+    if ratios:
+        lines += ["", f"Overlap over flce: {min(ratios):.3f}-{max(ratios):.3f}× at "
+                      f"{len(results)} points."]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.row_overlap", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", required=True, help="comma-separated NxHxV")
+    p.add_argument("--seconds", type=float, default=0.5,
+                   help="about this long timing each run at each point")
+    p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
+    p.add_argument("--out", default="benchmarks/flce_row_overlap",
+                   help="output path without suffix")
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, **provenance(),
+            "seconds_per_run": args.seconds}
+    results = []
+    for shape in args.shapes.split(","):
+        results.append(measure_point(shape, args.seconds, args.reps))
+        print(" | ".join([shape] + [f"{r['run']} {r['ms']:.2f} ms" for r in results[-1]["runs"]
+                                    if r["ms"] is not None]), flush=True)
+        write_report(args.out, {"meta": meta, "results": results}, markdown(meta, results))
+    print(markdown(meta, results))
+
+
+if __name__ == "__main__":
+    main()
