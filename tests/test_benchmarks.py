@@ -154,6 +154,14 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
     assert f"at {fastest[0]} of {fastest[1]} points" in readme
 
 
+def test_the_float8_grid_report_is_its_json():
+    """benchmarks/flce_float8_grid.md is what scripts.bench.float8_grid renders from its JSON."""
+    from scripts.bench.float8_grid import markdown
+    record = json.loads((BENCHMARKS / "flce_float8_grid.json").read_text())
+    assert (BENCHMARKS / "flce_float8_grid.md").read_text() == markdown(record["meta"],
+                                                                        record["results"])
+
+
 FIGURE = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?)")
 
 
