@@ -2,11 +2,14 @@
 the README, docs/ and the benchmarks' own READMEs cite exists (a result moved to archive/ takes its
 citations with it)."""
 
+import importlib
 import importlib.util
 import json
 import re
 import shlex
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
@@ -154,12 +157,15 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
     assert f"at {fastest[0]} of {fastest[1]} points" in readme
 
 
-def test_the_float8_grid_report_is_its_json():
-    """benchmarks/flce_float8_grid.md is what scripts.bench.float8_grid renders from its JSON."""
-    from scripts.bench.float8_grid import markdown
-    record = json.loads((BENCHMARKS / "flce_float8_grid.json").read_text())
-    assert (BENCHMARKS / "flce_float8_grid.md").read_text() == markdown(record["meta"],
-                                                                        record["results"])
+@pytest.mark.parametrize("name, module", [("flce_float8_grid", "float8_grid"),
+                                          ("flce_chunk_sizes_h200", "chunk_sizes"),
+                                          ("flce_row_overlap_h200", "row_overlap")])
+def test_a_kernel_report_is_its_jsons_render(name, module):
+    """These reports are what their benchmark renders from their JSON: no figure edited by hand
+    (and a change to the rendering shows here)."""
+    markdown = importlib.import_module(f"scripts.bench.{module}").markdown
+    record = json.loads((BENCHMARKS / f"{name}.json").read_text())
+    assert (BENCHMARKS / f"{name}.md").read_text() == markdown(record["meta"], record["results"])
 
 
 FIGURE = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?)")

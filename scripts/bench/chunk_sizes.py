@@ -22,7 +22,7 @@ import flce  # noqa: E402
 from flce.ops import pick_chunk_size, uses_one_block  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 make_inputs)
-from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
 
 
@@ -51,10 +51,7 @@ def path_name(N: int, H: int, V: int, chunk_size) -> str:
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
-    lines = [*warning_lines(meta),
-             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · bfloat16 · "
-             f"{meta['date']} · git {meta['git']}",
-             f"Command: `{meta['command']}`", "",
+    lines = [*kernel_report_head(meta, "bfloat16"),
              "flce forward+backward at forced chunk sizes (a size of N or more: the one-block "
              "path) and at its own choice (default), in interleaved rounds: ms (× the bare "
              "GEMMs; × the fastest run at the point) / peak extra MiB.", "",

@@ -37,7 +37,8 @@ import torch  # noqa: E402
 
 import flce  # noqa: E402
 from flce.ops import gemm_operands  # noqa: E402
-from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
+                                write_report)
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, median_ms, medians  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
@@ -496,10 +497,7 @@ def grid_markdown(meta, results):
     cell = lambda r: ("-" if r is None else "OOM" if r["ms"] is None else
                       f"{r['ms']:.2f} ({r['tflops']:.0f} TFLOP/s)" if r["method"] == "bare_gemms"
                       else f"{r['vs_gemms']:.3f}× / {r['extra_mib']:.0f}")
-    lines = [*warning_lines(meta),
-             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
-             f"{meta['dtype']} · {meta['date']} · git {meta['git']}",
-             f"Command: `{meta['command']}`", "",
+    lines = [*kernel_report_head(meta, meta["dtype"]),
              "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
              "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory).", "",
              *grid_verdict(results), "", "By tokens N:", "", *grid_by_tokens(results), "",
@@ -525,10 +523,7 @@ def _method_cell(name, r):
 
 
 def markdown(meta, results, accuracy):
-    lines = [*warning_lines(meta),
-             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
-             f"{meta['dtype']} · {meta['date']} · git {meta['git']}",
-             f"Command: `{meta['command']}`", "",
+    lines = [*kernel_report_head(meta, meta["dtype"]),
              "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time).", "",
              *grid_table(results, "method", "N×H×V", _method_cell)]
     if meta.get("float8"):

@@ -27,7 +27,7 @@ import flce  # noqa: E402
 from flce.ops import float8_used, gemm_operands  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 grid_shapes, make_inputs, run_meta)
-from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
 
 MODE = "logits+dx"
@@ -164,10 +164,7 @@ def ceiling_line(at: dict, long: list[str], bytes_per_s: float) -> str:
 def markdown(meta: dict, results: list[dict]) -> str:
     at = {(r["shape"], r["method"]): r for r in results}
     cell = lambda r, key: "OOM" if r is None or r["ms"] is None else f"{r[key]:.3f}×"  # noqa: E731
-    lines = [*warning_lines(meta),
-             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · "
-             f"{meta['dtype']} · {meta['date']} · git {meta['git']}",
-             f"Command: `{meta['command']}`", "",
+    lines = [*kernel_report_head(meta, meta["dtype"]),
              "Forward+backward: the bf16 loss (flce) and the float8 loss (flce, "
              f"float8=\"{MODE}\") against the bare bf16 GEMMs (ms) and the float8 floor "
              "(float8 logits and dx GEMMs, bf16 dW; × the bf16 GEMMs); the float8 loss also × "

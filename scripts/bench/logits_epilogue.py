@@ -25,7 +25,7 @@ import triton.language as tl  # noqa: E402
 
 from flce.kernels import launch_row_stats  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
-from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import median_ms  # noqa: E402
 
 # N x H x V: a chunk of 8192 tokens at the three hidden sizes of the grid, and two one-block shapes
@@ -132,9 +132,7 @@ def measure(shape: str) -> dict:
 
 
 def markdown(meta, results) -> str:
-    lines = [*warning_lines(meta),
-             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · bf16 · "
-             f"{meta['date']} · git {meta['git']}", f"Command: `{meta['command']}`", "",
+    lines = [*kernel_report_head(meta, "bf16"),
              "The logits GEMM x @ Wᵀ (N×H by H×V, bf16 out), median ms. cuBLAS + pass: "
              "torch.mm, then flce's statistics pass over the logits (what flce runs). Triton: a "
              "persistent TMA GEMM, the best of the tile configurations below, alone and with the "

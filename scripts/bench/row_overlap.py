@@ -27,7 +27,7 @@ import flce.ops  # noqa: E402
 from flce.ops import gemm_operands, gemm_vocab, matmul_into  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 make_inputs)
-from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
+from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
 
 SEQUENTIAL = flce.ops.chunk_loop
@@ -135,10 +135,7 @@ def flce_path(N, H, V) -> str:
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
-    lines = [*warning_lines(meta),
-             f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · bfloat16 · "
-             f"{meta['date']} · git {meta['git']}",
-             f"Command: `{meta['command']}`", "",
+    lines = [*kernel_report_head(meta, "bfloat16"),
              "flce's chunked sweep forward+backward as it runs (flce), and with each chunk's row "
              "pass on a second stream beside the next chunk's logits GEMM (overlap; the side "
              "stream at the default and at the highest priority), in interleaved rounds: ms "

@@ -94,6 +94,15 @@ def warning_lines(meta: dict) -> list[str]:
     return [warning, ""] if warning else []
 
 
+def kernel_report_head(meta: dict, dtype: str) -> list[str]:
+    """The first lines of a kernel benchmark's markdown: the warning of a tree no commit
+    reproduces, the GPU, versions, dtype, date and commit, the command, and a blank line."""
+    return [*warning_lines(meta),
+            f"GPU: {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · {dtype} · "
+            f"{meta['date']} · git {meta['git']}",
+            f"Command: `{meta['command']}`", ""]
+
+
 def command_line(launcher: tuple[str, ...] = ("python3",)) -> str:
     """The command that ran this process: `python3 -m scripts.NAME ARGS` for a script run as a
     module (launcher replaces python3, e.g. with torchrun's)."""
