@@ -99,15 +99,21 @@ def variants() -> dict:
 
 
 def bitwise_same(fns: dict, x, t, w) -> dict:
-    """{name: whether its loss, dx and dW equal flce's bit for bit}."""
+    """{name: whether its loss, dx and dW equal flce's bit for bit; None where it (or flce) ran
+    out of memory}. Each result moves to the host: the GPU's memory is what is measured next."""
     out = {}
     for name, f in fns.items():
         x.grad = w.grad = None
-        loss = f(x, t, w)
-        loss.backward()
-        out[name] = (loss.detach().clone(), x.grad.clone(), w.grad.clone())
+        try:
+            loss = f(x, t, w)
+            loss.backward()
+            out[name] = (loss.detach().cpu(), x.grad.cpu(), w.grad.cpu())
+        except torch.OutOfMemoryError:
+            out[name] = None
+        torch.cuda.empty_cache()
     x.grad = w.grad = None
-    return {name: all(map(torch.equal, out["flce"], got)) for name, got in out.items()}
+    return {name: None if got is None or out["flce"] is None
+            else all(map(torch.equal, out["flce"], got)) for name, got in out.items()}
 
 
 def measure_point(shape: str, seconds: float, reps: int) -> dict:
@@ -134,6 +140,9 @@ def flce_path(N, H, V) -> str:
     return f"chunks of {flce.ops.pick_chunk_size(N, H, V, 2, None, lean=False)}"
 
 
+BITWISE = {True: "yes", False: "NO", None: "-"}
+
+
 def markdown(meta: dict, results: list[dict]) -> str:
     lines = [*kernel_report_head(meta, "bfloat16"),
              "flce's chunked sweep forward+backward as it runs (flce), and with each chunk's row "
@@ -152,7 +161,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
                 continue
             lines.append(head + f"{r['ms']:.2f} | {r['ms'] / point['gemms_ms']:.3f}× | "
                          f"{r['ms'] / base:.3f}× | {r['extra_mib']:.0f} | "
-                         f"{'yes' if r['bitwise_same'] else 'NO'} |")
+                         f"{BITWISE[r['bitwise_same']]} |")
     ratios = [r["ms"] / next(q["ms"] for q in p["runs"] if q["run"] == "flce")
               for p in results for r in p["runs"] if r["run"] != "flce" and r["ms"]]
     if ratios:
