@@ -44,11 +44,10 @@ def hbm_peak(gpu: str):
     return next((bps for name, bps in HBM_BYTES_PER_S.items() if name in gpu), None)
 
 
-def row_pass_ceiling(shape: str, floor_ms: float, bytes_per_s: float) -> float:
-    """The float8 loss over its float8 floor if its row passes ran at the HBM's peak and
-    nothing else were added: 1 + (ROW_BYTES·N·V / peak) / the floor's time."""
+def row_pass_ms(shape: str, bytes_per_s: float) -> float:
+    """The float8 loss's row passes at the HBM's peak: ROW_BYTES·N·V bytes, in ms."""
     N, _, V = map(int, shape.split("x"))
-    return 1 + ROW_BYTES * N * V / bytes_per_s * 1e3 / floor_ms
+    return ROW_BYTES * N * V / bytes_per_s * 1e3
 
 
 def float8_floor(x, w, max_logits_bytes=None):
@@ -146,11 +145,12 @@ def verdict(results: list[dict], gpu: str = "") -> list[str]:
 
 
 def ceiling_line(at: dict, long: list[str], bytes_per_s: float) -> str:
-    ceiling = {s: row_pass_ceiling(s, at[s, "float8_floor"]["ms"], bytes_per_s) for s in long}
+    """The float8 loss over its floor were its row passes at the HBM's peak and nothing else
+    added, at each of the `long` points, and where that alone exceeds the target."""
+    floor = {s: at[s, "float8_floor"]["ms"] for s in long}
+    ceiling = {s: 1 + row_pass_ms(s, bytes_per_s) / floor[s] for s in long}
     out = sorted((s for s in long if ceiling[s] > FLOOR_TARGET), key=ceiling.get)
-    above = [(at[s, "flce_float8"]["ms"] - at[s, "float8_floor"]["ms"])
-             / (ROW_BYTES * int(s.split("x")[0]) * int(s.split("x")[2]) / bytes_per_s * 1e3)
-             for s in long]
+    above = [(at[s, "flce_float8"]["ms"] - floor[s]) / row_pass_ms(s, bytes_per_s) for s in long]
     text = (f"- its ceiling: row passes alone at the HBM's peak ({bytes_per_s / 1e12:.2f} TB/s, "
             f"{ROW_BYTES} bytes a logit) put the float8 loss at {min(ceiling.values()):.3f}-"
             f"{max(ceiling.values()):.3f}× its floor at those {len(long)} points; ≤ "
