@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import flce  # noqa: E402
 from flce.ops import pick_chunk_size, uses_one_block  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
-                                make_inputs)
+                                make_inputs, run_meta)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
 
@@ -98,9 +98,7 @@ def main():
     args = p.parse_args()
     points = parse_points(args.points)
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, **provenance(),
-            "seconds_per_run": args.seconds}
+    meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
     for N, H, V, sizes in points:
         results.append(measure_point(N, H, V, sizes, args.seconds, args.reps))

@@ -135,8 +135,9 @@ def verdict(results: list[dict], gpu: str = "") -> list[str]:
                      f"GEMMs take ≥ 10 ms: {sum(r <= FLOOR_TARGET for r in ratios)} of "
                      f"{len(long)} (worst {max(ratios):.3f}×; geometric mean "
                      f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}×)")
-        if hbm_peak(gpu):
-            lines.append(ceiling_line(at, long, hbm_peak(gpu)))
+        peak = hbm_peak(gpu)
+        if peak:
+            lines.append(ceiling_line(at, long, peak))
     speedup = [at[s, "flce"]["ms"] / at[s, "flce_float8"]["ms"] for s in used]
     if speedup:
         lines.append(f"- where float8 is used, the bf16 loss's time over the float8 loss's: "

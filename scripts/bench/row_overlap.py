@@ -26,7 +26,7 @@ import flce  # noqa: E402
 import flce.ops  # noqa: E402
 from flce.ops import gemm_operands, gemm_vocab, matmul_into  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
-                                make_inputs)
+                                make_inputs, run_meta)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
 
@@ -152,6 +152,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "flce's.", "",
              "| N×H×V | flce path | run | ms | × GEMMs | × flce | MiB | bitwise |",
              "|---|---|---|---|---|---|---|---|"]
+    ratios = []  # each overlap variant's time over flce's
     for point in results:
         base = next(r["ms"] for r in point["runs"] if r["run"] == "flce")
         for r in point["runs"]:
@@ -162,8 +163,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
             lines.append(head + f"{r['ms']:.2f} | {r['ms'] / point['gemms_ms']:.3f}× | "
                          f"{r['ms'] / base:.3f}× | {r['extra_mib']:.0f} | "
                          f"{BITWISE[r['bitwise_same']]} |")
-    ratios = [r["ms"] / next(q["ms"] for q in p["runs"] if q["run"] == "flce")
-              for p in results for r in p["runs"] if r["run"] != "flce" and r["ms"]]
+            if r["run"] != "flce":
+                ratios.append(r["ms"] / base)
     if ratios:
         lines += ["", f"Overlap over flce: {min(ratios):.3f}-{max(ratios):.3f}× at "
                       f"{len(results)} points."]
@@ -181,9 +182,7 @@ def main():
                    help="output path without suffix")
     args = p.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, **provenance(),
-            "seconds_per_run": args.seconds}
+    meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
     for shape in args.shapes.split(","):
         results.append(measure_point(shape, args.seconds, args.reps))
