@@ -7,6 +7,11 @@ vocabulary in blocks of BLOCK_V:
   pass 1  online max / sum-exp (and the sum of z for label smoothing)   -> loss (max, log sum)
   pass 2  dz_j = w * dz/da_j, written in place over the logits           -> the chunk becomes dlogits
 
+When one kernel runs both passes, pass 2 walks the row from its last block back to its first:
+the blocks pass 1 read last are then re-read first, many of them still in L2 (the rows of the
+programs in flight together are more than L2 holds, so in pass 1's order the re-read came mostly
+from HBM).
+
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
 inside pass 2 (never by patching a rounded value afterwards).
 
@@ -118,6 +123,7 @@ def flce_rows_kernel(
     KEEP_OFF_MAX: tl.constexpr,
     MAX_OFF_TARGET: tl.constexpr,  # pass 1 finds the max off the target (FP8_GRAD or KEEP_OFF_MAX)
     HAS_WEIGHT_SCALE: tl.constexpr,
+    REVERSE_GRAD: tl.constexpr,    # pass 2 walks the row's blocks last to first
     FP8_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -207,7 +213,14 @@ def flce_rows_kernel(
                 r_y = z_y / softcap
                 g_y = g_y * (1.0 - r_y * r_y)
             tl.store(target_grad_ptr + row, tl.where(owns, g_y, 0.0))
-        for start in range(0, V, BLOCK_V):
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        for i in range(0, n_blocks):
+            # REVERSE_GRAD: last block first, right after pass 1 read it, while the row's tail
+            # is still in L2 (a full pass over rows of 64-512 KB, many rows in flight at once)
+            if REVERSE_GRAD:
+                start = (n_blocks - 1 - i) * BLOCK_V
+            else:
+                start = i * BLOCK_V
             offs = start + cols
             mask = offs < V
             a = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -308,7 +321,8 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     (8192-32768 rows of 32000-128256 columns): a pass that only reads runs best on 4096-column
     blocks and 4 warps (16 elements a thread; 8 warps 12-50% slower); a gradient pass on 4096 and
     16 warps (8 a thread: its e4m3 copy is 18-30% slower at 16 a thread); both passes in one on
-    8192 and 16 warps where rows are short (V <= 40k), 4096 and 8 for longer rows; both with the
+    8192 and 16 warps (with pass 2 walking the row backwards, 2.6-4.2% faster than 4096 and 8 at
+    2048-16384 rows of 128256 and 256000 columns, the rule before it); both with the
     e4m3 copy on 2048 and 8 (8 a thread: 23% faster than 4096/8 at 8192-16384 x 128256). Few
     long rows (C <= 512 and V > 40960, as in the memory-lean chunks at large vocabularies) leave
     one or two programs an SM, each of which must keep more bytes in flight: wider blocks and
@@ -325,24 +339,25 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
         default_block, default_warps = 4096, 16
     elif kind == "full+e4m3":
         default_block, default_warps = 2048, 8
-    elif V <= 40960:
-        default_block, default_warps = 8192, 16
     else:
-        default_block, default_warps = 4096, 8
+        default_block, default_warps = 8192, 16
     block_v = block_v or min(triton.next_power_of_2(V), default_block)
     return block_v, num_warps or min(default_warps, max(1, block_v // 256))
 
 
 def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad,
                 block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None,
-                off_max=None, weight_scale=None):
+                off_max=None, weight_scale=None, reverse_grad=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
     vocabulary slice, the gradient pass of `vocab_parallel`). stats: (row max, log sum exp(z -
     max)), [C] fp32 each, written (or read, stats_given), or None. fp8_grad: (g8 [C, V] e4m3,
     g8_scale [C], target_grad [C]) to fill for the float8 dx GEMM, or None. off_max [C] fp32:
     written by a statistics pass (not compute_grad), read by a float8 gradient pass.
     weight_scale: a 0-dim fp32 tensor the gradient weight is multiplied by (the upstream
-    gradient times the loss weight without a launch of its own), or None."""
+    gradient times the loss weight without a launch of its own), or None. block_v, num_warps,
+    reverse_grad: a configuration to time (`scripts/bench/tune_rows_kernel.py`) instead of the
+    tuned one (`_block_and_warps`; pass 2 walks the row backwards when pass 1 ran just before
+    it in the same kernel)."""
     C, V = logits.shape
     if C == 0:
         return
@@ -373,6 +388,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
         KEEP_OFF_MAX=keep_off_max,
         MAX_OFF_TARGET=fp8_grad is not None or keep_off_max,
         HAS_WEIGHT_SCALE=weight_scale is not None,
+        REVERSE_GRAD=kind.startswith("full") if reverse_grad is None else reverse_grad,
         FP8_MAX=float(torch.finfo(g8.dtype).max) if fp8_grad is not None else 1.0,
         BLOCK_V=block_v,
         num_warps=num_warps,

@@ -81,6 +81,33 @@ def test_weight_scale_equals_the_premultiplied_weight(per_row_weight):
     assert not torch.allclose(folded, unscaled)
 
 
+@pytest.mark.parametrize("float8", [False, True], ids=["bf16", "e4m3"])
+def test_gradient_pass_order_changes_no_bit(float8):
+    """Both passes in one kernel walk pass 2 from the row's last block back to its first (L2
+    reuse); each element's gradient depends on the row statistics alone, so the order pass 1
+    takes (what `reverse_grad=False` times) gives the same bits, the e4m3 copy included, and
+    both match the PyTorch rows."""
+    from flce.kernels import launch_rows
+    C, V = 7, 53  # four 16-wide blocks, the last a partial one
+    opts = LossOptions(label_smoothing=0.1, softcap=4.0)
+    logits = torch.randn(C, V, device=DEVICE) * 3
+    target = torch.randint(0, V, (C,), device=DEVICE)
+    target[3] = opts.ignore_index
+    weight = torch.rand(C, device=DEVICE) + 0.5
+    outs = []
+    for reverse in (True, False):
+        g8 = (torch.zeros(C, V, device=DEVICE, dtype=torch.float8_e4m3fn),
+              torch.zeros(C, device=DEVICE), torch.zeros(C, device=DEVICE)) if float8 else None
+        got = _run(lambda *a: launch_rows(*a, block_v=16, fp8_grad=g8, reverse_grad=reverse),
+                   logits, target, weight, opts)
+        outs.append((*got[:1], *got[1], got[2], *(g8 or ())))
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    ref = _run(chunk_rows, logits, target, weight, opts)
+    torch.testing.assert_close(outs[0][3], ref[2], rtol=2e-6, atol=2e-6)
+
+
 def test_out_of_range_target_is_nan_not_garbage():
     """Documented: on the Triton path a target outside [0, V) gives a NaN loss and gradient for
     its row (no host sync to check); the PyTorch path raises IndexError instead."""

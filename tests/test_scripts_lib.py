@@ -16,6 +16,7 @@ from scripts.bench import attention as bench_attention, flce as bench_flce, peer
 from scripts.bench import chunk_sizes as bench_chunk_sizes, float8_grid as bench_float8_grid
 from scripts.bench import logits_epilogue as bench_logits_epilogue
 from scripts.bench import row_overlap as bench_row_overlap
+from scripts.bench import tune_rows_kernel as bench_tune_rows
 from scripts.lib import report, run_folders, timing
 from scripts.lib.timing import median_ms
 
@@ -282,6 +283,27 @@ def test_row_overlap_report_rates_each_variant_against_flce():
     assert "| 64x8x40 | chunks of 16 | overlap | 2.40 | 1.200× | 0.960× | 4 | yes |" in text
     assert "| 64x8x40 | chunks of 16 | overlap_high_priority | OOM |" in text
     assert "Overlap over flce: 0.960-0.960× at 1 points." in text
+
+
+def test_rows_kernel_tuning_report_sets_the_default_against_the_fastest_and_the_order():
+    def timed(*pairs):
+        return [{"config": list(c), "ms": ms} for c, ms in pairs]
+    point = {"rows": 64, "vocab": 40, "copy_gbs": 3000.0, "passes": [
+        {"pass": "full", "bytes": 3e9, "default": [8192, 16, True], "configs": timed(
+            ((None, None, None), 2.0), ((8192, 16, True), 2.0), ((8192, 16, False), 2.2),
+            ((4096, 8, True), 1.6))},
+        {"pass": "stats", "bytes": 1e9, "default": [4096, 4, None], "configs": timed(
+            ((None, None, None), 0.5), ((4096, 4, None), 0.5))}]}
+    assert bench_tune_rows.configs("full", 600)[:3] == [(None, None, None), (1024, 4, True),
+                                                       (1024, 4, False)]
+    assert all(c[2] is None for c in bench_tune_rows.configs("grad", 600))
+    assert max(c[0] or 0 for c in bench_tune_rows.configs("stats", 600)) == 1024  # <= 2 V
+    text = bench_tune_rows.markdown(
+        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+    assert "| 64x40 | 3000 | full | 8192/16 rev | 2.000 | 1500 | 4096/8 rev | 1.600 | 1875 | " \
+        "1.250 | 1.100 |" in text
+    assert "| 64x40 | 3000 | stats | 4096/4 | 0.500 | 2000 | 4096/4 | 0.500 | 2000 | 1.000 | - |" \
+        in text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (streams)")
