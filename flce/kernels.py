@@ -7,10 +7,11 @@ vocabulary in blocks of BLOCK_V:
   pass 1  online max / sum-exp (and the sum of z for label smoothing)   -> loss (max, log sum)
   pass 2  dz_j = w * dz/da_j, written in place over the logits           -> the chunk becomes dlogits
 
-When one kernel runs both passes, pass 2 walks the row from its last block back to its first:
-the blocks pass 1 read last are then re-read first, many of them still in L2 (the rows of the
-programs in flight together are more than L2 holds, so in pass 1's order the re-read came mostly
-from HBM).
+When one kernel runs both passes (without the e4m3 copy), pass 2 walks the row from its last
+block back to its first: the blocks pass 1 read last are then re-read first, many of them still
+in L2 (the rows of the programs in flight together are more than L2 holds, so in pass 1's order
+the re-read came mostly from HBM: 15-19% slower at 2048-16384 rows of 128256-256000 columns on
+an H200, `benchmarks/rows_kernel_tuning_h200.md`).
 
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
 inside pass 2 (never by patching a rounded value afterwards).
@@ -321,9 +322,10 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     (8192-32768 rows of 32000-128256 columns): a pass that only reads runs best on 4096-column
     blocks and 4 warps (16 elements a thread; 8 warps 12-50% slower); a gradient pass on 4096 and
     16 warps (8 a thread: its e4m3 copy is 18-30% slower at 16 a thread); both passes in one on
-    8192 and 16 warps (with pass 2 walking the row backwards, 2.6-4.2% faster than 4096 and 8 at
-    2048-16384 rows of 128256 and 256000 columns, the rule before it); both with the
-    e4m3 copy on 2048 and 8 (8 a thread: 23% faster than 4096/8 at 8192-16384 x 128256). Few
+    8192 and 8 (pass 2 walking the row backwards: within 2.3% of the fastest block and warps at
+    2048 and 16384 rows of 32000-256000 columns, `benchmarks/rows_kernel_tuning_h200.md`); both
+    with the e4m3 copy on 2048 and 8 (8 a thread: 23% faster than 4096/8 at 8192-16384 x
+    128256), pass 2 in pass 1's order (walking backwards gained nothing there: 0.96-1.01x). Few
     long rows (C <= 512 and V > 40960, as in the memory-lean chunks at large vocabularies) leave
     one or two programs an SM, each of which must keep more bytes in flight: wider blocks and
     more warps. Timed in shuffled rounds at 16-512 rows x 128256 and 256000 columns, both passes
@@ -340,7 +342,7 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     elif kind == "full+e4m3":
         default_block, default_warps = 2048, 8
     else:
-        default_block, default_warps = 8192, 16
+        default_block, default_warps = 8192, 8
     block_v = block_v or min(triton.next_power_of_2(V), default_block)
     return block_v, num_warps or min(default_warps, max(1, block_v // 256))
 
@@ -357,7 +359,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     gradient times the loss weight without a launch of its own), or None. block_v, num_warps,
     reverse_grad: a configuration to time (`scripts/bench/tune_rows_kernel.py`) instead of the
     tuned one (`_block_and_warps`; pass 2 walks the row backwards when pass 1 ran just before
-    it in the same kernel)."""
+    it in the same kernel and no e4m3 copy is written)."""
     C, V = logits.shape
     if C == 0:
         return
@@ -388,7 +390,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
         KEEP_OFF_MAX=keep_off_max,
         MAX_OFF_TARGET=fp8_grad is not None or keep_off_max,
         HAS_WEIGHT_SCALE=weight_scale is not None,
-        REVERSE_GRAD=kind.startswith("full") if reverse_grad is None else reverse_grad,
+        REVERSE_GRAD=kind == "full" if reverse_grad is None else reverse_grad,
         FP8_MAX=float(torch.finfo(g8.dtype).max) if fp8_grad is not None else 1.0,
         BLOCK_V=block_v,
         num_warps=num_warps,

@@ -15,6 +15,7 @@ import torch
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
 from scripts.bench import chunk_sizes as bench_chunk_sizes, float8_grid as bench_float8_grid
 from scripts.bench import logits_epilogue as bench_logits_epilogue
+from scripts.bench import row_order as bench_row_order
 from scripts.bench import row_overlap as bench_row_overlap
 from scripts.bench import tune_rows_kernel as bench_tune_rows
 from scripts.lib import report, run_folders, timing
@@ -283,6 +284,20 @@ def test_row_overlap_report_rates_each_variant_against_flce():
     assert "| 64x8x40 | chunks of 16 | overlap | 2.40 | 1.200× | 0.960× | 4 | yes |" in text
     assert "| 64x8x40 | chunks of 16 | overlap_high_priority | OOM |" in text
     assert "Overlap over flce: 0.960-0.960× at 1 points." in text
+
+
+def test_row_order_report_rates_each_variant_against_flce():
+    point = {"shape": "64x8x40", "path": "chunks of 16", "gemms_ms": 2.0, "runs": [
+        {"run": "flce", "ms": 2.5, "extra_mib": 3.0, "bitwise_same": True},
+        {"run": "forward_order", "ms": 2.75, "extra_mib": 3.0, "bitwise_same": True},
+        {"run": "previous_rule", "ms": 3.0, "extra_mib": 3.0, "bitwise_same": None}]}
+    text = bench_row_order.markdown(
+        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+    assert "| 64x8x40 | chunks of 16 | forward_order | 2.75 | 1.375× | 1.100× | 3 | yes |" in text
+    assert "| 64x8x40 | chunks of 16 | previous_rule | 3.00 | 1.500× | 1.200× | 3 | - |" in text
+    assert "forward_order over flce: 1.100-1.100× at 1 points." in text
+    assert bench_row_order.previous_blocks(32000) == (8192, 16)
+    assert bench_row_order.previous_blocks(128256) == (4096, 8)
 
 
 def test_rows_kernel_tuning_report_sets_the_default_against_the_fastest_and_the_order():
