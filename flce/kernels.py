@@ -7,11 +7,12 @@ vocabulary in blocks of BLOCK_V:
   pass 1  online max / sum-exp (and the sum of z for label smoothing)   -> loss (max, log sum)
   pass 2  dz_j = w * dz/da_j, written in place over the logits           -> the chunk becomes dlogits
 
-When one kernel runs both passes (without the e4m3 copy), pass 2 walks the row from its last
-block back to its first: the blocks pass 1 read last are then re-read first, many of them still
-in L2 (the rows of the programs in flight together are more than L2 holds, so in pass 1's order
-the re-read came mostly from HBM: 15-19% slower at 2048-16384 rows of 128256-256000 columns on
-an H200, `benchmarks/rows_kernel_tuning_h200.md`).
+Pass 2 may walk the row from its last block back to its first (REVERSE_GRAD), re-reading first
+the blocks pass 1 read last, while still in L2. Alone, on a chunk of 2048-16384 rows, that made
+both passes in one 4-26% faster on an H200; inside the loss, after the logits GEMM, it made the
+loss no faster (0.99-1.02x at 6 chunked points, `benchmarks/flce_row_order_h200.md`), and the
+loss keeps pass 1's order. `scripts/bench/tune_rows_kernel.py` and `scripts/bench/row_order.py`
+time both.
 
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
 inside pass 2 (never by patching a rounded value afterwards).
@@ -216,8 +217,6 @@ def flce_rows_kernel(
             tl.store(target_grad_ptr + row, tl.where(owns, g_y, 0.0))
         n_blocks = tl.cdiv(V, BLOCK_V)
         for i in range(0, n_blocks):
-            # REVERSE_GRAD: last block first, right after pass 1 read it, while the row's tail
-            # is still in L2 (a full pass over rows of 64-512 KB, many rows in flight at once)
             if REVERSE_GRAD:
                 start = (n_blocks - 1 - i) * BLOCK_V
             else:
@@ -322,10 +321,8 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     (8192-32768 rows of 32000-128256 columns): a pass that only reads runs best on 4096-column
     blocks and 4 warps (16 elements a thread; 8 warps 12-50% slower); a gradient pass on 4096 and
     16 warps (8 a thread: its e4m3 copy is 18-30% slower at 16 a thread); both passes in one on
-    8192 and 8 (pass 2 walking the row backwards: within 2.3% of the fastest block and warps at
-    2048 and 16384 rows of 32000-256000 columns, `benchmarks/rows_kernel_tuning_h200.md`); both
-    with the e4m3 copy on 2048 and 8 (8 a thread: 23% faster than 4096/8 at 8192-16384 x
-    128256), pass 2 in pass 1's order (walking backwards gained nothing there: 0.96-1.01x). Few
+    8192 and 16 warps where rows are short (V <= 40k), 4096 and 8 for longer rows; both with the
+    e4m3 copy on 2048 and 8 (8 a thread: 23% faster than 4096/8 at 8192-16384 x 128256). Few
     long rows (C <= 512 and V > 40960, as in the memory-lean chunks at large vocabularies) leave
     one or two programs an SM, each of which must keep more bytes in flight: wider blocks and
     more warps. Timed in shuffled rounds at 16-512 rows x 128256 and 256000 columns, both passes
@@ -341,15 +338,17 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
         default_block, default_warps = 4096, 16
     elif kind == "full+e4m3":
         default_block, default_warps = 2048, 8
+    elif V <= 40960:
+        default_block, default_warps = 8192, 16
     else:
-        default_block, default_warps = 8192, 8
+        default_block, default_warps = 4096, 8
     block_v = block_v or min(triton.next_power_of_2(V), default_block)
     return block_v, num_warps or min(default_warps, max(1, block_v // 256))
 
 
 def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad,
                 block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None,
-                off_max=None, weight_scale=None, reverse_grad=None):
+                off_max=None, weight_scale=None, reverse_grad=False):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
     vocabulary slice, the gradient pass of `vocab_parallel`). stats: (row max, log sum exp(z -
     max)), [C] fp32 each, written (or read, stats_given), or None. fp8_grad: (g8 [C, V] e4m3,
@@ -357,9 +356,9 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     written by a statistics pass (not compute_grad), read by a float8 gradient pass.
     weight_scale: a 0-dim fp32 tensor the gradient weight is multiplied by (the upstream
     gradient times the loss weight without a launch of its own), or None. block_v, num_warps,
-    reverse_grad: a configuration to time (`scripts/bench/tune_rows_kernel.py`) instead of the
-    tuned one (`_block_and_warps`; pass 2 walks the row backwards when pass 1 ran just before
-    it in the same kernel and no e4m3 copy is written)."""
+    reverse_grad: a configuration to time (`scripts/bench/tune_rows_kernel.py`,
+    `scripts/bench/row_order.py`) instead of the tuned one (`_block_and_warps`, pass 2 in pass
+    1's order)."""
     C, V = logits.shape
     if C == 0:
         return
@@ -390,7 +389,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
         KEEP_OFF_MAX=keep_off_max,
         MAX_OFF_TARGET=fp8_grad is not None or keep_off_max,
         HAS_WEIGHT_SCALE=weight_scale is not None,
-        REVERSE_GRAD=kind == "full" if reverse_grad is None else reverse_grad,
+        REVERSE_GRAD=reverse_grad,
         FP8_MAX=float(torch.finfo(g8.dtype).max) if fp8_grad is not None else 1.0,
         BLOCK_V=block_v,
         num_warps=num_warps,

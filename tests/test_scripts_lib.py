@@ -4,6 +4,7 @@ folders that scripts clear only when they made them."""
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -289,15 +290,38 @@ def test_row_overlap_report_rates_each_variant_against_flce():
 def test_row_order_report_rates_each_variant_against_flce():
     point = {"shape": "64x8x40", "path": "chunks of 16", "gemms_ms": 2.0, "runs": [
         {"run": "flce", "ms": 2.5, "extra_mib": 3.0, "bitwise_same": True},
-        {"run": "forward_order", "ms": 2.75, "extra_mib": 3.0, "bitwise_same": True},
-        {"run": "previous_rule", "ms": 3.0, "extra_mib": 3.0, "bitwise_same": None}]}
+        {"run": "backward", "ms": 2.75, "extra_mib": 3.0, "bitwise_same": True},
+        {"run": "backward_8192x8", "ms": 3.0, "extra_mib": 3.0, "bitwise_same": None}]}
     text = bench_row_order.markdown(
         {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
-    assert "| 64x8x40 | chunks of 16 | forward_order | 2.75 | 1.375× | 1.100× | 3 | yes |" in text
-    assert "| 64x8x40 | chunks of 16 | previous_rule | 3.00 | 1.500× | 1.200× | 3 | - |" in text
-    assert "forward_order over flce: 1.100-1.100× at 1 points." in text
-    assert bench_row_order.previous_blocks(32000) == (8192, 16)
-    assert bench_row_order.previous_blocks(128256) == (4096, 8)
+    assert "| 64x8x40 | chunks of 16 | backward | 2.75 | 1.375× | 1.100× | 3 | yes |" in text
+    assert "| 64x8x40 | chunks of 16 | backward_8192x8 | 3.00 | 1.500× | 1.200× | 3 | - |" in text
+    assert "backward over flce: 1.100-1.100× at 1 points." in text
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_row_order_variants_walk_backwards_where_both_passes_run_in_one():
+    """The benchmark's launcher walks pass 2 backwards (and takes its blocks) only where both
+    passes run in one kernel without the e4m3 copy, and changes no result there."""
+    from flce.kernels import launch_rows
+    from flce.options import LossOptions
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(600, 40, device=device) * 3
+    target = torch.randint(0, 40, (600,), device=device)
+    weight = torch.tensor(0.5, device=device)
+    outs = []
+    given = lambda *a: launch_rows(*a, block_v=16, num_warps=1, reverse_grad=True)
+    for launch in (given, bench_row_order.launch_rows_backward((16, 1))):
+        work, loss = logits.clone(), torch.empty(600, device=device)
+        stats = tuple(torch.empty(600, device=device) for _ in range(2))
+        launch(work, target, loss, stats, weight, LossOptions(), False, True)
+        outs.append((work, loss, *stats))
+    assert all(map(torch.equal, *outs))
+    ref = bench_row_order.flce.reference.chunk_rows
+    work, loss = logits.clone(), torch.empty(600, device=device)
+    ref(work, target, loss, None, weight, LossOptions(), False, True)
+    torch.testing.assert_close(outs[0][0], work, rtol=2e-6, atol=2e-6)
 
 
 def test_rows_kernel_tuning_report_sets_the_default_against_the_fastest_and_the_order():

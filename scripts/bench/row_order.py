@@ -1,16 +1,16 @@
-"""The chunked sweep's row pass with pass 2 walking each row backwards (as flce runs it) against
-pass 2 in pass 1's order, end to end: forward+backward of the loss, not the kernel alone.
+"""The chunked sweep's row pass with pass 2 walking each row backwards against pass 2 in pass
+1's order (as flce runs it), end to end: forward+backward of the loss, not the kernel alone.
 
     python3 -m scripts.bench.row_order --shapes 65536x1024x128256,...
 
 Per chunk the row kernel reads each row for its statistics, then reads it again and writes
-dlogits. flce walks the second pass from the row's last block back to its first, so that the
-blocks read last are re-read while still in L2 (`flce/kernels.py`); `tune_rows_kernel` times
-that kernel alone. Here the whole loss is timed in interleaved rounds with the bare GEMMs, in
-three variants: flce as it runs; `forward_order` (the same blocks, pass 2 in pass 1's order:
-bitwise flce's results, checked at each point); `previous_rule` (forward order, and the blocks
-and warps of the rule before the backward walk: 8192 columns on 16 warps where V <= 40960,
-4096 on 8 above). Writes <out>.json and <out>.md.
+dlogits. Walking the second pass from the row's last block back to its first re-reads first
+the blocks read last, while still in L2 (`flce/kernels.py`, REVERSE_GRAD): `tune_rows_kernel`
+times that kernel alone, 4-26% faster. Here the whole loss is timed in interleaved rounds with
+the bare GEMMs, in three variants: flce as it runs; `backward` (the same blocks and warps, pass 2
+walking backwards: bitwise flce's results, checked at each point); `backward_8192x8` (walking
+backwards on 8192-column blocks and 8 warps, where the kernel alone ran fastest that way).
+Writes <out>.json and <out>.md.
 """
 
 import argparse
@@ -33,20 +33,16 @@ from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
 LAUNCH_ROWS = flce.kernels.launch_rows
 
 
-def previous_blocks(V: int) -> tuple[int, int]:
-    """BLOCK_V and warps of both passes in one kernel before the backward walk (many rows)."""
-    return (8192, 16) if V <= 40960 else (4096, 8)
-
-
-def launch_rows_with(previous_rule: bool):
-    """launch_rows with pass 2 in pass 1's order (and, with previous_rule, the old blocks) where
-    both passes run in one kernel without the e4m3 copy; every other pass as it is."""
+def launch_rows_backward(blocks=None):
+    """launch_rows with pass 2 walking each row backwards (and the given (BLOCK_V, warps), if
+    any, at chunks of more than 512 rows) where both passes run in one kernel without the e4m3
+    copy; every other pass as it is."""
     def launch(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad, *args,
                **kwargs):
         if compute_grad and not stats_given and kwargs.get("fp8_grad") is None:
-            kwargs["reverse_grad"] = False
-            if previous_rule and logits.shape[0] > 512:
-                kwargs["block_v"], kwargs["num_warps"] = previous_blocks(logits.shape[1])
+            kwargs["reverse_grad"] = True
+            if blocks is not None and logits.shape[0] > 512:
+                kwargs["block_v"], kwargs["num_warps"] = blocks
         return LAUNCH_ROWS(logits, target, loss_out, stats, weight, opts, stats_given,
                            compute_grad, *args, **kwargs)
     return launch
@@ -70,15 +66,15 @@ def loss_with(launch):
 
 def variants() -> dict:
     return {"flce": loss_with(LAUNCH_ROWS),
-            "forward_order": loss_with(launch_rows_with(previous_rule=False)),
-            "previous_rule": loss_with(launch_rows_with(previous_rule=True))}
+            "backward": loss_with(launch_rows_backward()),
+            "backward_8192x8": loss_with(launch_rows_backward((8192, 8)))}
 
 
 def measure_point(shape: str, seconds: float, reps: int) -> dict:
     N, H, V = map(int, shape.split("x"))
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     fns = variants()
-    same = bitwise_same({k: fns[k] for k in ("flce", "forward_order")}, x, t, w)
+    same = bitwise_same({k: fns[k] for k in ("flce", "backward")}, x, t, w)
     floor_run, buffers = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
     runs, mib = first_calls(fns, x, t, w)
     rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
@@ -97,11 +93,11 @@ BITWISE = {True: "yes", False: "NO", None: "-"}
 
 def markdown(meta: dict, results: list[dict]) -> str:
     lines = [*kernel_report_head(meta, "bfloat16"),
-             "flce forward+backward as it runs (pass 2 of the row kernel walks each row "
-             "backwards), with pass 2 in pass 1's order (forward_order), and with that order "
-             "and the blocks and warps of the rule before it (previous_rule), in interleaved "
-             "rounds: ms (× the bare GEMMs; × flce) / peak extra MiB; bitwise: loss, dx and dW "
-             "equal flce's.", "",
+             "flce forward+backward as it runs (pass 2 of the row kernel in pass 1's order), "
+             "with pass 2 walking each row backwards (backward), and walking backwards on "
+             "8192-column blocks and 8 warps (backward_8192x8), in interleaved rounds: ms (× "
+             "the bare GEMMs; × flce) / peak extra MiB; bitwise: loss, dx and dW equal "
+             "flce's.", "",
              "| N×H×V | flce path | run | ms | × GEMMs | × flce | MiB | bitwise |",
              "|---|---|---|---|---|---|---|---|"]
     ratios = {}  # each variant's time over flce's

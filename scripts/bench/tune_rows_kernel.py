@@ -5,8 +5,8 @@ GB/s count the bytes a pass must move: statistics 1 read (with and without the r
 the target that the float8 dx GEMM needs); gradient after them 1 read + 1 write (and + the e4m3
 copy of dlogits, half a write); both passes in one 2 reads + 1 write (the float8 chunks' kernel,
 "full+e4m3", adds the e4m3 copy): a rate above the copy's means part of the re-read came from
-L2. Both passes in one run with pass 2 backward (last block first: "rev", the default without
-the e4m3 copy) and forward ("fwd") at each size.
+L2. Both passes in one run with pass 2 in pass 1's order ("fwd", the loss's) and backward
+(last block first: "rev") at each size.
 A bf16 copy and a bf16 -> e4m3 copy give the memory's rate. Each pass's configurations are timed
 in shuffled rounds (`interleaved_ms`, each call settled by a few ms of untimed ones), as the loss
 grid is, so that a drift of the GPU's clocks falls on all of them alike: the passes at a few
@@ -68,9 +68,9 @@ def passes(C, V, opts):
                                                   True, b, k, fp8_grad=fp8, off_max=off_max),
                       2.5 * n),
         "full": (lambda b, k, r: launch_rows(work, target, loss, None, w, opts, False, True, b,
-                                             k, reverse_grad=r), 3 * n),
+                                             k, reverse_grad=bool(r)), 3 * n),
         "full+e4m3": (lambda b, k, r: launch_rows(work, target, loss, None, w, opts, False, True,
-                                                  b, k, fp8_grad=fp8, reverse_grad=r), 3.5 * n),
+                                                  b, k, fp8_grad=fp8, reverse_grad=bool(r)), 3.5 * n),
     }, lambda: work.copy_(logits), lambda: g8.copy_(logits), n
 
 
@@ -78,7 +78,7 @@ def tuned(name: str, C: int, V: int) -> tuple:
     """The (block, warps, reverse) launch_rows picks for this pass."""
     kind = name.replace("stats+off_max", "stats").replace("grad+e4m3", "grad")
     block, warps = _block_and_warps(C, V, None, None, kind)
-    return block, warps, (name == "full") if name in BOTH else None
+    return block, warps, False if name in BOTH else None
 
 
 def label(cfg) -> str:
@@ -89,7 +89,7 @@ def label(cfg) -> str:
 def markdown(meta: dict, results: list[dict]) -> str:
     lines = [*kernel_report_head(meta, "bfloat16"),
              "Each pass of the row kernel alone over one [C, V] chunk: the tuned default "
-             "(`flce.kernels._block_and_warps`; rev: pass 2 last block first) against the "
+             "(`flce.kernels._block_and_warps`; fwd: pass 2 in pass 1's order, rev: last block first) against the "
              "fastest block/warps/order timed, ms and GB/s (bytes the pass must move from and to "
              "HBM, the re-read of both passes in one counted); fwd ÷ rev: at the default's size, "
              "pass 2 in pass 1's order over pass 2 walking backwards.", "",
