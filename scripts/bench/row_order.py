@@ -24,11 +24,9 @@ import torch  # noqa: E402
 
 import flce  # noqa: E402
 import flce.kernels  # noqa: E402
-from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
-                                make_inputs, run_meta)
-from scripts.bench.row_overlap import bitwise_same, flce_path  # noqa: E402
+from scripts.bench.flce import run_meta  # noqa: E402
+from scripts.bench.row_overlap import measure_point, variant_table  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
 
 LAUNCH_ROWS = flce.kernels.launch_rows
 
@@ -70,49 +68,14 @@ def variants() -> dict:
             "backward_8192x8": loss_with(launch_rows_backward((8192, 8)))}
 
 
-def measure_point(shape: str, seconds: float, reps: int) -> dict:
-    N, H, V = map(int, shape.split("x"))
-    x, t, w = make_inputs(N, H, V, torch.bfloat16)
-    fns = variants()
-    same = bitwise_same({k: fns[k] for k in ("flce", "backward")}, x, t, w)
-    floor_run, buffers = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
-    runs, mib = first_calls(fns, x, t, w)
-    rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
-    ms = medians(rounds)
-    point = {"shape": shape, "path": flce_path(N, H, V), "gemms_ms": ms["bare_gemms"],
-             "runs": [{"run": name, "ms": ms.get(name), "extra_mib": mib[name],
-                       "bitwise_same": same.get(name), "rounds_ms": rounds.get(name, [])}
-                      for name in fns]}
-    del x, t, w, runs, floor_run, buffers
-    torch.cuda.empty_cache()
-    return point
-
-
-BITWISE = {True: "yes", False: "NO", None: "-"}
-
-
 def markdown(meta: dict, results: list[dict]) -> str:
+    table, ratios = variant_table(results)
     lines = [*kernel_report_head(meta, "bfloat16"),
              "flce forward+backward as it runs (pass 2 of the row kernel in pass 1's order), "
              "with pass 2 walking each row backwards (backward), and walking backwards on "
              "8192-column blocks and 8 warps (backward_8192x8), in interleaved rounds: ms (× "
              "the bare GEMMs; × flce) / peak extra MiB; bitwise: loss, dx and dW equal "
-             "flce's.", "",
-             "| N×H×V | flce path | run | ms | × GEMMs | × flce | MiB | bitwise |",
-             "|---|---|---|---|---|---|---|---|"]
-    ratios = {}  # each variant's time over flce's
-    for point in results:
-        base = next(r["ms"] for r in point["runs"] if r["run"] == "flce")
-        for r in point["runs"]:
-            head = f"| {point['shape']} | {point['path']} | {r['run']} | "
-            if r["ms"] is None:
-                lines.append(head + "OOM | - | - | - | - |")
-                continue
-            lines.append(head + f"{r['ms']:.2f} | {r['ms'] / point['gemms_ms']:.3f}× | "
-                         f"{r['ms'] / base:.3f}× | {r['extra_mib']:.0f} | "
-                         f"{BITWISE[r['bitwise_same']]} |")
-            if r["run"] != "flce":
-                ratios.setdefault(r["run"], []).append(r["ms"] / base)
+             "flce's.", "", *table]
     if ratios:
         lines.append("")
         lines += [f"{name} over flce: {min(v):.3f}-{max(v):.3f}× at {len(v)} points."
@@ -133,7 +96,8 @@ def main():
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
     for shape in args.shapes.split(","):
-        results.append(measure_point(shape, args.seconds, args.reps))
+        results.append(measure_point(shape, args.seconds, args.reps, variants,
+                                     bitwise_names=("flce", "backward")))
         print(" | ".join([shape] + [f"{r['run']} {r['ms']:.2f} ms" for r in results[-1]["runs"]
                                     if r["ms"] is not None]), flush=True)
         write_report(args.out, {"meta": meta, "results": results}, markdown(meta, results))

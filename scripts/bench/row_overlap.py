@@ -116,18 +116,22 @@ def bitwise_same(fns: dict, x, t, w) -> dict:
             else all(map(torch.equal, out["flce"], got)) for name, got in out.items()}
 
 
-def measure_point(shape: str, seconds: float, reps: int) -> dict:
+def measure_point(shape: str, seconds: float, reps: int, make_variants=None,
+                  bitwise_names=None) -> dict:
+    """One point: flce and its variants (`variants()`, or make_variants'; flce first) timed in
+    interleaved rounds with the bare GEMMs, and whether each of bitwise_names (default: all)
+    gives flce's results bit for bit."""
     N, H, V = map(int, shape.split("x"))
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
-    fns = variants()
-    same = bitwise_same(fns, x, t, w)
+    fns = (make_variants or variants)()
+    same = bitwise_same({k: fns[k] for k in bitwise_names or fns}, x, t, w)
     floor_run, buffers = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
     runs, mib = first_calls(fns, x, t, w)
     rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
     ms = medians(rounds)
     point = {"shape": shape, "path": flce_path(N, H, V), "gemms_ms": ms["bare_gemms"],
              "runs": [{"run": name, "ms": ms.get(name), "extra_mib": mib[name],
-                       "bitwise_same": same[name], "rounds_ms": rounds.get(name, [])}
+                       "bitwise_same": same.get(name), "rounds_ms": rounds.get(name, [])}
                       for name in fns]}
     del x, t, w, runs, floor_run, buffers
     torch.cuda.empty_cache()
@@ -143,16 +147,12 @@ def flce_path(N, H, V) -> str:
 BITWISE = {True: "yes", False: "NO", None: "-"}
 
 
-def markdown(meta: dict, results: list[dict]) -> str:
-    lines = [*kernel_report_head(meta, "bfloat16"),
-             "flce's chunked sweep forward+backward as it runs (flce), and with each chunk's row "
-             "pass on a second stream beside the next chunk's logits GEMM (overlap; the side "
-             "stream at the default and at the highest priority), in interleaved rounds: ms "
-             "(× the bare GEMMs; × flce) / peak extra MiB; bitwise: loss, dx and dW equal "
-             "flce's.", "",
-             "| N×H×V | flce path | run | ms | × GEMMs | × flce | MiB | bitwise |",
+def variant_table(results: list[dict]) -> tuple[list[str], dict]:
+    """The table of flce and its variants at each point, and {variant: [its time over flce's at
+    each point]}."""
+    lines = ["| N×H×V | flce path | run | ms | × GEMMs | × flce | MiB | bitwise |",
              "|---|---|---|---|---|---|---|---|"]
-    ratios = []  # each overlap variant's time over flce's
+    ratios = {}
     for point in results:
         base = next(r["ms"] for r in point["runs"] if r["run"] == "flce")
         for r in point["runs"]:
@@ -164,9 +164,21 @@ def markdown(meta: dict, results: list[dict]) -> str:
                          f"{r['ms'] / base:.3f}× | {r['extra_mib']:.0f} | "
                          f"{BITWISE[r['bitwise_same']]} |")
             if r["run"] != "flce":
-                ratios.append(r["ms"] / base)
-    if ratios:
-        lines += ["", f"Overlap over flce: {min(ratios):.3f}-{max(ratios):.3f}× at "
+                ratios.setdefault(r["run"], []).append(r["ms"] / base)
+    return lines, ratios
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    table, ratios = variant_table(results)
+    lines = [*kernel_report_head(meta, "bfloat16"),
+             "flce's chunked sweep forward+backward as it runs (flce), and with each chunk's row "
+             "pass on a second stream beside the next chunk's logits GEMM (overlap; the side "
+             "stream at the default and at the highest priority), in interleaved rounds: ms "
+             "(× the bare GEMMs; × flce) / peak extra MiB; bitwise: loss, dx and dW equal "
+             "flce's.", "", *table]
+    pooled = [v for per_variant in ratios.values() for v in per_variant]
+    if pooled:
+        lines += ["", f"Overlap over flce: {min(pooled):.3f}-{max(pooled):.3f}× at "
                       f"{len(results)} points."]
     return "\n".join(lines) + "\n"
 

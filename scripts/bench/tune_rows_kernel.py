@@ -70,7 +70,8 @@ def passes(C, V, opts):
         "full": (lambda b, k, r: launch_rows(work, target, loss, None, w, opts, False, True, b,
                                              k, reverse_grad=bool(r)), 3 * n),
         "full+e4m3": (lambda b, k, r: launch_rows(work, target, loss, None, w, opts, False, True,
-                                                  b, k, fp8_grad=fp8, reverse_grad=bool(r)), 3.5 * n),
+                                                  b, k, fp8_grad=fp8, reverse_grad=bool(r)),
+                      3.5 * n),
     }, lambda: work.copy_(logits), lambda: g8.copy_(logits), n
 
 
