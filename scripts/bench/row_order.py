@@ -14,7 +14,6 @@ Writes <out>.json and <out>.md.
 """
 
 import argparse
-import contextlib
 import sys
 
 if not __package__:
@@ -25,7 +24,7 @@ import torch  # noqa: E402
 import flce  # noqa: E402
 import flce.kernels  # noqa: E402
 from scripts.bench.flce import run_meta  # noqa: E402
-from scripts.bench.row_overlap import measure_point, variant_table  # noqa: E402
+from scripts.bench.row_overlap import loss_replacing, measure_point, variant_table  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 
 LAUNCH_ROWS = flce.kernels.launch_rows
@@ -46,26 +45,10 @@ def launch_rows_backward(blocks=None):
     return launch
 
 
-@contextlib.contextmanager
-def row_launcher(launch):
-    flce.kernels.launch_rows = launch
-    try:
-        yield
-    finally:
-        flce.kernels.launch_rows = LAUNCH_ROWS
-
-
-def loss_with(launch):
-    def f(x, t, w):
-        with row_launcher(launch):
-            return flce.fused_linear_cross_entropy(x, t, w)
-    return f
-
-
 def variants() -> dict:
-    return {"flce": loss_with(LAUNCH_ROWS),
-            "backward": loss_with(launch_rows_backward()),
-            "backward_8192x8": loss_with(launch_rows_backward((8192, 8)))}
+    loss = lambda launch: loss_replacing(flce.kernels, "launch_rows", launch)  # noqa: E731
+    return {"flce": loss(LAUNCH_ROWS), "backward": loss(launch_rows_backward()),
+            "backward_8192x8": loss(launch_rows_backward((8192, 8)))}
 
 
 def markdown(meta: dict, results: list[dict]) -> str:

@@ -75,27 +75,35 @@ def overlapped_chunk_loop(side: torch.cuda.Stream):
 
 
 @contextlib.contextmanager
-def chunk_loop(loop):
-    flce.ops.chunk_loop = loop
+def replaced(module, name: str, value):
+    """module.name is value inside the block, and what it was again after it."""
+    original = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        flce.ops.chunk_loop = SEQUENTIAL
+        setattr(module, name, original)
 
 
-def loss_with(loop):
+def chunk_loop(loop):
+    return replaced(flce.ops, "chunk_loop", loop)
+
+
+def loss_replacing(module, name: str, value):
+    """flce's loss with module.name replaced by value while it runs (its backward included:
+    the chunked sweep does all its work in forward)."""
     def f(x, t, w):
-        with chunk_loop(loop):
+        with replaced(module, name, value):
             return flce.fused_linear_cross_entropy(x, t, w)
     return f
 
 
 def variants() -> dict:
     low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically low > high
-    return {"flce": loss_with(SEQUENTIAL),
-            "overlap": loss_with(overlapped_chunk_loop(torch.cuda.Stream(priority=low))),
-            "overlap_high_priority": loss_with(overlapped_chunk_loop(
-                torch.cuda.Stream(priority=high)))}
+    overlap = lambda priority: loss_replacing(  # noqa: E731
+        flce.ops, "chunk_loop", overlapped_chunk_loop(torch.cuda.Stream(priority=priority)))
+    return {"flce": loss_replacing(flce.ops, "chunk_loop", SEQUENTIAL),
+            "overlap": overlap(low), "overlap_high_priority": overlap(high)}
 
 
 def bitwise_same(fns: dict, x, t, w) -> dict:
