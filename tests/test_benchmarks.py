@@ -58,7 +58,8 @@ AWAITING_REMEASUREMENT = {
 
 def _command_problem(command: str) -> str:
     """Why a recorded command would not run today ("" if it would): its script is a module of
-    this repository that exists and defines every --option the command passes."""
+    this repository that exists and defines every --option the command passes (it, or a module
+    of scripts/ it imports)."""
     words = shlex.split(command)
     if any(re.fullmatch(r"scripts/\w+\.py", w) for w in words):
         return "runs a script by its file path (scripts run as modules: python3 -m scripts.NAME)"
@@ -69,6 +70,10 @@ def _command_problem(command: str) -> str:
     if spec is None:
         return f"module {module} does not exist"
     source = Path(spec.origin).read_text()
+    # options may be defined by a module of scripts/ it imports (bench.row_overlap's command
+    # line serves bench.row_order too)
+    for imported in re.findall(r"^from (scripts\.[\w.]+) import", source, re.M):
+        source += Path(importlib.util.find_spec(imported).origin).read_text()
     unknown = [w.split("=")[0] for w in words if w.startswith("--")
                and f'"{w.split("=")[0]}"' not in source]
     return f"{module} has no option {', '.join(unknown)}" if unknown else ""

@@ -13,19 +13,16 @@ backwards on 8192-column blocks and 8 warps, where the kernel alone ran fastest 
 Writes <out>.json and <out>.md.
 """
 
-import argparse
 import sys
 
 if not __package__:
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.row_order ...")
 
-import torch  # noqa: E402
-
 import flce  # noqa: E402
 import flce.kernels  # noqa: E402
-from scripts.bench.flce import run_meta  # noqa: E402
-from scripts.bench.row_overlap import loss_replacing, measure_point, variant_table  # noqa: E402
-from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
+from scripts.bench.row_overlap import (loss_replacing, measure_point, run_variants,  # noqa: E402
+                                       variant_table)
+from scripts.lib.report import kernel_report_head  # noqa: E402
 
 LAUNCH_ROWS = flce.kernels.launch_rows
 
@@ -67,24 +64,9 @@ def markdown(meta: dict, results: list[dict]) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.row_order", description=__doc__,
-                                formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", required=True, help="comma-separated NxHxV")
-    p.add_argument("--seconds", type=float, default=0.5,
-                   help="about this long timing each run at each point")
-    p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
-    p.add_argument("--out", default="benchmarks/flce_row_order", help="output path without suffix")
-    args = p.parse_args()
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
-    meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
-    results = []
-    for shape in args.shapes.split(","):
-        results.append(measure_point(shape, args.seconds, args.reps, variants,
-                                     bitwise_names=("flce", "backward")))
-        print(" | ".join([shape] + [f"{r['run']} {r['ms']:.2f} ms" for r in results[-1]["runs"]
-                                    if r["ms"] is not None]), flush=True)
-        write_report(args.out, {"meta": meta, "results": results}, markdown(meta, results))
-    print(markdown(meta, results))
+    measure = lambda shape, seconds, reps: measure_point(  # noqa: E731
+        shape, seconds, reps, variants, bitwise_names=("flce", "backward"))
+    run_variants("row_order", __doc__, "benchmarks/flce_row_order", measure, markdown)
 
 
 if __name__ == "__main__":

@@ -191,25 +191,31 @@ def markdown(meta: dict, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main():
-    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.row_overlap", description=__doc__,
+def run_variants(module: str, doc: str, default_out: str, measure, render) -> None:
+    """The command line of a benchmark of flce's variants (this one, bench.row_order): each
+    shape measured by measure(shape, seconds, reps), the report rendered by render(meta,
+    results) and written after every point."""
+    p = argparse.ArgumentParser(prog=f"python3 -m scripts.bench.{module}", description=doc,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", required=True, help="comma-separated NxHxV")
     p.add_argument("--seconds", type=float, default=0.5,
                    help="about this long timing each run at each point")
     p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
-    p.add_argument("--out", default="benchmarks/flce_row_overlap",
-                   help="output path without suffix")
+    p.add_argument("--out", default=default_out, help="output path without suffix")
     args = p.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
     for shape in args.shapes.split(","):
-        results.append(measure_point(shape, args.seconds, args.reps))
+        results.append(measure(shape, args.seconds, args.reps))
         print(" | ".join([shape] + [f"{r['run']} {r['ms']:.2f} ms" for r in results[-1]["runs"]
                                     if r["ms"] is not None]), flush=True)
-        write_report(args.out, {"meta": meta, "results": results}, markdown(meta, results))
-    print(markdown(meta, results))
+        write_report(args.out, {"meta": meta, "results": results}, render(meta, results))
+    print(render(meta, results))
+
+
+def main():
+    run_variants("row_overlap", __doc__, "benchmarks/flce_row_overlap", measure_point, markdown)
 
 
 if __name__ == "__main__":
