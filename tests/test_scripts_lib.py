@@ -16,6 +16,7 @@ import torch
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
 from scripts.bench import chunk_sizes as bench_chunk_sizes, float8_grid as bench_float8_grid
 from scripts.bench import logits_epilogue as bench_logits_epilogue
+from scripts.bench import loss_kernels as bench_loss_kernels
 from scripts.bench import row_order as bench_row_order
 from scripts.bench import row_overlap as bench_row_overlap
 from scripts.bench import tune_rows_kernel as bench_tune_rows
@@ -285,6 +286,31 @@ def test_row_overlap_report_rates_each_variant_against_flce():
     assert "| 64x8x40 | chunks of 16 | overlap | 2.40 | 1.200× | 0.960× | 4 | yes |" in text
     assert "| 64x8x40 | chunks of 16 | overlap_high_priority | OOM |" in text
     assert "Overlap over flce: 0.960-0.960× at 1 points." in text
+
+
+def test_loss_kernels_report_splits_each_run_by_kind_against_the_bare_gemms():
+    def run(name, *kernels):
+        return {"shape": "64x8x40", "run": name, "calls": 3,
+                "kernels": [{"name": k, "launches": n, "us": us} for k, n, us in kernels]}
+    results = [run("bare_gemms", ("nvjet_tst_128x256", 3, 1500.0)),
+               run("flce", ("nvjet_tst_128x256", 3, 1500.0), ("flce_rows_kernel", 1, 300.0),
+                   ("triton_red_fused_abc|x", 2, 100.0)),
+               {"shape": "64x8x40", "run": "liger", "calls": 3, "kernels": None}]
+    text = bench_loss_kernels.markdown(
+        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, results)
+    assert "| 64x8x40 | flce | 1.90 | 1.50 | 0.30 | 0.10 | 1.267× | nvjet_tst_128x256 1500 (3); " \
+        "flce_rows_kernel 300 (1); triton_red_fused_abc/x 100 (2) |" in text
+    assert "| 64x8x40 | bare_gemms | 1.50 | 1.50 | 0.00 | 0.00 | 1.000× |" in text
+    assert "| 64x8x40 | liger | OOM |" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the profiler's kernels)")
+def test_loss_kernels_finds_flces_row_kernel_and_the_gemms():
+    fns = {"flce": bench_loss_kernels.methods(512, 64, 1000, False)["flce"]}
+    point = bench_loss_kernels.measure_point("512x64x1000", fns, calls=2)
+    kinds = {r["run"]: bench_loss_kernels.by_kind(r["kernels"]) for r in point}
+    assert kinds["flce"]["loss (flce kernels)"] > 0 and kinds["flce"]["GEMM"] > 0
+    assert kinds["bare_gemms"]["loss (flce kernels)"] == 0
 
 
 def test_row_order_report_rates_each_variant_against_flce():

@@ -194,25 +194,6 @@ def float8_gemm_runs(x, w, logits):
     return runs, (f8, dx, dw, fp8_logits_out)
 
 
-def profile(fns, x, t, w, calls: int = 3):
-    """The GPU kernels of `calls` calls of the bare GEMMs and of each method, after one call
-    outside the profiler: where two methods run the same GEMMs, their kernel names and times
-    side by side say whether the GEMMs or the passes between them differ."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    floor_run, _ = gemm_floor(x.detach(), w.detach())
-    runs = {"bare_gemms": floor_run, **{name: fwd_bwd(f, x, t, w) for name, f in fns.items()}}
-    for name, run in runs.items():
-        run()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                run()
-            torch.cuda.synchronize()
-        print(f"== {name} {tuple(x.shape)} x {tuple(w.shape)}, {calls} calls")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
-                                        max_name_column_width=90))
-
-
 def errors_vs_float64(fns, N, H, V, dtype):
     """Relative error of loss, dx, dW against float64 at [N, H] x [V, H] (fresh inputs)."""
     x, t, w = make_inputs(N, H, V, dtype, seed=1)
@@ -249,8 +230,6 @@ def main():
     p.add_argument("--only", default="", help="comma-separated method names to run")
     p.add_argument("--accuracy-tokens", type=int, default=4096,
                    help="tokens for the error-vs-float64 check at the first shape (0: skip)")
-    p.add_argument("--profile", action="store_true",
-                   help="print a per-kernel CUDA time table for flce at each shape, then exit")
     p.add_argument("--grid", action="store_true",
                    help="flce, flce_lean and the peers at every point of the N x H x V grid")
     p.add_argument("--resume", action="store_true",
@@ -281,9 +260,6 @@ def main():
         if args.only:
             fns = {k: v for k, v in fns.items() if k in args.only.split(",")}
         x, t, w = make_inputs(N, H, V, dtype)
-        if args.profile:
-            profile(fns, x, t, w)
-            continue
         run, bufs = gemm_floor(x.detach(), w.detach())
         floor_ms = median_ms(run, args.warmup, args.reps)
         flops = 6 * N * H * V
@@ -312,8 +288,6 @@ def main():
         if i == 0 and args.accuracy_tokens:
             accuracy = errors_vs_float64(fns, args.accuracy_tokens, H, V, dtype)
             accuracy["shape"] = f"{args.accuracy_tokens}x{H}x{V}"
-    if args.profile:
-        return
     meta = run_meta(origin, args.dtype)
     if args.ungated:
         meta["float8"] = "ungated: the float8 GEMMs at every shape, below flce's threshold too"

@@ -1,0 +1,129 @@
+"""The GPU kernels of each loss at given shapes, from the profiler, kept as a report.
+
+    python3 -m scripts.bench.loss_kernels --shapes 65536x4096x32000 --only flce,flce_lean,liger
+    python3 -m scripts.bench.loss_kernels --float8 --shapes 8192x2048x128256
+
+Per shape, the bare GEMMs and each loss of `bench.flce` (`--only` some of them; `--float8`: the
+bf16 loss and the float8 ones) run once outside the profiler, then `--calls` times under it.
+For each: the summed kernel time per call, its share by kind (GEMMs, the loss's own kernels, the
+rest: `bench.summarize_trace`'s kinds) and the kernels that took the most. Where two losses run
+the same cuBLAS GEMMs, their kernels side by side say whether the GEMMs or the passes between
+them differ; against a timed grid, whether a gap is in the kernels or outside them (launches,
+allocations, the GPU's clocks). Writes <out>.json and <out>.md.
+"""
+
+import argparse
+import sys
+from collections import defaultdict
+
+if not __package__:
+    sys.exit("run from the repository root as a module: python3 -m scripts.bench.loss_kernels ...")
+
+import torch  # noqa: E402
+
+from scripts.bench.flce import fwd_bwd, gemm_floor, make_inputs, methods, run_meta  # noqa: E402
+from scripts.bench.summarize_trace import KINDS, kind_of  # noqa: E402
+from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
+
+TOP = 6  # kernels listed per run
+
+
+def kernels_per_call(run, calls: int) -> dict:
+    """{kernel name: [launches, µs]} per call of run, over `calls` profiled calls."""
+    from torch.profiler import ProfilerActivity, profile
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    totals = defaultdict(lambda: [0.0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name][0] += 1 / calls
+            totals[event.name][1] += event.device_time / calls
+    return dict(totals)
+
+
+def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:
+    N, H, V = map(int, shape.split("x"))
+    x, t, w = make_inputs(N, H, V, torch.bfloat16)
+    floor_run, buffers = gemm_floor(x.detach(), w.detach())
+    runs = {"bare_gemms": floor_run, **{name: fwd_bwd(f, x, t, w) for name, f in fns.items()}}
+    out = []
+    for name, run in runs.items():
+        try:
+            kernels = kernels_per_call(run, calls)
+        except torch.OutOfMemoryError:
+            kernels = None
+        x.grad = w.grad = None
+        torch.cuda.empty_cache()
+        out.append({"shape": shape, "run": name, "calls": calls, "kernels": None if kernels is None
+                    else [{"name": k, "launches": n, "us": us} for k, (n, us) in
+                          sorted(kernels.items(), key=lambda kv: -kv[1][1])]})
+    del x, t, w, runs, floor_run, buffers
+    torch.cuda.empty_cache()
+    return out
+
+
+def by_kind(kernels: list[dict]) -> dict:
+    """{kind: µs} of a run's kernels, in KINDS' order."""
+    shares = {kind: 0.0 for kind, _ in KINDS}
+    for k in kernels:
+        shares[kind_of(k["name"])] += k["us"]
+    return shares
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    kinds = [kind for kind, _ in KINDS if kind in ("GEMM", "loss (flce kernels)")]
+    lines = [*kernel_report_head(meta, "bfloat16"),
+             f"Kernels per call of forward+backward, from the profiler ({results[0]['calls']} "
+             "calls after one outside it, if any): their summed time, its parts by kind (GEMMs; "
+             "this repository's Triton kernels; the rest: other libraries' Triton and CUDA "
+             "kernels, casts, copies) and over the bare GEMMs' sum, then the kernels that took "
+             "the most (µs a call, launches a call).", "",
+             "| N×H×V | run | kernels ms | GEMMs ms | flce kernels ms | rest ms | × bare GEMMs | "
+             "largest kernels |", "|---|---|---|---|---|---|---|---|"]
+    floor = {r["shape"]: sum(k["us"] for k in r["kernels"]) for r in results
+             if r["run"] == "bare_gemms" and r["kernels"]}
+    for r in results:
+        head = f"| {r['shape']} | {r['run']} | "
+        if r["kernels"] is None:
+            lines.append(head + "OOM | - | - | - | - | - |")
+            continue
+        total = sum(k["us"] for k in r["kernels"])
+        shares = by_kind(r["kernels"])
+        rest = total - sum(shares[kind] for kind in kinds)
+        top = "; ".join(f"{k['name'][:48]} {k['us']:.0f} ({k['launches']:g})"
+                        for k in r["kernels"][:TOP])
+        vs = f"{total / floor[r['shape']]:.3f}×" if floor.get(r["shape"]) else "-"
+        lines.append(head + f"{total / 1e3:.2f} | {shares['GEMM'] / 1e3:.2f} | "
+                     f"{shares['loss (flce kernels)'] / 1e3:.2f} | {rest / 1e3:.2f} | {vs} | "
+                     f"{top.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.loss_kernels", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", required=True, help="comma-separated NxHxV")
+    p.add_argument("--only", default="", help="comma-separated names of bench.flce's methods")
+    p.add_argument("--float8", action="store_true", help="the bf16 loss and the float8 ones")
+    p.add_argument("--calls", type=int, default=3, help="profiled calls of each run")
+    p.add_argument("--out", default="benchmarks/loss_kernels", help="output path without suffix")
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    meta = {**run_meta(provenance(), "bfloat16"), "calls": args.calls}
+    results = []
+    for shape in args.shapes.split(","):
+        N, H, V = map(int, shape.split("x"))
+        fns = methods(N, H, V, sweep=False, float8=args.float8)
+        if args.only:
+            fns = {k: f for k, f in fns.items() if k in args.only.split(",")}
+        results += measure_point(shape, fns, args.calls)
+        write_report(args.out, {"meta": meta, "results": results}, markdown(meta, results))
+    print(markdown(meta, results))
+
+
+if __name__ == "__main__":
+    main()
