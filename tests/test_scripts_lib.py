@@ -290,7 +290,8 @@ def test_row_overlap_report_rates_each_variant_against_flce():
 
 def test_loss_kernels_report_splits_each_run_by_kind_against_the_bare_gemms():
     def run(name, *kernels):
-        return {"shape": "64x8x40", "run": name, "calls": 3,
+        return {"shape": "64x8x40", "run": name, "calls": 3, "wall_ms": 2.25,
+                "allocator": {"num_device_alloc": 1, "num_device_free": 0, "num_alloc_retries": 0},
                 "kernels": [{"name": k, "launches": n, "us": us} for k, n, us in kernels]}
     results = [run("bare_gemms", ("nvjet_tst_128x256", 3, 1500.0)),
                run("flce", ("nvjet_tst_128x256", 3, 1500.0), ("flce_rows_kernel", 1, 300.0),
@@ -298,9 +299,10 @@ def test_loss_kernels_report_splits_each_run_by_kind_against_the_bare_gemms():
                {"shape": "64x8x40", "run": "liger", "calls": 3, "kernels": None}]
     text = bench_loss_kernels.markdown(
         {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, results)
-    assert "| 64x8x40 | flce | 1.90 | 1.50 | 0.30 | 0.10 | 1.267× | nvjet_tst_128x256 1500 (3); " \
-        "flce_rows_kernel 300 (1); triton_red_fused_abc/x 100 (2) |" in text
-    assert "| 64x8x40 | bare_gemms | 1.50 | 1.50 | 0.00 | 0.00 | 1.000× |" in text
+    assert "| 64x8x40 | flce | 1.90 | 1.50 | 0.30 | 0.10 | 1.267× | 2.25 | 1 / 0 / 0 | " \
+        "nvjet_tst_128x256 1500 (3); flce_rows_kernel 300 (1); triton_red_fused_abc/x 100 (2) |" \
+        in text
+    assert "| 64x8x40 | bare_gemms | 1.50 | 1.50 | 0.00 | 0.00 | 1.000× | 2.25 |" in text
     assert "| 64x8x40 | liger | OOM |" in text
 
 
@@ -311,6 +313,9 @@ def test_loss_kernels_finds_flces_row_kernel_and_the_gemms():
     kinds = {r["run"]: bench_loss_kernels.by_kind(r["kernels"]) for r in point}
     assert kinds["flce"]["loss (flce kernels)"] > 0 and kinds["flce"]["GEMM"] > 0
     assert kinds["bare_gemms"]["loss (flce kernels)"] == 0
+    flce_run = point[1]
+    assert flce_run["wall_ms"] > 0 and set(flce_run["allocator"]) == set(
+        bench_loss_kernels.ALLOCATOR_EVENTS)
 
 
 def test_row_order_report_rates_each_variant_against_flce():

@@ -6,7 +6,8 @@
 Per shape, the bare GEMMs and each loss of `bench.flce` (`--only` some of them; `--float8`: the
 bf16 loss and the float8 ones) run once outside the profiler, then `--calls` times under it.
 For each: the summed kernel time per call, its share by kind (GEMMs, the loss's own kernels, the
-rest: `bench.summarize_trace`'s kinds) and the kernels that took the most. Where two losses run
+rest: `bench.summarize_trace`'s kinds), the time of synchronized calls outside the profiler and
+whether they went to the driver for memory, and the kernels that took the most. Where two losses run
 the same cuBLAS GEMMs, their kernels side by side say whether the GEMMs or the passes between
 them differ; against a timed grid, whether a gap is in the kernels or outside them (launches,
 allocations, the GPU's clocks). Writes <out>.json and <out>.md.
@@ -45,6 +46,28 @@ def kernels_per_call(run, calls: int) -> dict:
     return dict(totals)
 
 
+ALLOCATOR_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def walls_and_allocations(run, calls: int) -> tuple[float, dict]:
+    """The median ms of `calls` synchronized calls of run (CUDA events: the GPU's time from the
+    first launch to the last kernel's end, gaps included) and how often the caching allocator
+    went to the driver or retried over them (0 in a steady state)."""
+    before = torch.cuda.memory_stats()
+    walls = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append(start.elapsed_time(end))
+    after = torch.cuda.memory_stats()
+    return sorted(walls)[len(walls) // 2], {k: after.get(k, 0) - before.get(k, 0)
+                                             for k in ALLOCATOR_EVENTS}
+
+
 def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:
     N, H, V = map(int, shape.split("x"))
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
@@ -54,11 +77,13 @@ def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:
     for name, run in runs.items():
         try:
             kernels = kernels_per_call(run, calls)
+            wall_ms, allocations = walls_and_allocations(run, calls)
         except torch.OutOfMemoryError:
-            kernels = None
+            kernels = wall_ms = allocations = None
         x.grad = w.grad = None
         torch.cuda.empty_cache()
-        out.append({"shape": shape, "run": name, "calls": calls, "kernels": None if kernels is None
+        out.append({"shape": shape, "run": name, "calls": calls, "wall_ms": wall_ms,
+                    "allocator": allocations, "kernels": None if kernels is None
                     else [{"name": k, "launches": n, "us": us} for k, (n, us) in
                           sorted(kernels.items(), key=lambda kv: -kv[1][1])]})
     del x, t, w, runs, floor_run, buffers
@@ -80,16 +105,20 @@ def markdown(meta: dict, results: list[dict]) -> str:
              f"Kernels per call of forward+backward, from the profiler ({results[0]['calls']} "
              "calls after one outside it, if any): their summed time, its parts by kind (GEMMs; "
              "this repository's Triton kernels; the rest: other libraries' Triton and CUDA "
-             "kernels, casts, copies) and over the bare GEMMs' sum, then the kernels that took "
-             "the most (µs a call, launches a call).", "",
+             "kernels, casts, copies) and over the bare GEMMs' sum; then, outside the "
+             "profiler, the median of as many synchronized calls timed by CUDA events (wall: "
+             "gaps between kernels included) and the caching allocator's trips to the driver "
+             "over them (allocations, frees, retries: 0 in a steady state); then the kernels "
+             "that took the most (µs a call, launches a call).", "",
              "| N×H×V | run | kernels ms | GEMMs ms | flce kernels ms | rest ms | × bare GEMMs | "
-             "largest kernels |", "|---|---|---|---|---|---|---|---|"]
+             "wall ms | driver allocs / frees / retries | largest kernels |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     floor = {r["shape"]: sum(k["us"] for k in r["kernels"]) for r in results
              if r["run"] == "bare_gemms" and r["kernels"]}
     for r in results:
         head = f"| {r['shape']} | {r['run']} | "
         if r["kernels"] is None:
-            lines.append(head + "OOM | - | - | - | - | - |")
+            lines.append(head + "OOM | - | - | - | - | - | - | - |")
             continue
         total = sum(k["us"] for k in r["kernels"])
         shares = by_kind(r["kernels"])
@@ -97,9 +126,10 @@ def markdown(meta: dict, results: list[dict]) -> str:
         top = "; ".join(f"{k['name'][:48]} {k['us']:.0f} ({k['launches']:g})"
                         for k in r["kernels"][:TOP])
         vs = f"{total / floor[r['shape']]:.3f}×" if floor.get(r["shape"]) else "-"
+        trips = " / ".join(str(r["allocator"][k]) for k in ALLOCATOR_EVENTS)
         lines.append(head + f"{total / 1e3:.2f} | {shares['GEMM'] / 1e3:.2f} | "
                      f"{shares['loss (flce kernels)'] / 1e3:.2f} | {rest / 1e3:.2f} | {vs} | "
-                     f"{top.replace('|', '/')} |")
+                     f"{r['wall_ms']:.2f} | {trips} | {top.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
