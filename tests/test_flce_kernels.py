@@ -83,10 +83,9 @@ def test_weight_scale_equals_the_premultiplied_weight(per_row_weight):
 
 @pytest.mark.parametrize("float8", [False, True], ids=["bf16", "e4m3"])
 def test_gradient_pass_order_changes_no_bit(float8):
-    """Both passes in one kernel walk pass 2 from the row's last block back to its first (L2
-    reuse); each element's gradient depends on the row statistics alone, so the order pass 1
-    takes (what `reverse_grad=False` times) gives the same bits, the e4m3 copy included, and
-    both match the PyTorch rows."""
+    """With reverse_grad pass 2 walks the row from its last block back to its first (an option
+    the row benchmarks time); each element's gradient depends on the row statistics alone, so
+    both orders give the same bits, the e4m3 copy included, and match the PyTorch rows."""
     from flce.kernels import launch_rows
     C, V = 7, 53  # four 16-wide blocks, the last a partial one
     opts = LossOptions(label_smoothing=0.1, softcap=4.0)

@@ -12,7 +12,7 @@ in shuffled rounds (`interleaved_ms`, each call settled by a few ms of untimed o
 grid is, so that a drift of the GPU's clocks falls on all of them alike: the passes at a few
 hundred rows take tenths of a millisecond. flce/kernels.py's `_block_and_warps` holds the result.
 Writes <out>.json and <out>.md: per chunk and pass, the tuned default against the fastest
-configuration and (both passes in one) against the default's size in pass 1's order.
+configuration and (both passes in one) the two orders at the default's size.
     python3 -m scripts.bench.tune_rows_kernel --rows 8192,32768 --vocab 128256
     python3 -m scripts.bench.tune_rows_kernel --rows 16,128,512,2048 --vocab 32000,256000 --passes full
 """
@@ -90,8 +90,8 @@ def label(cfg) -> str:
 def markdown(meta: dict, results: list[dict]) -> str:
     lines = [*kernel_report_head(meta, "bfloat16"),
              "Each pass of the row kernel alone over one [C, V] chunk: the tuned default "
-             "(`flce.kernels._block_and_warps`; fwd: pass 2 in pass 1's order, rev: last block first) against the "
-             "fastest block/warps/order timed, ms and GB/s (bytes the pass must move from and to "
+             "(`flce.kernels._block_and_warps`; fwd: pass 2 in pass 1's order, rev: last block "
+             "first) against the fastest block/warps/order timed, ms and GB/s (bytes the pass must move from and to "
              "HBM, the re-read of both passes in one counted); fwd ÷ rev: at the default's size, "
              "pass 2 in pass 1's order over pass 2 walking backwards.", "",
              "| C×V | copy GB/s | pass | default | ms | GB/s | fastest | ms | GB/s | "
