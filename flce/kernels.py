@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from flce.launch import Launcher
-from flce.quantize_kernels import fp8_quantized, fp8_saturated
+from flce.quantize_kernels import fp8_saturated
 
 
 @triton.jit
