@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from scripts.bench.flce import fwd_bwd, gemm_floor, make_inputs, methods, run_meta  # noqa: E402
 from scripts.bench.summarize_trace import KINDS, kind_of  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
+from scripts.lib.timing import median_ms  # noqa: E402
 
 TOP = 6  # kernels listed per run
 
@@ -54,18 +55,9 @@ def walls_and_allocations(run, calls: int) -> tuple[float, dict]:
     first launch to the last kernel's end, gaps included) and how often the caching allocator
     went to the driver or retried over them (0 in a steady state)."""
     before = torch.cuda.memory_stats()
-    walls = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        walls.append(start.elapsed_time(end))
+    wall = median_ms(run, warmup=0, reps=calls)
     after = torch.cuda.memory_stats()
-    return sorted(walls)[len(walls) // 2], {k: after.get(k, 0) - before.get(k, 0)
-                                             for k in ALLOCATOR_EVENTS}
+    return wall, {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_EVENTS}
 
 
 def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:
@@ -100,7 +92,6 @@ def by_kind(kernels: list[dict]) -> dict:
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
-    kinds = [kind for kind, _ in KINDS if kind in ("GEMM", "loss (flce kernels)")]
     lines = [*kernel_report_head(meta, "bfloat16"),
              f"Kernels per call of forward+backward, from the profiler ({results[0]['calls']} "
              "calls after one outside it, if any): their summed time, its parts by kind (GEMMs; "
@@ -122,7 +113,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
             continue
         total = sum(k["us"] for k in r["kernels"])
         shares = by_kind(r["kernels"])
-        rest = total - sum(shares[kind] for kind in kinds)
+        rest = total - shares["GEMM"] - shares["loss (flce kernels)"]
         top = "; ".join(f"{k['name'][:48]} {k['us']:.0f} ({k['launches']:g})"
                         for k in r["kernels"][:TOP])
         vs = f"{total / floor[r['shape']]:.3f}×" if floor.get(r["shape"]) else "-"
