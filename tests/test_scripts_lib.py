@@ -2,6 +2,7 @@
 the report files, the timer, the loud first line of every benchmark's markdown, and the run
 folders that scripts clear only when they made them."""
 
+import collections
 import itertools
 import json
 import os
@@ -529,10 +530,11 @@ def test_flce_grid_verdict_counts_each_target():
     assert bench_flce.flce_path(65536, 2048, 128256, 2) == "chunks of 8192"
 
 
-def test_interleaved_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
-    """Each round visits every run once in a fresh order (a fixed order timed a run after the
-    same predecessor each time, and favoured those that followed a light one), and each visit
-    calls its run untimed until settle_ms have passed before the one timed call."""
+def test_interleaved_rounds_balance_the_order_and_settle_each_run(monkeypatch):
+    """Rounds come in balanced blocks: each run takes each position and follows each other run
+    equally often (rounds shuffled from one seed gave a slot the same predecessor at every point,
+    and a run right after the heavy bare GEMMs times slower), and each visit calls its run
+    untimed until settle_ms have passed before the one timed call."""
     calls, clock = [], [0.0]
 
     def run_of(name):
@@ -547,11 +549,42 @@ def test_interleaved_rounds_shuffle_the_order_and_settle_each_run(monkeypatch):
     ms = timing.interleaved_ms(runs, seconds=0.0, max_reps=6, settle_ms=10.0)
     assert ms == dict.fromkeys("abcde", 1.0)
     visits = [(name, len(list(run))) for name, run in itertools.groupby(calls)]
-    assert len(visits) == 3 * 5  # 3 rounds at least, each run once a round
+    assert len(visits) == 10 * 5  # one block of an odd count: 10 rounds, beyond max_reps
     assert all(n == 6 for _, n in visits)  # 10 ms of 2 ms calls, then the timed one
-    orders = [tuple(name for name, _ in visits[i:i + 5]) for i in range(0, 15, 5)]
+    orders = [tuple(name for name, _ in visits[i:i + 5]) for i in range(0, 50, 5)]
     assert all(sorted(order) == list("abcde") for order in orders)
-    assert len(set(orders)) > 1
+    positions = collections.Counter((name, i) for order in orders for i, name in enumerate(order))
+    pairs = collections.Counter(pair for order in orders for pair in zip(order, order[1:]))
+    assert set(positions.values()) == {2} and len(positions) == 25
+    assert set(pairs.values()) == {2} and len(pairs) == 20
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 7, 8])
+def test_balanced_orders_are_a_williams_design_in_every_block(n):
+    orders = timing.balanced_orders(n, seed=5)
+    block = timing.block_rounds(n)
+    for _ in range(2):  # the labels change between blocks, the balance does not
+        rows = [next(orders) for _ in range(block)]
+        assert all(sorted(row) == list(range(n)) for row in rows)
+        positions = collections.Counter((r, i) for row in rows for i, r in enumerate(row))
+        pairs = collections.Counter(pair for row in rows for pair in zip(row, row[1:]))
+        assert len(positions) == n * n and len(set(positions.values())) == 1
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+
+
+def test_interleaved_rounds_fill_whole_blocks_up_to_max_reps(monkeypatch):
+    clock = [0.0]
+
+    def run():
+        clock[0] += 0.001
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
+    runs = dict.fromkeys("abcd", run)
+    assert len(timing.interleaved_rounds(runs, 0.0, 20, settle_ms=0.0)["a"]) == 4
+    # 1 ms a run: 0.01 s asks for 10 rounds, 3 blocks of 4 (12) within max_reps 20
+    assert len(timing.interleaved_rounds(runs, 0.01, 20, settle_ms=0.0)["a"]) == 12
+    assert len(timing.interleaved_rounds(runs, 1.0, 20, settle_ms=0.0)["a"]) == 20
 
 
 def test_fresh_run_folder_makes_clears_its_own_and_refuses_the_rest(tmp_path):

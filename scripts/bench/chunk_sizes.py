@@ -5,7 +5,7 @@
 
 Each point is NxHxV:C1/C2/...; a chunk size of N or more is the one-block path. At each point
 flce's default (its own choice) and every forced chunk size are timed forward+backward in
-interleaved rounds (each visit settled by untimed calls, the order shuffled anew each round, as
+interleaved rounds (each visit settled by untimed calls, in balanced orders, as
 `bench.flce --grid`), with the bare GEMMs as the floor, and their peak extra memory measured.
 Writes <out>.json and <out>.md, after every point (a run cut short keeps what it measured).
 """

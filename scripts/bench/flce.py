@@ -13,12 +13,13 @@ GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into 
                                                       # (benchmarks/flce_grid; resumable)
 
 --grid times flce, flce_lean and the peers (compiled unfused, Liger, CCE) at every point of
-GRID_N x GRID_H x GRID_V, each for about --seconds (at least 3 timed calls, at most --reps),
-in rounds that visit the bare GEMMs and every method once in a shuffled order, each settled by
-50 ms of untimed calls before its timed one (`interleaved_rounds`; the JSON keeps every round's
-time, and the verdict says at which lost points a peer was faster in every round), and writes
-the report after every point: a run cut short by a time limit keeps what it measured, and
---resume skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM
+GRID_N x GRID_H x GRID_V, each for about --seconds (3 rounds at least, at most --reps in whole
+blocks), in rounds that visit the bare GEMMs and every method once, in balanced orders (each
+run in each position and after each other run equally often), each settled by 50 ms of
+untimed calls before its timed one (`interleaved_rounds`; the JSON keeps every round's time,
+and the verdict says at which lost points a peer was faster in every round), and writes the
+report after every point: a run cut short by a time limit keeps what it measured, and --resume
+skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM
 floor runs in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
 
@@ -219,7 +220,9 @@ def main():
                    help=f"comma-separated NxHxV (default {SHAPES}; with --grid: the grid's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=12,
+                   help="timed calls per method; --grid: at most this many rounds, in whole "
+                        "blocks of balanced orders")
     p.add_argument("--sweep", action="store_true", help="also time chunk/accumulation variants")
     p.add_argument("--float8", action="store_true",
                    help="the float8 loss (flce float8=logits, logits+dx) against flce in bf16, "
@@ -327,7 +330,8 @@ def run_grid(args, origin, dtype):
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
             "timing": "interleaved rounds: each round visits the bare GEMMs and every method "
-                      f"once in a shuffled order, calls each untimed for {SETTLE_MS:.0f} ms "
+                      "once, in balanced orders (each in each position and after each other "
+                      f"equally often), calls each untimed for {SETTLE_MS:.0f} ms "
                       "(once at least), then times one call; the median of the rounds"}
     for shape in args.shapes.split(",") if args.shapes else grid_shapes():
         if shape in done:

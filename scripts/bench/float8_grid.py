@@ -204,7 +204,7 @@ def main():
     done = {r["shape"] for r in results}
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds,
             "timing": "interleaved rounds as bench.flce --grid (each visit settled for "
-                      f"{SETTLE_MS:.0f} ms, the order shuffled each round); the median"}
+                      f"{SETTLE_MS:.0f} ms, in balanced orders); the median"}
     for shape in args.shapes.split(",") if args.shapes else grid_shapes():
         if shape in done:
             continue

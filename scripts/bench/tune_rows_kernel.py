@@ -8,7 +8,7 @@ copy of dlogits, half a write); both passes in one 2 reads + 1 write (the float8
 L2. Both passes in one run with pass 2 in pass 1's order ("fwd", the loss's) and backward
 (last block first: "rev") at each size.
 A bf16 copy and a bf16 -> e4m3 copy give the memory's rate. Each pass's configurations are timed
-in shuffled rounds (`interleaved_ms`, each call settled by a few ms of untimed ones), as the loss
+in interleaved rounds of balanced orders (`interleaved_ms`, each call settled by a few ms of untimed ones), as the loss
 grid is, so that a drift of the GPU's clocks falls on all of them alike: the passes at a few
 hundred rows take tenths of a millisecond. flce/kernels.py's `_block_and_warps` holds the result.
 Writes <out>.json and <out>.md: per chunk and pass, the tuned default against the fastest

@@ -1,6 +1,6 @@
 """The timers of the benchmarks that time GPU work in-process: `median_ms` (one function, calls
 in a row), `timed_ms` (as many calls as fit in a time) and `interleaved_rounds` / `interleaved_ms`
-(several functions in shuffled rounds, each settled before its timed call: every round's time,
+(several functions in rounds of balanced orders, each settled before its timed call: every round's time,
 or their medians)."""
 
 import random
@@ -60,24 +60,61 @@ def medians(rounds: dict) -> dict:
     return {name: statistics.median(v) if v else None for name, v in rounds.items()}
 
 
+def balanced_orders(n: int, seed: int = 0):
+    """Endless orders of range(n), a block at a time, in which every run takes every position
+    equally often and follows every other run equally often (a Williams design: n orders per
+    block for even n, 2n for odd n), the runs' labels shuffled anew each block (seeded).
+
+    A GPU's clocks lag behind its load, past the settling calls: on an H200 a run timed right
+    after the bare GEMMs was on average 1.7% slower than its own median (the grid at 69a67fb,
+    N <= 16384), and at single points up to 4% slower than the round's mean of the variants
+    (`bench.row_order`). Rounds shuffled from one seed
+    gave each slot the same predecessors at every point and in every session (flce's followed
+    the bare GEMMs in 2 of the 3 rounds at every 3-round point of the grid, and in
+    `bench.row_order` whichever variant held that slot timed slowest in both sessions that ran
+    it), so between runs a few percent apart the slot decided; balanced blocks give every run
+    the same predecessors."""
+    base = [0]
+    for k in range(1, n):
+        base.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = [[(b + i) % n for b in base] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    rng = random.Random(seed)
+    while True:
+        labels = list(range(n))
+        rng.shuffle(labels)
+        for row in rows:
+            yield [labels[i] for i in row]
+
+
+def block_rounds(n: int) -> int:
+    """The rounds of one balanced block of n runs (`balanced_orders`)."""
+    return n if n % 2 == 0 else 2 * n
+
+
 def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
                        seed: int = 0) -> dict:
-    """Each run's ms in each of the rounds, which visit every run once, in an order shuffled anew
-    each round (seeded). At each visit the run is called untimed until settle_ms have passed
-    (once at least), then timed once (synchronised, as median_ms): the GPU's clocks and power
-    state, which lag behind its load, are then the run's own, and a drift over the seconds
-    spent at a point falls on all runs alike. A fixed order with one untimed call per visit
-    favoured whichever run followed a light one: the bare GEMMs timed 10% faster after a light
-    run at 16384x4096x128256, and at 2048x8192x128256 flce (always right after the bare GEMMs)
-    timed 1.164x them against torch.compile's 1.061x (always after the light flce_lean), while
-    the profiler gave their kernels 16.5 and 16.7 ms per call. The untimed calls also leave the
-    caching allocator as the run itself leaves it (a fresh cudaMalloc otherwise). About
-    `seconds` of timed calls per run, 3 rounds at least, max_reps at most. A run that runs out
-    of memory beside the others' cached blocks is timed alone after the rounds (one value: the
-    median of those calls), or gets [] if it does not fit alone either."""
+    """Each run's ms in each of the rounds, which visit every run once, in balanced orders
+    (`balanced_orders`: whole blocks, in which each run takes each position and follows each
+    other run equally often). At each visit the run is called untimed until settle_ms have
+    passed (once at least), then timed once (synchronised, as median_ms): the GPU's clocks and
+    power state, which lag behind its load, are then mostly the run's own, what remains of its
+    predecessor's falls on all runs alike, and so does a drift over the seconds spent at a
+    point. A fixed order with one untimed call per visit favoured whichever run followed a light
+    one: the bare GEMMs timed 10% faster after a light run at 16384x4096x128256, and at
+    2048x8192x128256 flce (always right after the bare GEMMs) timed 1.164x them against
+    torch.compile's 1.061x (always after the light flce_lean), while the profiler gave their
+    kernels 16.5 and 16.7 ms per call. The untimed calls also leave the caching allocator as the
+    run itself leaves it (a fresh cudaMalloc otherwise). About `seconds` of timed calls per run,
+    in whole blocks: 3 rounds at least (even where a block exceeds max_reps), else as many blocks
+    as fit in max_reps rounds. A run that runs out of memory beside the others' cached blocks is timed
+    alone after the rounds (one value: the median of those calls), or gets [] if it does not fit
+    alone either."""
     times = {name: [] for name in runs}
     alone = []
-    order = random.Random(seed)
+    names = list(runs)
+    orders = balanced_orders(len(names), seed)
 
     def visit(run) -> float:
         end = time.perf_counter() + settle_ms / 1e3
@@ -88,9 +125,7 @@ def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: flo
                 return median_ms(run, warmup=0, reps=1)
 
     def one_round():
-        names = list(runs)
-        order.shuffle(names)
-        for name in names:
+        for name in (names[i] for i in next(orders)):
             if name in alone:
                 continue
             try:
@@ -101,7 +136,10 @@ def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: flo
 
     one_round()  # also sizes the rest: about `seconds` of timed calls per run
     per_round = sum(v[0] for v in times.values() if v) or 1.0
-    rounds = max(3, min(max_reps, int(seconds * 1e3 * len(runs) / per_round)))
+    wanted = int(seconds * 1e3 * len(runs) / per_round)
+    block = block_rounds(len(runs))
+    least = block * -(-3 // block)  # 3 rounds at least
+    rounds = max(least, block * min(-(-wanted // block), max_reps // block))
     for _ in range(rounds - 1):
         one_round()
     for name in alone:
