@@ -7,12 +7,12 @@ vocabulary in blocks of BLOCK_V:
   pass 1  online max / sum-exp (and the sum of z for label smoothing)   -> loss (max, log sum)
   pass 2  dz_j = w * dz/da_j, written in place over the logits           -> the chunk becomes dlogits
 
-Pass 2 may walk the row from its last block back to its first (REVERSE_GRAD), re-reading first
-the blocks pass 1 read last, while still in L2. Alone, on a chunk of 2048-16384 rows, that made
-both passes in one 4-26% faster on an H200; inside the loss, after the logits GEMM, it made the
-loss no faster (0.99-1.02x at 6 chunked points, `benchmarks/flce_row_order_h200.md`), and the
-loss keeps pass 1's order. `scripts/bench/tune_rows_kernel.py` and `scripts/bench/row_order.py`
-time both.
+Where both passes run in one kernel, pass 2 walks the row from its last block back to its first
+(REVERSE_GRAD), re-reading first the blocks pass 1 read last, while still in L2. On an H200 that
+made the kernel alone 4-26% faster on chunks of 2048-16384 rows, and the loss 0-2.9% faster at
+6 chunked points, its results bit for bit the same (`benchmarks/flce_row_order_h200.md`); with
+the e4m3 copy of dlogits it gained nothing alone, and pass 2 keeps pass 1's order there.
+`scripts/bench/tune_rows_kernel.py` and `scripts/bench/row_order.py` time both orders.
 
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
 inside pass 2 (never by patching a rounded value afterwards).
@@ -346,9 +346,15 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     return block_v, num_warps or min(default_warps, max(1, block_v // 256))
 
 
+def walks_back(kind: str) -> bool:
+    """Whether pass 2 of a pass of `kind` (`_block_and_warps`) walks each row backwards: where
+    both passes run in one kernel without the e4m3 copy (module docstring)."""
+    return kind == "full"
+
+
 def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad,
                 block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None,
-                off_max=None, weight_scale=None, reverse_grad=False):
+                off_max=None, weight_scale=None, reverse_grad=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
     vocabulary slice, the gradient pass of `vocab_parallel`). stats: (row max, log sum exp(z -
     max)), [C] fp32 each, written (or read, stats_given), or None. fp8_grad: (g8 [C, V] e4m3,
@@ -357,8 +363,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     weight_scale: a 0-dim fp32 tensor the gradient weight is multiplied by (the upstream
     gradient times the loss weight without a launch of its own), or None. block_v, num_warps,
     reverse_grad: a configuration to time (`scripts/bench/tune_rows_kernel.py`,
-    `scripts/bench/row_order.py`) instead of the tuned one (`_block_and_warps`, pass 2 in pass
-    1's order)."""
+    `scripts/bench/row_order.py`) instead of the tuned one (`_block_and_warps`, `walks_back`)."""
     C, V = logits.shape
     if C == 0:
         return
@@ -366,6 +371,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     kind = "full" if compute_grad and not stats_given else "grad" if compute_grad else "stats"
     kind += "+e4m3" if kind == "full" and fp8_grad is not None else ""
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps, kind)
+    reverse_grad = walks_back(kind) if reverse_grad is None else reverse_grad
     g8, g8_scale, target_grad = fp8_grad or (logits, loss_out, loss_out)  # unused when None
     row_max, log_sum = stats or (loss_out, loss_out)  # unused when None
     keep_off_max = off_max is not None and not compute_grad

@@ -83,9 +83,10 @@ def test_weight_scale_equals_the_premultiplied_weight(per_row_weight):
 
 @pytest.mark.parametrize("float8", [False, True], ids=["bf16", "e4m3"])
 def test_gradient_pass_order_changes_no_bit(float8):
-    """With reverse_grad pass 2 walks the row from its last block back to its first (an option
-    the row benchmarks time); each element's gradient depends on the row statistics alone, so
-    both orders give the same bits, the e4m3 copy included, and match the PyTorch rows."""
+    """With reverse_grad pass 2 walks the row from its last block back to its first (the loss's
+    order where both passes run in one kernel without the e4m3 copy, `walks_back`); each
+    element's gradient depends on the row statistics alone, so both orders give the same bits,
+    the e4m3 copy included, and match the PyTorch rows."""
     from flce.kernels import launch_rows
     C, V = 7, 53  # four 16-wide blocks, the last a partial one
     opts = LossOptions(label_smoothing=0.1, softcap=4.0)

@@ -322,38 +322,46 @@ def test_loss_kernels_finds_flces_row_kernel_and_the_gemms():
 def test_row_order_report_rates_each_variant_against_flce():
     point = {"shape": "64x8x40", "path": "chunks of 16", "gemms_ms": 2.0, "runs": [
         {"run": "flce", "ms": 2.5, "extra_mib": 3.0, "bitwise_same": True},
-        {"run": "backward", "ms": 2.75, "extra_mib": 3.0, "bitwise_same": True},
-        {"run": "backward_8192x8", "ms": 3.0, "extra_mib": 3.0, "bitwise_same": None}]}
+        {"run": "forward_order", "ms": 2.75, "extra_mib": 3.0, "bitwise_same": True}]}
     text = bench_row_order.markdown(
         {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
-    assert "| 64x8x40 | chunks of 16 | backward | 2.75 | 1.375× | 1.100× | 3 | yes |" in text
-    assert "| 64x8x40 | chunks of 16 | backward_8192x8 | 3.00 | 1.500× | 1.200× | 3 | - |" in text
-    assert "backward over flce: 1.100-1.100× at 1 points." in text
+    assert "| 64x8x40 | chunks of 16 | forward_order | 2.75 | 1.375× | 1.100× | 3 | yes |" in text
+    assert "forward_order over flce: 1.100-1.100× at 1 points." in text
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                     reason="needs CUDA or TRITON_INTERPRET=1")
-def test_row_order_variants_walk_backwards_where_both_passes_run_in_one():
-    """The benchmark's launcher walks pass 2 backwards (and takes its blocks) only where both
-    passes run in one kernel without the e4m3 copy, and changes no result there."""
-    from flce.kernels import launch_rows
+def test_row_order_variant_sets_the_order_only_where_both_passes_run_in_one(monkeypatch):
+    """The benchmark's launcher sets the order of pass 2 only where both passes run in one
+    kernel without the e4m3 copy (there flce walks backwards: `walks_back`), and changes no
+    result."""
+    from flce.kernels import launch_rows, walks_back
     from flce.options import LossOptions
+    seen = []
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs.get("reverse_grad"))
+        return launch_rows(*args, **kwargs)
+    monkeypatch.setattr(bench_row_order, "LAUNCH_ROWS", recorded)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     logits = torch.randn(600, 40, device=device) * 3
     target = torch.randint(0, 40, (600,), device=device)
     weight = torch.tensor(0.5, device=device)
     outs = []
-    given = lambda *a: launch_rows(*a, block_v=16, num_warps=1, reverse_grad=True)
-    for launch in (given, bench_row_order.launch_rows_backward((16, 1))):
+    for launch in (launch_rows, bench_row_order.launch_rows_ordered(False)):
         work, loss = logits.clone(), torch.empty(600, device=device)
         stats = tuple(torch.empty(600, device=device) for _ in range(2))
-        launch(work, target, loss, stats, weight, LossOptions(), False, True)
+        launch(work, target, loss, stats, weight, LossOptions(), False, True, block_v=16)
         outs.append((work, loss, *stats))
     assert all(map(torch.equal, *outs))
+    forward = bench_row_order.launch_rows_ordered(False)
+    forward(logits.clone(), target, loss, stats, weight, LossOptions(), True, True, block_v=16)
+    assert seen == [False, None]  # the gradient pass after a statistics pass: untouched
     ref = bench_row_order.flce.reference.chunk_rows
     work, loss = logits.clone(), torch.empty(600, device=device)
     ref(work, target, loss, None, weight, LossOptions(), False, True)
     torch.testing.assert_close(outs[0][0], work, rtol=2e-6, atol=2e-6)
+    assert walks_back("full") and not walks_back("full+e4m3") and not walks_back("grad")
 
 
 def test_rows_kernel_tuning_report_sets_the_default_against_the_fastest_and_the_order():
@@ -368,6 +376,8 @@ def test_rows_kernel_tuning_report_sets_the_default_against_the_fastest_and_the_
     assert bench_tune_rows.configs("full", 600)[:3] == [(None, None, None), (1024, 4, True),
                                                        (1024, 4, False)]
     assert all(c[2] is None for c in bench_tune_rows.configs("grad", 600))
+    assert bench_tune_rows.tuned("full", 2048, 32000)[2] is True  # the loss walks backwards
+    assert bench_tune_rows.tuned("full+e4m3", 2048, 32000)[2] is False
     assert max(c[0] or 0 for c in bench_tune_rows.configs("stats", 600)) == 1024  # <= 2 V
     text = bench_tune_rows.markdown(
         {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])

@@ -1,16 +1,15 @@
-"""The chunked sweep's row pass with pass 2 walking each row backwards against pass 2 in pass
-1's order (as flce runs it), end to end: forward+backward of the loss, not the kernel alone.
+"""The chunked sweep's row pass with pass 2 walking each row backwards (as flce runs it) against
+pass 2 in pass 1's order, end to end: forward+backward of the loss, not the kernel alone.
 
     python3 -m scripts.bench.row_order --shapes 65536x1024x128256,...
 
 Per chunk the row kernel reads each row for its statistics, then reads it again and writes
 dlogits. Walking the second pass from the row's last block back to its first re-reads first
 the blocks read last, while still in L2 (`flce/kernels.py`, REVERSE_GRAD): `tune_rows_kernel`
-times that kernel alone, 4-26% faster. Here the whole loss is timed in interleaved rounds with
-the bare GEMMs, in three variants: flce as it runs; `backward` (the same blocks and warps, pass 2
-walking backwards: bitwise flce's results, checked at each point); `backward_8192x8` (walking
-backwards on 8192-column blocks and 8 warps, where the kernel alone ran fastest that way).
-Writes <out>.json and <out>.md.
+times that kernel alone, 4-26% faster. Here the whole loss is timed in interleaved rounds of
+balanced orders with the bare GEMMs, in two variants: flce as it runs, and `forward_order`
+(the same blocks and warps, pass 2 in pass 1's order: bitwise flce's results, checked at each
+point). Writes <out>.json and <out>.md.
 """
 
 import sys
@@ -27,16 +26,13 @@ from scripts.lib.report import kernel_report_head  # noqa: E402
 LAUNCH_ROWS = flce.kernels.launch_rows
 
 
-def launch_rows_backward(blocks=None):
-    """launch_rows with pass 2 walking each row backwards (and the given (BLOCK_V, warps), if
-    any, at chunks of more than 512 rows) where both passes run in one kernel without the e4m3
-    copy; every other pass as it is."""
+def launch_rows_ordered(reverse: bool):
+    """launch_rows with pass 2 walking each row backwards (reverse) or in pass 1's order where
+    both passes run in one kernel without the e4m3 copy; every other pass as it is."""
     def launch(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad, *args,
                **kwargs):
         if compute_grad and not stats_given and kwargs.get("fp8_grad") is None:
-            kwargs["reverse_grad"] = True
-            if blocks is not None and logits.shape[0] > 512:
-                kwargs["block_v"], kwargs["num_warps"] = blocks
+            kwargs["reverse_grad"] = reverse
         return LAUNCH_ROWS(logits, target, loss_out, stats, weight, opts, stats_given,
                            compute_grad, *args, **kwargs)
     return launch
@@ -44,18 +40,16 @@ def launch_rows_backward(blocks=None):
 
 def variants() -> dict:
     loss = lambda launch: loss_replacing(flce.kernels, "launch_rows", launch)  # noqa: E731
-    return {"flce": loss(LAUNCH_ROWS), "backward": loss(launch_rows_backward()),
-            "backward_8192x8": loss(launch_rows_backward((8192, 8)))}
+    return {"flce": loss(LAUNCH_ROWS), "forward_order": loss(launch_rows_ordered(False))}
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
     table, ratios = variant_table(results)
     lines = [*kernel_report_head(meta, "bfloat16"),
-             "flce forward+backward as it runs (pass 2 of the row kernel in pass 1's order), "
-             "with pass 2 walking each row backwards (backward), and walking backwards on "
-             "8192-column blocks and 8 warps (backward_8192x8), in interleaved rounds: ms (× "
-             "the bare GEMMs; × flce) / peak extra MiB; bitwise: loss, dx and dW equal "
-             "flce's.", "", *table]
+             "flce forward+backward as it runs (pass 2 of the row kernel walks each row "
+             "backwards where both passes run in one kernel), and with pass 2 in pass 1's order "
+             "(forward_order), in interleaved rounds of balanced orders: ms (× the bare GEMMs; × "
+             "flce) / peak extra MiB; bitwise: loss, dx and dW equal flce's.", "", *table]
     if ratios:
         lines.append("")
         lines += [f"{name} over flce: {min(v):.3f}-{max(v):.3f}× at {len(v)} points."
@@ -65,7 +59,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
 
 def main():
     measure = lambda shape, seconds, reps: measure_point(  # noqa: E731
-        shape, seconds, reps, variants, bitwise_names=("flce", "backward"))
+        shape, seconds, reps, variants)
     run_variants("row_order", __doc__, "benchmarks/flce_row_order", measure, markdown)
 
 

@@ -5,11 +5,11 @@ GB/s count the bytes a pass must move: statistics 1 read (with and without the r
 the target that the float8 dx GEMM needs); gradient after them 1 read + 1 write (and + the e4m3
 copy of dlogits, half a write); both passes in one 2 reads + 1 write (the float8 chunks' kernel,
 "full+e4m3", adds the e4m3 copy): a rate above the copy's means part of the re-read came from
-L2. Both passes in one run with pass 2 in pass 1's order ("fwd", the loss's) and backward
-(last block first: "rev") at each size.
+L2. Both passes in one run with pass 2 in pass 1's order ("fwd") and backward (last block
+first: "rev", the loss's without the e4m3 copy: `flce.kernels.walks_back`) at each size.
 A bf16 copy and a bf16 -> e4m3 copy give the memory's rate. Each pass's configurations are timed
-in interleaved rounds of balanced orders (`interleaved_ms`, each call settled by a few ms of untimed ones), as the loss
-grid is, so that a drift of the GPU's clocks falls on all of them alike: the passes at a few
+in interleaved rounds of balanced orders (`interleaved_ms`, each call settled by a few ms of
+untimed ones), as the loss grid is, so that a drift of the GPU's clocks falls on all of them alike: the passes at a few
 hundred rows take tenths of a millisecond. flce/kernels.py's `_block_and_warps` holds the result.
 Writes <out>.json and <out>.md: per chunk and pass, the tuned default against the fastest
 configuration and (both passes in one) the two orders at the default's size.
@@ -25,7 +25,7 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 
 import torch  # noqa: E402
 
-from flce.kernels import _block_and_warps, launch_rows  # noqa: E402
+from flce.kernels import _block_and_warps, launch_rows, walks_back  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
 from scripts.bench.flce import run_meta  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
@@ -68,9 +68,9 @@ def passes(C, V, opts):
                                                   True, b, k, fp8_grad=fp8, off_max=off_max),
                       2.5 * n),
         "full": (lambda b, k, r: launch_rows(work, target, loss, None, w, opts, False, True, b,
-                                             k, reverse_grad=bool(r)), 3 * n),
+                                             k, reverse_grad=r), 3 * n),
         "full+e4m3": (lambda b, k, r: launch_rows(work, target, loss, None, w, opts, False, True,
-                                                  b, k, fp8_grad=fp8, reverse_grad=bool(r)),
+                                                  b, k, fp8_grad=fp8, reverse_grad=r),
                       3.5 * n),
     }, lambda: work.copy_(logits), lambda: g8.copy_(logits), n
 
@@ -79,7 +79,7 @@ def tuned(name: str, C: int, V: int) -> tuple:
     """The (block, warps, reverse) launch_rows picks for this pass."""
     kind = name.replace("stats+off_max", "stats").replace("grad+e4m3", "grad")
     block, warps = _block_and_warps(C, V, None, None, kind)
-    return block, warps, False if name in BOTH else None
+    return block, warps, walks_back(kind) if name in BOTH else None
 
 
 def label(cfg) -> str:
