@@ -9,10 +9,11 @@ vocabulary in blocks of BLOCK_V:
 
 Where both passes run in one kernel, pass 2 walks the row from its last block back to its first
 (REVERSE_GRAD), re-reading first the blocks pass 1 read last, while still in L2. On an H200 that
-made the kernel alone 4-26% faster on chunks of 2048-16384 rows, and the loss 0-2.9% faster at
-6 chunked points, its results bit for bit the same (`benchmarks/flce_row_order_h200.md`); with
-the e4m3 copy of dlogits it gained nothing alone, and pass 2 keeps pass 1's order there.
-`scripts/bench/tune_rows_kernel.py` and `scripts/bench/row_order.py` time both orders.
+made the kernel alone 4-26% faster on chunks of 2048-16384 rows, and the loss 0.1-3.8% faster
+at 6 chunked points (pass 1's order 1.001-1.040x its time), its results bit for bit the same
+(`benchmarks/flce_row_order_h200.md`); with the e4m3 copy of dlogits it gained nothing alone,
+and pass 2 keeps pass 1's order there. `scripts/bench/tune_rows_kernel.py` and
+`scripts/bench/row_order.py` time both orders.
 
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
 inside pass 2 (never by patching a rounded value afterwards).
