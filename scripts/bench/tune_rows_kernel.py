@@ -9,10 +9,11 @@ L2. Both passes in one run with pass 2 in pass 1's order ("fwd") and backward (l
 first: "rev", the loss's without the e4m3 copy: `flce.kernels.walks_back`) at each size.
 A bf16 copy and a bf16 -> e4m3 copy give the memory's rate. Each pass's configurations are timed
 in interleaved rounds of balanced orders (`interleaved_ms`, each call settled by a few ms of
-untimed ones), as the loss grid is, so that a drift of the GPU's clocks falls on all of them alike: the passes at a few
-hundred rows take tenths of a millisecond. flce/kernels.py's `_block_and_warps` holds the result.
-Writes <out>.json and <out>.md: per chunk and pass, the tuned default against the fastest
-configuration and (both passes in one) the two orders at the default's size.
+untimed ones), as the loss grid is, so that a drift of the GPU's clocks falls on all of them
+alike: the passes at a few hundred rows take tenths of a millisecond. flce/kernels.py's
+`_block_and_warps` holds the result. Writes <out>.json and <out>.md: per chunk and pass, the
+tuned default against the fastest configuration and (both passes in one) the two orders at the
+default's size.
     python3 -m scripts.bench.tune_rows_kernel --rows 8192,32768 --vocab 128256
     python3 -m scripts.bench.tune_rows_kernel --rows 16,128,512,2048 --vocab 32000,256000 --passes full
 """

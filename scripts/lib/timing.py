@@ -1,7 +1,7 @@
 """The timers of the benchmarks that time GPU work in-process: `median_ms` (one function, calls
 in a row), `timed_ms` (as many calls as fit in a time) and `interleaved_rounds` / `interleaved_ms`
-(several functions in rounds of balanced orders, each settled before its timed call: every round's time,
-or their medians)."""
+(several functions in rounds of balanced orders, each settled before its timed call: every
+round's time, or their medians)."""
 
 import random
 import statistics
@@ -68,12 +68,12 @@ def balanced_orders(n: int, seed: int = 0):
     A GPU's clocks lag behind its load, past the settling calls: on an H200 a run timed right
     after the bare GEMMs was on average 1.7% slower than its own median (the grid at 69a67fb,
     N <= 16384), and at single points up to 4% slower than the round's mean of the variants
-    (`bench.row_order`). Rounds shuffled from one seed
-    gave each slot the same predecessors at every point and in every session (flce's followed
-    the bare GEMMs in 2 of the 3 rounds at every 3-round point of the grid, and in
-    `bench.row_order` whichever variant held that slot timed slowest in both sessions that ran
-    it), so between runs a few percent apart the slot decided; balanced blocks give every run
-    the same predecessors."""
+    (`bench.row_order`). Rounds shuffled from one seed gave each slot the same predecessors at
+    every point and in every session (flce's followed the bare GEMMs in 2 of the 3 rounds at
+    every 3-round point of the grid; in `bench.row_order` the variant that held that slot was
+    the slower at most points in both sessions that ran it, whichever code it ran), so between
+    runs a few percent apart the slot decided; balanced blocks give every run the same
+    predecessors."""
     base = [0]
     for k in range(1, n):
         base.append((k + 1) // 2 if k % 2 else n - k // 2)
@@ -108,9 +108,9 @@ def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: flo
     kernels 16.5 and 16.7 ms per call. The untimed calls also leave the caching allocator as the
     run itself leaves it (a fresh cudaMalloc otherwise). About `seconds` of timed calls per run,
     in whole blocks: 3 rounds at least (even where a block exceeds max_reps), else as many blocks
-    as fit in max_reps rounds. A run that runs out of memory beside the others' cached blocks is timed
-    alone after the rounds (one value: the median of those calls), or gets [] if it does not fit
-    alone either."""
+    as fit in max_reps rounds. A run that runs out of memory beside the others' cached blocks is
+    timed alone after the rounds (one value: the median of those calls), or gets [] if it does
+    not fit alone either."""
     times = {name: [] for name in runs}
     alone = []
     names = list(runs)
