@@ -169,11 +169,11 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
     seen = []
     real = bench_chunk_sizes.flce.fused_linear_cross_entropy
 
-    def loss(x, t, w, chunk_size=None):
-        seen.append(chunk_size)
+    def loss(x, t, w, chunk_size=None, memory_lean=False):
+        seen.append((chunk_size, memory_lean))
         if chunk_size == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(x, t, w, chunk_size=chunk_size, impl="torch")
+        return real(x, t, w, chunk_size=chunk_size, memory_lean=memory_lean, impl="torch")
 
     torch.manual_seed(0)
     monkeypatch.setattr(bench_chunk_sizes.flce, "fused_linear_cross_entropy", loss)
@@ -184,12 +184,18 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
     monkeypatch.setattr(bench_chunk_sizes, "interleaved_rounds", lambda runs, s, r: {
         name: [run() or 2.0] for name, run in runs.items()})
     point = bench_chunk_sizes.measure_point(16, 8, 12, [4, 16, 3], 0.1, 3)
-    assert set(seen) == {None, 4, 16, 3}
+    assert set(seen) == {(None, False), (4, False), (16, False), (3, False)}
     assert [(r["run"], r["path"], r["ms"], r["extra_mib"]) for r in point["runs"]] == [
         ("default", "one block", 2.0, 5.0), ("c4", "chunks of 4", 2.0, 5.0),
         ("c16", "one block", 2.0, 5.0), ("c3", "chunks of 3", None, None)]
     assert "| c3 | chunks of 3 | OOM |" in bench_chunk_sizes.markdown(
         {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+    seen.clear()
+    point = bench_chunk_sizes.measure_point(16, 8, 12, [4], 0.1, 3, lean=True)
+    assert set(seen) == {(None, False), (4, False), (None, True), (4, True)}
+    assert [(r["run"], r["path"]) for r in point["runs"]] == [
+        ("default", "one block"), ("c4", "chunks of 4"), ("lean", "chunks of 8 (lean)"),
+        ("c4_lean", "chunks of 4 (lean)")]
 
 
 def float8_grid_results():

@@ -2,11 +2,15 @@
 `uses_one_block` should pick at a shape.
 
     python3 -m scripts.bench.chunk_sizes --points 16384x1024x128256:4096/8192/16384,...
+    python3 -m scripts.bench.chunk_sizes --lean --points 65536x4096x256000:4096/8192
 
 Each point is NxHxV:C1/C2/...; a chunk size of N or more is the one-block path. At each point
 flce's default (its own choice) and every forced chunk size are timed forward+backward in
 interleaved rounds (each visit settled by untimed calls, in balanced orders, as
 `bench.flce --grid`), with the bare GEMMs as the floor, and their peak extra memory measured.
+--lean also times memory_lean at its own choice and at each forced size: the same chunks with
+dx and dW in bf16 (dW accumulated in bf16, the loss weight folded into dlogits), which tells
+what flce's fp32 gradients cost apart from its chunk size.
 Writes <out>.json and <out>.md, after every point (a run cut short keeps what it measured).
 """
 
@@ -43,18 +47,23 @@ def parse_points(text: str) -> list[tuple[int, int, int, list[int]]]:
     return points
 
 
-def path_name(N: int, H: int, V: int, chunk_size) -> str:
-    """"one block" or "chunks of C", as flce takes it for this chunk_size (None: its choice)."""
-    if uses_one_block(N, H, V, 2, chunk_size, lean=False):
+def path_name(N: int, H: int, V: int, chunk_size, lean: bool = False) -> str:
+    """"one block" or "chunks of C", as flce takes it for this chunk_size (None: its choice),
+    with " (lean)" for memory_lean."""
+    if uses_one_block(N, H, V, 2, chunk_size, lean):
         return "one block"
-    return f"chunks of {pick_chunk_size(N, H, V, 2, chunk_size, lean=False)}"
+    chunks = f"chunks of {pick_chunk_size(N, H, V, 2, chunk_size, lean)}"
+    return chunks + (" (lean)" if lean else "")
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
     lines = [*kernel_report_head(meta, "bfloat16"),
              "flce forward+backward at forced chunk sizes (a size of N or more: the one-block "
-             "path) and at its own choice (default), in interleaved rounds: ms (× the bare "
-             "GEMMs; × the fastest run at the point) / peak extra MiB.", "",
+             "path) and at its own choice (default)" + (
+                 ", and memory_lean at each (lean: dx and dW in bf16)" if any(
+                     r.get("memory_lean") for p in results for r in p["runs"]) else "") +
+             ", in interleaved rounds: ms (× the bare GEMMs; × the fastest run at the point) / "
+             "peak extra MiB.", "",
              "| N×H×V | run | path | ms | × GEMMs | × fastest | MiB |",
              "|---|---|---|---|---|---|---|"]
     for point in results:
@@ -69,18 +78,22 @@ def markdown(meta: dict, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure_point(N, H, V, sizes, seconds, reps) -> dict:
+def measure_point(N, H, V, sizes, seconds, reps, lean: bool = False) -> dict:
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
-    chunk_of = {"default": None, **{f"c{c}": c for c in sizes}}
-    runs, mib = first_calls({name: (lambda x, t, w, c=c: flce.fused_linear_cross_entropy(
-        x, t, w, chunk_size=c)) for name, c in chunk_of.items()}, x, t, w)
+    chunk_of = {"default": (None, False), **{f"c{c}": (c, False) for c in sizes}}
+    if lean:
+        chunk_of |= {"lean": (None, True), **{f"c{c}_lean": (c, True) for c in sizes}}
+    losses = {name: (lambda x, t, w, c=c, lean=lean: flce.fused_linear_cross_entropy(
+        x, t, w, chunk_size=c, memory_lean=lean)) for name, (c, lean) in chunk_of.items()}
+    runs, mib = first_calls(losses, x, t, w)
     rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
     ms = medians(rounds)
     point = {"shape": f"{N}x{H}x{V}", "gemms_ms": ms["bare_gemms"],
-             "runs": [{"run": name, "chunk_size": c, "path": path_name(N, H, V, c),
-                       "ms": ms.get(name), "extra_mib": mib[name],
-                       "rounds_ms": rounds.get(name, [])} for name, c in chunk_of.items()]}
+             "runs": [{"run": name, "chunk_size": c, "memory_lean": lean,
+                       "path": path_name(N, H, V, c, lean), "ms": ms.get(name),
+                       "extra_mib": mib[name], "rounds_ms": rounds.get(name, [])}
+                      for name, (c, lean) in chunk_of.items()]}
     del x, t, w, runs, floor_run, bufs
     torch.cuda.empty_cache()
     return point
@@ -93,6 +106,8 @@ def main():
     p.add_argument("--seconds", type=float, default=0.5,
                    help="about this long timing each run at each point")
     p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
+    p.add_argument("--lean", action="store_true",
+                   help="also memory_lean at its own choice and at each forced size")
     p.add_argument("--out", default="benchmarks/flce_chunk_sizes",
                    help="output path without suffix")
     args = p.parse_args()
@@ -101,7 +116,7 @@ def main():
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
     for N, H, V, sizes in points:
-        results.append(measure_point(N, H, V, sizes, args.seconds, args.reps))
+        results.append(measure_point(N, H, V, sizes, args.seconds, args.reps, args.lean))
         print(" | ".join([results[-1]["shape"]] + [
             f"{r['run']} " + ("OOM" if r["ms"] is None else
                               f"{r['ms']:.2f} ms {r['extra_mib']:.0f} MiB")
