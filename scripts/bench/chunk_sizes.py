@@ -57,13 +57,12 @@ def path_name(N: int, H: int, V: int, chunk_size, lean: bool = False) -> str:
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
+    has_lean = any(r.get("memory_lean") for point in results for r in point["runs"])
+    lean = ", and memory_lean at each (lean: dx and dW in bf16)" if has_lean else ""
     lines = [*kernel_report_head(meta, "bfloat16"),
              "flce forward+backward at forced chunk sizes (a size of N or more: the one-block "
-             "path) and at its own choice (default)" + (
-                 ", and memory_lean at each (lean: dx and dW in bf16)" if any(
-                     r.get("memory_lean") for p in results for r in p["runs"]) else "") +
-             ", in interleaved rounds: ms (× the bare GEMMs; × the fastest run at the point) / "
-             "peak extra MiB.", "",
+             f"path) and at its own choice (default){lean}, in interleaved rounds: ms (× the "
+             "bare GEMMs; × the fastest run at the point) / peak extra MiB.", "",
              "| N×H×V | run | path | ms | × GEMMs | × fastest | MiB |",
              "|---|---|---|---|---|---|---|"]
     for point in results:
@@ -81,19 +80,19 @@ def markdown(meta: dict, results: list[dict]) -> str:
 def measure_point(N, H, V, sizes, seconds, reps, lean: bool = False) -> dict:
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
-    chunk_of = {"default": (None, False), **{f"c{c}": (c, False) for c in sizes}}
+    configs = {"default": (None, False), **{f"c{c}": (c, False) for c in sizes}}  # (C, lean)
     if lean:
-        chunk_of |= {"lean": (None, True), **{f"c{c}_lean": (c, True) for c in sizes}}
-    losses = {name: (lambda x, t, w, c=c, lean=lean: flce.fused_linear_cross_entropy(
-        x, t, w, chunk_size=c, memory_lean=lean)) for name, (c, lean) in chunk_of.items()}
+        configs |= {"lean": (None, True), **{f"c{c}_lean": (c, True) for c in sizes}}
+    losses = {name: (lambda x, t, w, c=c, m=m: flce.fused_linear_cross_entropy(
+        x, t, w, chunk_size=c, memory_lean=m)) for name, (c, m) in configs.items()}
     runs, mib = first_calls(losses, x, t, w)
     rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
     ms = medians(rounds)
     point = {"shape": f"{N}x{H}x{V}", "gemms_ms": ms["bare_gemms"],
-             "runs": [{"run": name, "chunk_size": c, "memory_lean": lean,
-                       "path": path_name(N, H, V, c, lean), "ms": ms.get(name),
+             "runs": [{"run": name, "chunk_size": c, "memory_lean": m,
+                       "path": path_name(N, H, V, c, m), "ms": ms.get(name),
                        "extra_mib": mib[name], "rounds_ms": rounds.get(name, [])}
-                      for name, (c, lean) in chunk_of.items()]}
+                      for name, (c, m) in configs.items()]}
     del x, t, w, runs, floor_run, bufs
     torch.cuda.empty_cache()
     return point

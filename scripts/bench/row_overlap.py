@@ -124,15 +124,14 @@ def bitwise_same(fns: dict, x, t, w) -> dict:
             else all(map(torch.equal, out["flce"], got)) for name, got in out.items()}
 
 
-def measure_point(shape: str, seconds: float, reps: int, make_variants=None,
-                  bitwise_names=None) -> dict:
+def measure_point(shape: str, seconds: float, reps: int, make_variants=None) -> dict:
     """One point: flce and its variants (`variants()`, or make_variants'; flce first) timed in
-    interleaved rounds with the bare GEMMs, and whether each of bitwise_names (default: all)
+    interleaved rounds with the bare GEMMs, and whether each
     gives flce's results bit for bit."""
     N, H, V = map(int, shape.split("x"))
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     fns = (make_variants or variants)()
-    same = bitwise_same({k: fns[k] for k in bitwise_names or fns}, x, t, w)
+    same = bitwise_same(fns, x, t, w)
     floor_run, buffers = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
     runs, mib = first_calls(fns, x, t, w)
     rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
