@@ -511,6 +511,25 @@ def test_flce_grid_floor_in_row_blocks_equals_the_whole_gemms():
     torch.testing.assert_close(odw[:11], odd[:, :11].t() @ x)
 
 
+def test_flce_grid_floor_is_one_read_and_one_write_of_the_logits_at_the_hbm_peak():
+    # 4 bytes a logit at 4.8 TB/s: 2400000x5000 logits take 10 ms, 1200000x1000 1 ms,
+    # 12000x1000 0.01 ms; over GEMMs of 100, 50 and 5 ms: 1.10 (out of reach), 1.02, 1.002
+    def point(shape, gemms, flce_ms):
+        return [{"shape": shape, "method": "bare_gemms", "ms": gemms, "tflops": 1.0},
+                {"shape": shape, "method": "flce", "ms": flce_ms, "vs_gemms": flce_ms / gemms,
+                 "extra_mib": 1.0}]
+    results = (point("2400000x8x5000", 100.0, 115.0) + point("1200000x8x1000", 50.0, 51.5)
+               + point("12000x8x1000", 5.0, 5.02))
+    text = "\n".join(bench_flce.grid_verdict(results, "NVIDIA H200"))
+    geomean = (1.10 * 1.02 * 1.002) ** (1 / 3)
+    assert (f"put any loss that leaves the GEMMs to cuBLAS at 1.002-1.100× its GEMMs (geometric "
+            f"mean {geomean:.3f}×); ≤ 1.05× is out of reach at 1 of the 2 points whose GEMMs "
+            "take ≥ 10 ms, and flce is within it at 1 of the other 1") in text
+    # above the GEMMs over the floor: 15/10, 1.5/1, 0.02/0.01: the median 1.5
+    assert text.endswith("a median 1.50× the floor's")
+    assert "the floor" not in "\n".join(bench_flce.grid_verdict(results, "some other GPU"))
+
+
 def test_flce_grid_verdict_counts_each_target():
     def r(shape, method, ms, mib, floor=10.0):
         return {"shape": shape, "method": method, "ms": ms, "extra_mib": mib,

@@ -48,6 +48,10 @@ GRID_H = (1024, 2048, 4096, 8192)
 GRID_V = (32000, 128256, 256000)
 GRID_METHODS = ("flce", "flce_lean", "unfused_compile", "liger", "cce")
 FLOOR_LOGITS_BYTES = 4 << 30
+# The least any loss that leaves the GEMMs to cuBLAS moves per logit beyond their own traffic:
+# it reads the logits the logits GEMM wrote (2) and writes dlogits for the dx and dW GEMMs (2).
+LOGIT_BYTES_FLOOR = 4
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # the makers' peak figures
 MiB = 1 << 20
 FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
                   "flce_float8_logits_dx": "logits+dx"}
@@ -368,8 +372,14 @@ def flce_path(N, H, V, elem_bytes) -> str:
     return f"chunks of {pick_chunk_size(N, H, V, elem_bytes, None, lean=False)}"
 
 
-def grid_verdict(results: list[dict]) -> list[str]:
-    """The issue's targets, each with what the grid measured (a peer that does not fit loses)."""
+def hbm_peak(gpu: str):
+    """The HBM's peak bytes/s of a GPU named `gpu` (torch.cuda.get_device_name), or None."""
+    return next((bps for name, bps in HBM_BYTES_PER_S.items() if name in gpu), None)
+
+
+def grid_verdict(results: list[dict], gpu: str = "") -> list[str]:
+    """The issue's targets, each with what the grid measured (a peer that does not fit loses),
+    and, on a GPU whose HBM peak is known, the floor no loss leaving the GEMMs to cuBLAS passes."""
     at = {(r["shape"], r["method"]): r for r in results}
     shapes = [s for s in dict.fromkeys(r["shape"] for r in results) if (s, "flce") in at]
     flce = [at[s, "flce"] for s in shapes if at[s, "flce"]["ms"] is not None]
@@ -412,7 +422,32 @@ def grid_verdict(results: list[dict]) -> list[str]:
         if n:
             clear = _clear_losses(at, shapes, "flce_lean", ("liger",)) if key == "ms" else ""
             lines.append(f"- flce_lean {what} Liger's: {won} of {n} points" + clear)
+    peak = hbm_peak(gpu)
+    if peak:
+        lines.append(floor_line(at, [s for s in shapes if at[s, "flce"]["ms"] is not None], peak))
     return lines
+
+
+def floor_line(at: dict, shapes: list[str], bytes_per_s: float) -> str:
+    """Any loss that leaves the GEMMs to cuBLAS over its bare GEMMs were it to move only
+    LOGIT_BYTES_FLOOR bytes a logit at the HBM's peak: its geometric mean, where that alone
+    exceeds 1.05x among the points whose GEMMs take >= 10 ms, and how far flce is from it."""
+    gemms = {s: at[s, "bare_gemms"]["ms"] for s in shapes}
+    floor_ms = {s: LOGIT_BYTES_FLOOR * int(s.split("x")[0]) * int(s.split("x")[2]) /
+                bytes_per_s * 1e3 for s in shapes}
+    floor = {s: 1 + floor_ms[s] / gemms[s] for s in shapes}
+    long = [s for s in shapes if gemms[s] >= 10]
+    reach = [s for s in long if floor[s] <= 1.05]
+    within = sum(at[s, "flce"]["vs_gemms"] <= 1.05 for s in reach)
+    above = [(at[s, "flce"]["ms"] - gemms[s]) / floor_ms[s] for s in shapes]
+    return (f"- the floor: one read of the logits and one write of dlogits at the HBM's peak "
+            f"({bytes_per_s / 1e12:.2f} TB/s, {LOGIT_BYTES_FLOOR} bytes a logit) put any loss "
+            f"that leaves the GEMMs to cuBLAS at {min(floor.values()):.3f}-"
+            f"{max(floor.values()):.3f}× its GEMMs (geometric mean "
+            f"{math.exp(statistics.fmean(map(math.log, floor.values()))):.3f}×); ≤ 1.05× is out "
+            f"of reach at {len(long) - len(reach)} of the {len(long)} points whose GEMMs take "
+            f"≥ 10 ms, and flce is within it at {within} of the other {len(reach)}; flce's time "
+            f"above its GEMMs is a median {statistics.median(above):.2f}× the floor's")
 
 
 def _clear_losses(at: dict, shapes: list, ours: str, peers) -> str:
@@ -478,7 +513,8 @@ def grid_markdown(meta, results):
     lines = [*kernel_report_head(meta, meta["dtype"]),
              "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
              "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory).", "",
-             *grid_verdict(results), "", "By tokens N:", "", *grid_by_tokens(results), "",
+             *grid_verdict(results, meta["gpu"]), "", "By tokens N:", "",
+             *grid_by_tokens(results), "",
              "| N×H×V | flce path | " + " | ".join(names) + " |",
              "|---|---|" + "---|" * len(names)]
     for shape in dict.fromkeys(r["shape"] for r in results):

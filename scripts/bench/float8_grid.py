@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import flce  # noqa: E402
 from flce.ops import float8_used, gemm_operands  # noqa: E402
-from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor, hbm_peak,  # noqa: E402
                                 grid_shapes, make_inputs, run_meta)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
@@ -38,12 +38,6 @@ FLOOR_TARGET = 1.15  # the issue's bound on the float8 loss over its float8 floo
 # (7 bytes), but the second read can come from L2 (the bf16 loss beat a two-read floor), so
 # only the single read bounds every loss.
 ROW_BYTES = 5
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # the makers' peak figures
-
-
-def hbm_peak(gpu: str):
-    """The HBM's peak bytes/s of a GPU named `gpu` (torch.cuda.get_device_name), or None."""
-    return next((bps for name, bps in HBM_BYTES_PER_S.items() if name in gpu), None)
 
 
 def row_pass_ms(shape: str, bytes_per_s: float) -> float:
