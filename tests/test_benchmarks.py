@@ -165,6 +165,7 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
 @pytest.mark.parametrize("name, module", [("flce_float8_grid", "float8_grid"),
                                           ("flce_chunk_sizes_h200", "chunk_sizes"),
                                           ("flce_chunk_sizes_lean_h200", "chunk_sizes"),
+                                          ("flce_chunk_sizes_v256000_h200", "chunk_sizes"),
                                           ("flce_row_overlap_h200", "row_overlap"),
                                           ("rows_kernel_tuning_h200", "tune_rows_kernel"),
                                           ("loss_kernels_h200", "loss_kernels"),
