@@ -245,7 +245,7 @@ def test_float8_grid_ceiling_names_the_points_no_row_pass_brings_to_the_target()
                   for name, ms in (("flce", 30.0), ("flce_float8", f8)))]
     results = point("65536x1024x32000", 14.0, 18.0) + point("16384x8192x128256", 110.0, 113.0)
     text = "\n".join(bench_float8_grid.verdict(results, "NVIDIA H200"))
-    assert ("put the float8 loss at 1.020-1.156× its floor at those 2 points; ≤ 1.15× is out of "
+    assert ("puts the float8 loss at 1.020-1.156× its floor at those 2 points; ≤ 1.15× is out of "
             "reach at 1 (65536x1024x32000: 1.156-1.156×)") in text
     # above the floor: 4.0 ms / 2.185 = 1.83 and 3.0 / 2.189 = 1.37; the median of two: the upper
     assert "a median 1.83× those passes' time" in text

@@ -142,14 +142,16 @@ def verdict(results: list[dict], gpu: str = "") -> list[str]:
 
 
 def ceiling_line(at: dict, long: list[str], bytes_per_s: float) -> str:
-    """The float8 loss over its floor were its row passes at the HBM's peak and nothing else
-    added, at each of the `long` points, and where that alone exceeds the target."""
+    """The float8 loss over its floor were its row passes to move only ROW_BYTES a logit at the
+    HBM's peak and nothing else added, at each of the `long` points, and where that alone
+    exceeds the target."""
     floor = {s: at[s, "float8_floor"]["ms"] for s in long}
     ceiling = {s: 1 + row_pass_ms(s, bytes_per_s) / floor[s] for s in long}
     out = sorted((s for s in long if ceiling[s] > FLOOR_TARGET), key=ceiling.get)
     above = [(at[s, "flce_float8"]["ms"] - floor[s]) / row_pass_ms(s, bytes_per_s) for s in long]
-    text = (f"- its ceiling: row passes alone at the HBM's peak ({bytes_per_s / 1e12:.2f} TB/s, "
-            f"{ROW_BYTES} bytes a logit) put the float8 loss at {min(ceiling.values()):.3f}-"
+    text = (f"- its ceiling: the least row traffic (one read of the logits, bf16 and e4m3 "
+            f"dlogits written: {ROW_BYTES} bytes a logit) at the HBM's peak "
+            f"({bytes_per_s / 1e12:.2f} TB/s) puts the float8 loss at {min(ceiling.values()):.3f}-"
             f"{max(ceiling.values()):.3f}× its floor at those {len(long)} points; ≤ "
             f"{FLOOR_TARGET}× is out of reach at {len(out)}")
     if out:
