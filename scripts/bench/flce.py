@@ -377,6 +377,12 @@ def hbm_peak(gpu: str):
     return next((bps for name, bps in HBM_BYTES_PER_S.items() if name in gpu), None)
 
 
+def logit_traffic_ms(shape: str, bytes_per_logit: float, bytes_per_s: float) -> float:
+    """bytes_per_logit over the N·V logits of an "NxHxV" shape at bytes_per_s, in ms."""
+    N, _, V = map(int, shape.split("x"))
+    return bytes_per_logit * N * V / bytes_per_s * 1e3
+
+
 def grid_verdict(results: list[dict], gpu: str = "") -> list[str]:
     """The issue's targets, each with what the grid measured (a peer that does not fit loses),
     and, on a GPU whose HBM peak is known, the floor no loss leaving the GEMMs to cuBLAS passes."""
@@ -433,8 +439,7 @@ def floor_line(at: dict, shapes: list[str], bytes_per_s: float) -> str:
     LOGIT_BYTES_FLOOR bytes a logit at the HBM's peak: its geometric mean, where that alone
     exceeds 1.05x among the points whose GEMMs take >= 10 ms, and how far flce is from it."""
     gemms = {s: at[s, "bare_gemms"]["ms"] for s in shapes}
-    floor_ms = {s: LOGIT_BYTES_FLOOR * int(s.split("x")[0]) * int(s.split("x")[2]) /
-                bytes_per_s * 1e3 for s in shapes}
+    floor_ms = {s: logit_traffic_ms(s, LOGIT_BYTES_FLOOR, bytes_per_s) for s in shapes}
     floor = {s: 1 + floor_ms[s] / gemms[s] for s in shapes}
     long = [s for s in shapes if gemms[s] >= 10]
     reach = [s for s in long if floor[s] <= 1.05]

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 import flce  # noqa: E402
 from flce.ops import float8_used, gemm_operands  # noqa: E402
-from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor, hbm_peak,  # noqa: E402
-                                grid_shapes, make_inputs, run_meta)
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
+                                grid_shapes, hbm_peak, logit_traffic_ms, make_inputs, run_meta)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
 
@@ -42,8 +42,7 @@ ROW_BYTES = 5
 
 def row_pass_ms(shape: str, bytes_per_s: float) -> float:
     """The least row-pass time of a float8 loss at the HBM's peak: ROW_BYTES·N·V bytes, in ms."""
-    N, _, V = map(int, shape.split("x"))
-    return ROW_BYTES * N * V / bytes_per_s * 1e3
+    return logit_traffic_ms(shape, ROW_BYTES, bytes_per_s)
 
 
 def float8_floor(x, w, max_logits_bytes=None):
