@@ -311,8 +311,9 @@ _launch_row_stats = Launcher(flce_row_stats_kernel)
 
 
 # BLOCK_V and warps of each pass at few long rows (`_block_and_warps`)
-_FEW_LONG_ROWS = {"stats": (16384, 16), "grad": (16384, 32), "full": (32768, 32),
+_FEW_LONG_ROWS = {"stats": (16384, 16), "grad": (16384, 32), "full": (16384, 16),
                   "full+e4m3": (8192, 32)}
+FEW_LONG_ROWS_MAX = 2048  # rows of a chunk, at V > 40960
 
 
 def _block_and_warps(C, V, block_v, num_warps, kind):
@@ -331,7 +332,7 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     rule before), the statistics pass best on 16384 and 16, the gradient pass on 16384 and 32;
     at 32000 columns the rules for many rows did as well as any. (The e4m3 pass keeps 8192 and
     32 at few long rows: float8 runs from 2048 tokens in chunks of thousands, so it was not timed.)"""
-    if C <= 512 and V > 40960:
+    if C <= (FEW_LONG_ROWS_MAX if kind == "full" else 512) and V > 40960:
         default_block, default_warps = _FEW_LONG_ROWS[kind]
     elif kind == "stats":
         default_block, default_warps = 4096, 4
