@@ -311,9 +311,10 @@ _launch_row_stats = Launcher(flce_row_stats_kernel)
 
 
 # BLOCK_V and warps of each pass at few long rows (`_block_and_warps`)
-_FEW_LONG_ROWS = {"stats": (16384, 16), "grad": (16384, 32), "full": (16384, 16),
+_FEW_LONG_ROWS = {"stats": (16384, 16), "grad": (16384, 32), "full": (32768, 32),
                   "full+e4m3": (8192, 32)}
-FEW_LONG_ROWS_MAX = 2048  # rows of a chunk, at V > 40960
+# both passes in one at 256-2048 rows of V > 40960 (memory_lean's chunks at N >= 16384)
+_SOME_LONG_ROWS_FULL = (16384, 16)
 
 
 def _block_and_warps(C, V, block_v, num_warps, kind):
@@ -331,8 +332,15 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     in one ran 6-23% faster on 32768 and 32 (Liger-Kernel's choice) than on 8192 and 32 (the
     rule before), the statistics pass best on 16384 and 16, the gradient pass on 16384 and 32;
     at 32000 columns the rules for many rows did as well as any. (The e4m3 pass keeps 8192 and
-    32 at few long rows: float8 runs from 2048 tokens in chunks of thousands, so it was not timed.)"""
-    if C <= (FEW_LONG_ROWS_MAX if kind == "full" else 512) and V > 40960:
+    32 at few long rows: float8 runs from 2048 tokens in chunks of thousands, so it was not timed.)
+    With pass 2 walking back (`walks_back`), both passes in one at 256-2048 rows of 128256 and
+    256000 columns ran 3-13% faster on 16384 and 16 than on the rule before (4096/8 above 512
+    rows, 32768/32 up to 512), and 2-5% slower than 32768/32 at 16-64 rows
+    (benchmarks/rows_kernel_tuning_512_4096_h200.md, rows_kernel_tuning_16_2048_h200.md). In the
+    whole memory-lean loss the gain is within the timing's spread (benchmarks/flce_lean_rows_h200.md)."""
+    if kind == "full" and 256 <= C <= 2048 and V > 40960:
+        default_block, default_warps = _SOME_LONG_ROWS_FULL
+    elif C <= 512 and V > 40960:
         default_block, default_warps = _FEW_LONG_ROWS[kind]
     elif kind == "stats":
         default_block, default_warps = 4096, 4

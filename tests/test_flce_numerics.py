@@ -189,6 +189,17 @@ def test_few_long_rows(impl, device, lean, options, reduction):
            reduction=reduction, **options)
 
 
+@pytest.mark.parametrize("C, V, full", [(9, 45007, 32768), (255, 128256, 32768),
+                                         (256, 128256, 16384), (2048, 256000, 16384),
+                                         (2049, 128256, 4096), (2048, 32000, 8192)])
+def test_row_blocks_of_both_passes_by_chunk_height(C, V, full):
+    """Both passes in one (memory_lean's chunks) take 32768-column blocks below 256 rows of
+    V > 40960, 16384 from 256 to 2048 rows, and the many-rows rule above or where V <= 40960
+    (the kernel's code is the same at every block width: test_flce_kernels runs it at 16)."""
+    from flce.kernels import _block_and_warps
+    assert _block_and_warps(C, V, None, None, "full")[0] == full
+
+
 @IMPL_DEVICES
 @PATHS
 def test_confident_target_gradient(impl, device, chunk):
