@@ -176,7 +176,7 @@ def _import_wandb():
     try:
         import wandb
     except ImportError as e:
-        raise ImportError("[metrics] enable_wandb is set but wandb is not installed: "
+        raise ImportError(f"[metrics] enable_wandb is set but wandb does not import ({e}): "
                           "pip install wandb (or set [metrics] enable_wandb = false)") from e
     return wandb
 

@@ -334,10 +334,10 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     at 32000 columns the rules for many rows did as well as any. (The e4m3 pass keeps 8192 and
     32 at few long rows: float8 runs from 2048 tokens in chunks of thousands, so it was not timed.)
     With pass 2 walking back (`walks_back`), both passes in one at 256-2048 rows of 128256 and
-    256000 columns ran 3-13% faster on 16384 and 16 than on the rule before (4096/8 above 512
+    256000 columns ran 2-12% faster on 16384 and 16 than on the rule before (4096/8 above 512
     rows, 32768/32 up to 512), and 2-5% slower than 32768/32 at 16-64 rows
-    (benchmarks/rows_kernel_tuning_512_4096_h200.md, rows_kernel_tuning_16_2048_h200.md). In the
-    whole memory-lean loss the gain is within the timing's spread (benchmarks/flce_lean_rows_h200.md)."""
+    (benchmarks/rows_kernel_tuning_512_4096_h200.md, benchmarks/rows_kernel_tuning_16_2048_h200.md;
+    in the whole memory-lean loss the gain is within the timing's spread: docs/performance.md)."""
     if kind == "full" and 256 <= C <= 2048 and V > 40960:
         default_block, default_warps = _SOME_LONG_ROWS_FULL
     elif C <= 512 and V > 40960:

@@ -1,6 +1,5 @@
 """MetricsLogger's outputs (jsonl, stdout, offline wandb, TensorBoard), StepMeter, FLOP counts."""
 
-import importlib.util
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import torch
 from components.config.schema import Metrics
 from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, peak_flops,
                                 peak_flops_for_name)
+from installed import needs_wandb
 
 FULL_STEP_METRICS = {"loss": 3.45123, "grad_norm": 1.234, "lr": 3e-4, "tokens_per_second": 12345.4,
                      "mfu_percent": 41.23, "memory_max_reserved_gib": 10.24}
@@ -113,10 +113,6 @@ def test_bad_values_and_names_are_errors(tmp_path):
         MetricsLogger(tmp_path, rank=0, total_steps=10, cfg=Metrics(wandb_mode="cloud"))
 
 
-needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
-                                 reason="wandb is not installed (it is in the [test] extra)")
-
-
 @needs_wandb
 def test_wandb_run_is_offline_and_under_dump_folder(tmp_path, monkeypatch):
     # The logger's explicit mode must win over an environment asking for online.
@@ -140,6 +136,19 @@ def test_wandb_missing_is_an_import_error_with_a_hint(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like
     with pytest.raises(ImportError, match=r"\[metrics\] enable_wandb.*pip install wandb"):
         MetricsLogger(tmp_path, rank=0, total_steps=10, cfg=Metrics(enable_wandb=True))
+
+
+def test_a_wandb_missing_its_dependency_names_it(tmp_path, monkeypatch):
+    """A wandb installed without its dependencies (pip install --no-deps) fails on import: the
+    error names the module that is missing, not just "wandb"."""
+    package = tmp_path / "path" / "wandb"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("import click_not_installed_here\n")
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    with pytest.raises(ImportError, match=r"wandb does not import \(No module named "
+                                          r"'click_not_installed_here'\).*pip install wandb"):
+        MetricsLogger(tmp_path / "run", rank=0, total_steps=10, cfg=Metrics(enable_wandb=True))
 
 
 def test_tensorboard_event_file_holds_the_scalars(tmp_path):

@@ -2,7 +2,6 @@
 unfused losses agree, non-finite steps follow the configured policy, torchrun with gloo works,
 a resumed run follows its own optimizer config, stop signals save and exit cleanly."""
 
-import importlib.util
 import json
 import math
 import os
@@ -21,6 +20,7 @@ import pytest
 import train
 from components.config.schema import ConfigError
 from components.optim import lr_multiplier
+from installed import needs_wandb
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "configs/debug.toml")
@@ -206,10 +206,6 @@ def test_a_fresh_run_starts_a_new_metrics_file_and_a_resumed_one_appends(tmp_pat
     assert [json.loads(line)["step"] for line in earlier.read_text().splitlines()] == [1, 2, 3, 4]
     assert (f"{dump}/metrics.jsonl held an earlier run's metrics: renamed it {earlier.name}"
             in capsys.readouterr().out)
-
-
-needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
-                                 reason="wandb is not installed (it is in the [test] extra)")
 
 
 @pytest.mark.slow
