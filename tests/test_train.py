@@ -166,7 +166,7 @@ def test_setting_errors_come_before_the_model_is_built(tmp_path, monkeypatch, ov
 def test_a_missing_metrics_backend_is_named_before_the_model_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
     monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like
-    with pytest.raises(ImportError, match=r"\[metrics\] enable_wandb is set but wandb is not"):
+    with pytest.raises(ImportError, match=r"\[metrics\] enable_wandb is set but wandb does not import"):
         train.main(SMALL + ["--job.dump_folder", str(tmp_path), "--metrics.enable_wandb", "true"])
 
 
