@@ -1,9 +1,10 @@
 """Benchmark the fused loss against its peers and the bare-GEMM floor on one GPU.
 
-Times forward+backward of lm_head + cross-entropy (median of CUDA-event timings) and the peak
-memory above the inputs, for: this FLCE (default and memory-lean settings), the unfused loss eager
+Times forward+backward of lm_head + cross-entropy and the peak memory above the inputs, for: this FLCE (default and memory-lean settings), the unfused loss eager
 and under torch.compile, Liger-Kernel and Cut-Cross-Entropy when importable, and the three bare
-GEMMs (logits, dx, dW) at the same shape. Writes JSON and a markdown table into benchmarks/.
+GEMMs (logits, dx, dW) at the same shape, all at one shape in interleaved rounds of balanced
+orders (`TIMING`; with --float8 each bare bf16 and float8 GEMM and the quantizations too).
+Writes JSON and a markdown table into benchmarks/.
 
     python3 -m scripts.bench.flce                     # the three standard shapes
     python3 -m scripts.bench.flce --sweep             # plus chunk-size / accumulation variants
@@ -40,7 +41,7 @@ import flce  # noqa: E402
 from flce.ops import gemm_operands  # noqa: E402
 from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
                                 write_report)
-from scripts.lib.timing import SETTLE_MS, interleaved_rounds, median_ms, medians  # noqa: E402
+from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 GRID_N = (2048, 4096, 16384, 65536, 131072)
@@ -53,6 +54,10 @@ FLOOR_LOGITS_BYTES = 4 << 30
 LOGIT_BYTES_FLOOR = 4
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # the makers' peak figures
 MiB = 1 << 20
+TIMING = ("interleaved rounds: each round visits the bare GEMMs and every method once, in "
+          "balanced orders (each in each position and after each other equally often), calls "
+          f"each untimed for {SETTLE_MS:.0f} ms (once at least), then times one call; the "
+          "median of the rounds")
 FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
                   "flce_float8_logits_dx": "logits+dx"}
 
@@ -223,10 +228,8 @@ def main():
     p.add_argument("--shapes", default=None,
                    help=f"comma-separated NxHxV (default {SHAPES}; with --grid: the grid's)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=12,
-                   help="timed calls per method; --grid: at most this many rounds, in whole "
-                        "blocks of balanced orders")
+                   help="at most this many rounds, in whole blocks of balanced orders")
     p.add_argument("--sweep", action="store_true", help="also time chunk/accumulation variants")
     p.add_argument("--float8", action="store_true",
                    help="the float8 loss (flce float8=logits, logits+dx) against flce in bf16, "
@@ -242,7 +245,7 @@ def main():
     p.add_argument("--resume", action="store_true",
                    help="with --grid: keep the points already in <out>.json, measure the rest")
     p.add_argument("--seconds", type=float, default=1.0,
-                   help="with --grid: about this long timing each method at each point")
+                   help="about this long timing each method at each shape")
     p.add_argument("--out", default=None, help="output path without suffix (default: "
                    "benchmarks/flce_bench, benchmarks/flce_float8 with --float8, "
                    "benchmarks/flce_grid with --grid)")
@@ -267,53 +270,45 @@ def main():
         if args.only:
             fns = {k: v for k, v in fns.items() if k in args.only.split(",")}
         x, t, w = make_inputs(N, H, V, dtype)
-        run, bufs = gemm_floor(x.detach(), w.detach())
-        floor_ms = median_ms(run, args.warmup, args.reps)
-        flops = 6 * N * H * V
-        results.append({"shape": shape, "method": "bare_gemms", "ms": floor_ms,
-                        "tflops": flops / floor_ms / 1e9, "extra_mib": None})
-        print(f"{shape} bare_gemms {floor_ms:.2f} ms ({flops / floor_ms / 1e9:.0f} TFLOP/s)")
+        floor_run, bufs = gemm_floor(x.detach(), w.detach())
+        bare, gemm_counts, keep = {"bare_gemms": floor_run}, {}, None
         if args.float8:
-            runs, keep = float8_gemm_runs(x.detach(), w.detach(), bufs[0][:, :V])
-            for name, (bare, n_gemms) in runs.items():
-                ms = median_ms(bare, args.warmup, args.reps)
-                tflops = n_gemms * 2 * N * H * V / ms / 1e9 if n_gemms else None
-                results.append({"shape": shape, "method": name, "ms": ms, "tflops": tflops,
-                                "extra_mib": None, "vs_gemms": ms / floor_ms})
-                print(f"{shape} {name:22s} {ms:8.2f} ms" +
-                      (f" ({tflops:.0f} TFLOP/s)" if tflops else ""))
-            del runs, keep
-        del bufs, run
-        timer = lambda run: median_ms(run, args.warmup, args.reps)  # noqa: E731
-        for name, f in fns.items():
-            results.append(measure(shape, name, f, x, t, w, floor_ms, timer))
-            ms, mib = results[-1]["ms"], results[-1]["extra_mib"]
-            print(f"{shape} {name:22s} " + ("OOM" if ms is None else
-                  f"{ms:8.2f} ms {ms / floor_ms:5.2f}x gemms {mib:9.0f} MiB"))
-        del x, t, w
+            f8_runs, keep = float8_gemm_runs(x.detach(), w.detach(), bufs[0][:, :V])
+            bare |= {name: run for name, (run, _) in f8_runs.items()}
+            gemm_counts = {name: n for name, (_, n) in f8_runs.items()}
+        runs, mib = first_calls(fns, x, t, w)
+        rounds = interleaved_rounds({**bare, **runs}, args.seconds, args.reps)
+        ms = medians(rounds)
+        floor_ms, flops = ms["bare_gemms"], 6 * N * H * V
+        results.append({"shape": shape, "method": "bare_gemms", "ms": floor_ms,
+                        "tflops": flops / floor_ms / 1e9, "extra_mib": None,
+                        "rounds_ms": rounds["bare_gemms"]})
+        print(f"{shape} bare_gemms {floor_ms:.2f} ms ({flops / floor_ms / 1e9:.0f} TFLOP/s)")
+        for name, n_gemms in gemm_counts.items():
+            tflops = n_gemms * 2 * N * H * V / ms[name] / 1e9 if n_gemms else None
+            results.append({"shape": shape, "method": name, "ms": ms[name], "tflops": tflops,
+                            "extra_mib": None, "vs_gemms": ms[name] / floor_ms,
+                            "rounds_ms": rounds[name]})
+            print(f"{shape} {name:22s} {ms[name]:8.2f} ms" +
+                  (f" ({tflops:.0f} TFLOP/s)" if tflops else ""))
+        for name in fns:
+            results.append({**record(shape, name, ms.get(name), mib[name], floor_ms),
+                            "rounds_ms": rounds.get(name, [])})
+            r = results[-1]
+            print(f"{shape} {name:22s} " + ("OOM" if r["ms"] is None else
+                  f"{r['ms']:8.2f} ms {r['vs_gemms']:5.2f}x gemms {r['extra_mib']:9.0f} MiB"))
+        del x, t, w, runs, floor_run, bufs, bare, keep
         torch.cuda.empty_cache()
         if i == 0 and args.accuracy_tokens:
             accuracy = errors_vs_float64(fns, args.accuracy_tokens, H, V, dtype)
             accuracy["shape"] = f"{args.accuracy_tokens}x{H}x{V}"
-    meta = run_meta(origin, args.dtype)
+    meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
+            "timing": TIMING}
     if args.ungated:
         meta["float8"] = "ungated: the float8 GEMMs at every shape, below flce's threshold too"
     text = markdown(meta, results, accuracy)
     write_report(args.out, {"meta": meta, "results": results, "accuracy": accuracy}, text)
     print(text)
-
-
-def measure(shape, name, f, x, t, w, floor_ms, timer) -> dict:
-    """One method at one shape: forward+backward time by timer(run), peak extra memory, and the
-    ratio to the bare GEMMs; None for both where it does not fit in the GPU's memory."""
-    try:
-        ms = timer(fwd_bwd(f, x, t, w))
-        mib = peak_extra_mib(fwd_bwd(f, x, t, w), x, w)
-    except torch.OutOfMemoryError:
-        ms = mib = None
-    x.grad = w.grad = None
-    torch.cuda.empty_cache()
-    return record(shape, name, ms, mib, floor_ms)
 
 
 def record(shape, name, ms, mib, floor_ms) -> dict:
@@ -333,10 +328,7 @@ def run_grid(args, origin, dtype):
     results = json.loads(out.read_text())["results"] if args.resume and out.exists() else []
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
-            "timing": "interleaved rounds: each round visits the bare GEMMs and every method "
-                      "once, in balanced orders (each in each position and after each other "
-                      f"equally often), calls each untimed for {SETTLE_MS:.0f} ms "
-                      "(once at least), then times one call; the median of the rounds"}
+            "timing": TIMING}
     for shape in args.shapes.split(",") if args.shapes else grid_shapes():
         if shape in done:
             continue
@@ -543,7 +535,8 @@ def _method_cell(name, r):
 
 def markdown(meta, results, accuracy):
     lines = [*kernel_report_head(meta, meta["dtype"]),
-             "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time).", "",
+             "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time)."
+             + (f" Timing: {meta['timing']}." if meta.get("timing") else ""), "",
              *grid_table(results, "method", "N×H×V", _method_cell)]
     if meta.get("float8"):
         lines += ["", f"float8 {meta['float8']}."]
