@@ -313,7 +313,8 @@ _launch_row_stats = Launcher(flce_row_stats_kernel)
 # BLOCK_V and warps of each pass at few long rows (`_block_and_warps`)
 _FEW_LONG_ROWS = {"stats": (16384, 16), "grad": (16384, 32), "full": (32768, 32),
                   "full+e4m3": (8192, 32)}
-# both passes in one at 256-2048 rows of V > 40960 (memory_lean's chunks at N >= 16384)
+# both passes in one at 256-2048 rows of V > 40960 (memory_lean's chunks where N is about
+# 128-2048 times V / H)
 _SOME_LONG_ROWS_FULL = (16384, 16)
 
 
