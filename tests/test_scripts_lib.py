@@ -16,6 +16,7 @@ import torch
 
 from scripts.bench import attention as bench_attention, flce as bench_flce, peers as bench_peers
 from scripts.bench import chunk_sizes as bench_chunk_sizes, float8_grid as bench_float8_grid
+from scripts.bench import grad_gemms as bench_grad_gemms
 from scripts.bench import logits_epilogue as bench_logits_epilogue
 from scripts.bench import loss_kernels as bench_loss_kernels
 from scripts.bench import row_order as bench_row_order
@@ -144,6 +145,20 @@ def chunk_sizes_report(meta):
              "extra_mib": None}]
     return bench_chunk_sizes.markdown(meta, [{"shape": "16384x8x16", "gemms_ms": 8.0,
                                               "runs": runs}])
+
+
+def test_grad_gemms_bench_reads_its_chunks_and_sets_each_variant_beside_its_bf16_twin():
+    assert bench_grad_gemms.parse_chunks("4096x4096x256000,8x4x2") == [(4096, 4096, 256000),
+                                                                       (8, 4, 2)]
+    for bad in ("4096x4096", "4096x4096x0", "ax4x2"):
+        with pytest.raises(SystemExit, match="--chunks"):
+            bench_grad_gemms.parse_chunks(bad)
+    ms = {"logits": 5.0, "dx_bf16": 4.0, "dx_fp32": 4.2, "dw_bf16_acc": 2.0, "dw_fp32_acc": 2.5,
+          "dw_fp32_first": 2.2, "dwt_fp32_acc": 3.0}
+    meta = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}
+    text = bench_grad_gemms.markdown(meta, [{"chunk": "8x4x2", "ms": ms}])
+    assert ("| 8x4x2 | 5.000 | 4.000 | 4.200 (1.050×) | 2.000 | 2.500 (1.250×) | 2.200 (1.100×) "
+            "| 3.000 (1.500×) |") in text
 
 
 def test_chunk_sizes_bench_reads_its_points_and_reports_each_run():
