@@ -1,10 +1,11 @@
 """Benchmark the fused loss against its peers and the bare-GEMM floor on one GPU.
 
-Times forward+backward of lm_head + cross-entropy and the peak memory above the inputs, for: this FLCE (default and memory-lean settings), the unfused loss eager
-and under torch.compile, Liger-Kernel and Cut-Cross-Entropy when importable, and the three bare
-GEMMs (logits, dx, dW) at the same shape, all at one shape in interleaved rounds of balanced
-orders (`TIMING`; with --float8 each bare bf16 and float8 GEMM and the quantizations too).
-Writes JSON and a markdown table into benchmarks/.
+Times forward+backward of lm_head + cross-entropy and the peak memory above the inputs, for:
+this FLCE (default and memory-lean settings), the unfused loss eager and under torch.compile,
+Liger-Kernel and Cut-Cross-Entropy when importable, and the three bare GEMMs (logits, dx, dW) at
+the same shape, all of a shape in interleaved rounds of balanced orders (`TIMING`; with
+--float8 each bare bf16 and float8 GEMM and the quantizations too). Writes JSON and a markdown
+table into benchmarks/.
 
     python3 -m scripts.bench.flce                     # the three standard shapes
     python3 -m scripts.bench.flce --sweep             # plus chunk-size / accumulation variants
@@ -276,9 +277,7 @@ def main():
             f8_runs, keep = float8_gemm_runs(x.detach(), w.detach(), bufs[0][:, :V])
             bare |= {name: run for name, (run, _) in f8_runs.items()}
             gemm_counts = {name: n for name, (_, n) in f8_runs.items()}
-        runs, mib = first_calls(fns, x, t, w)
-        rounds = interleaved_rounds({**bare, **runs}, args.seconds, args.reps)
-        ms = medians(rounds)
+        rounds, ms, mib = time_point(bare, fns, x, t, w, args.seconds, args.reps)
         floor_ms, flops = ms["bare_gemms"], 6 * N * H * V
         results.append({"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                         "tflops": flops / floor_ms / 1e9, "extra_mib": None,
@@ -291,13 +290,11 @@ def main():
                             "rounds_ms": rounds[name]})
             print(f"{shape} {name:22s} {ms[name]:8.2f} ms" +
                   (f" ({tflops:.0f} TFLOP/s)" if tflops else ""))
-        for name in fns:
-            results.append({**record(shape, name, ms.get(name), mib[name], floor_ms),
-                            "rounds_ms": rounds.get(name, [])})
-            r = results[-1]
-            print(f"{shape} {name:22s} " + ("OOM" if r["ms"] is None else
+        for r in method_records(shape, fns, ms, mib, rounds, floor_ms):
+            results.append(r)
+            print(f"{shape} {r['method']:22s} " + ("OOM" if r["ms"] is None else
                   f"{r['ms']:8.2f} ms {r['vs_gemms']:5.2f}x gemms {r['extra_mib']:9.0f} MiB"))
-        del x, t, w, runs, floor_run, bufs, bare, keep
+        del x, t, w, floor_run, bufs, bare, keep
         torch.cuda.empty_cache()
         if i == 0 and args.accuracy_tokens:
             accuracy = errors_vs_float64(fns, args.accuracy_tokens, H, V, dtype)
@@ -309,6 +306,20 @@ def main():
     text = markdown(meta, results, accuracy)
     write_report(args.out, {"meta": meta, "results": results, "accuracy": accuracy}, text)
     print(text)
+
+
+def time_point(bare: dict, fns: dict, x, t, w, seconds: float, reps: int):
+    """(each run's round times, their medians, each method's peak extra MiB) at one shape: the
+    bare runs (no memory measured) and the methods that fit, in interleaved rounds (`TIMING`)."""
+    runs, mib = first_calls(fns, x, t, w)
+    rounds = interleaved_rounds({**bare, **runs}, seconds, reps)
+    return rounds, medians(rounds), mib
+
+
+def method_records(shape, fns, ms, mib, rounds, floor_ms) -> list[dict]:
+    """Each method's result at one shape with its rounds' times (`record`)."""
+    return [{**record(shape, name, ms.get(name), mib[name], floor_ms),
+             "rounds_ms": rounds.get(name, [])} for name in fns]
 
 
 def record(shape, name, ms, mib, floor_ms) -> dict:
@@ -336,17 +347,15 @@ def run_grid(args, origin, dtype):
         fns = {k: f for k, f in methods(N, H, V, sweep=False).items() if k in GRID_METHODS}
         x, t, w = make_inputs(N, H, V, dtype)
         floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
-        runs, mib = first_calls(fns, x, t, w)
-        rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, args.seconds, args.reps)
-        ms = medians(rounds)
+        rounds, ms, mib = time_point({"bare_gemms": floor_run}, fns, x, t, w, args.seconds,
+                                     args.reps)
         floor_ms = ms["bare_gemms"]
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                   "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None,
                   "flce_path": flce_path(N, H, V, x.element_size()),
                   "rounds_ms": rounds["bare_gemms"]}]
-        point += [{**record(shape, name, ms.get(name), mib[name], floor_ms),
-                   "rounds_ms": rounds.get(name, [])} for name in fns]
-        del x, t, w, runs, floor_run, bufs
+        point += method_records(shape, fns, ms, mib, rounds, floor_ms)
+        del x, t, w, floor_run, bufs
         torch.cuda.empty_cache()
         results += point
         print(" | ".join([shape, f"gemms {floor_ms:.2f} ms"] + [
