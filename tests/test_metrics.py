@@ -151,6 +151,20 @@ def test_a_wandb_missing_its_dependency_names_it(tmp_path, monkeypatch):
         MetricsLogger(tmp_path / "run", rank=0, total_steps=10, cfg=Metrics(enable_wandb=True))
 
 
+def test_the_wandb_gate_asks_whether_it_imports_not_whether_it_is_there(tmp_path, monkeypatch):
+    """needs_wandb (tests/installed.py) skips where wandb does not import: a package on the path
+    whose dependency is missing counts as missing (on a GPU machine the wandb tests failed on
+    its import where the gate asked only whether the package was found)."""
+    from installed import import_error
+    package = tmp_path / "broken_package_here"
+    package.mkdir()
+    (package / "__init__.py").write_text("import click_not_installed_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_error("json") is None
+    assert import_error("broken_package_here") == (
+        "ModuleNotFoundError: No module named 'click_not_installed_here'")
+
+
 def test_tensorboard_event_file_holds_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
