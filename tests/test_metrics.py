@@ -138,13 +138,19 @@ def test_wandb_missing_is_an_import_error_with_a_hint(tmp_path, monkeypatch):
         MetricsLogger(tmp_path, rank=0, total_steps=10, cfg=Metrics(enable_wandb=True))
 
 
+def put_package_missing_a_dependency(folder, name: str, monkeypatch) -> None:
+    """A package `name` on the path (first) whose import fails on a module that is not installed
+    (click_not_installed_here), as a wheel installed with --no-deps can be."""
+    package = folder / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("import click_not_installed_here\n")
+    monkeypatch.syspath_prepend(str(folder))
+
+
 def test_a_wandb_missing_its_dependency_names_it(tmp_path, monkeypatch):
     """A wandb installed without its dependencies (pip install --no-deps) fails on import: the
     error names the module that is missing, not just "wandb"."""
-    package = tmp_path / "path" / "wandb"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("import click_not_installed_here\n")
-    monkeypatch.syspath_prepend(str(package.parent))
+    put_package_missing_a_dependency(tmp_path / "path", "wandb", monkeypatch)
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     with pytest.raises(ImportError, match=r"wandb does not import \(No module named "
                                           r"'click_not_installed_here'\).*pip install wandb"):
@@ -156,10 +162,7 @@ def test_the_wandb_gate_asks_whether_it_imports_not_whether_it_is_there(tmp_path
     whose dependency is missing counts as missing (on a GPU machine the wandb tests failed on
     its import where the gate asked only whether the package was found)."""
     from installed import import_error
-    package = tmp_path / "broken_package_here"
-    package.mkdir()
-    (package / "__init__.py").write_text("import click_not_installed_here\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    put_package_missing_a_dependency(tmp_path, "broken_package_here", monkeypatch)
     assert import_error("json") is None
     assert import_error("broken_package_here") == (
         "ModuleNotFoundError: No module named 'click_not_installed_here'")

@@ -117,6 +117,8 @@ def test_the_timer_on_the_cpu():
 
 DIRTY = {"git": "abc1234+dirty", "dirty": True}
 CLEAN = {"git": "abc1234", "dirty": False}
+# the meta of a kernel benchmark's report from a clean commit
+KERNEL_META = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}
 
 
 def flce_report(meta):
@@ -155,8 +157,7 @@ def test_grad_gemms_bench_reads_its_chunks_and_sets_each_variant_beside_its_bf16
             bench_grad_gemms.parse_chunks(bad)
     ms = {"logits": 5.0, "dx_bf16": 4.0, "dx_fp32": 4.2, "dw_bf16_acc": 2.0, "dw_fp32_acc": 2.5,
           "dw_fp32_first": 2.2, "dwt_fp32_acc": 3.0}
-    meta = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}
-    text = bench_grad_gemms.markdown(meta, [{"chunk": "8x4x2", "ms": ms}])
+    text = bench_grad_gemms.markdown(KERNEL_META, [{"chunk": "8x4x2", "ms": ms}])
     assert ("| 8x4x2 | 5.000 | 4.000 | 4.200 (1.050×) | 2.000 | 2.500 (1.250×) | 2.200 (1.100×) "
             "| 3.000 (1.500×) |") in text
 
@@ -204,7 +205,7 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
         ("default", "one block", 2.0, 5.0), ("c4", "chunks of 4", 2.0, 5.0),
         ("c16", "one block", 2.0, 5.0), ("c3", "chunks of 3", None, None)]
     assert "| c3 | chunks of 3 | OOM |" in bench_chunk_sizes.markdown(
-        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+        KERNEL_META, [point])
     seen.clear()
     point = bench_chunk_sizes.measure_point(16, 8, 12, [4], 0.1, 3, lean=True)
     assert set(seen) == {(None, False), (4, False), (None, True), (4, True)}
@@ -304,7 +305,7 @@ def test_row_overlap_report_rates_each_variant_against_flce():
         {"run": "overlap", "ms": 2.4, "extra_mib": 4.0, "bitwise_same": True},
         {"run": "overlap_high_priority", "ms": None, "extra_mib": None, "bitwise_same": False}]}
     text = bench_row_overlap.markdown(
-        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+        KERNEL_META, [point])
     assert "| 64x8x40 | chunks of 16 | overlap | 2.40 | 1.200× | 0.960× | 4 | yes |" in text
     assert "| 64x8x40 | chunks of 16 | overlap_high_priority | OOM |" in text
     assert "Overlap over flce: 0.960-0.960× at 1 points." in text
@@ -320,7 +321,7 @@ def test_loss_kernels_report_splits_each_run_by_kind_against_the_bare_gemms():
                    ("triton_red_fused_abc|x", 2, 100.0)),
                {"shape": "64x8x40", "run": "liger", "calls": 3, "kernels": None}]
     text = bench_loss_kernels.markdown(
-        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, results)
+        KERNEL_META, results)
     assert "| 64x8x40 | flce | 1.90 | 1.50 | 0.30 | 0.10 | 1.267× | 2.25 | 1 / 0 / 0 | " \
         "nvjet_tst_128x256 1500 (3); flce_rows_kernel 300 (1); triton_red_fused_abc/x 100 (2) |" \
         in text
@@ -345,7 +346,7 @@ def test_row_order_report_rates_each_variant_against_flce():
         {"run": "flce", "ms": 2.5, "extra_mib": 3.0, "bitwise_same": True},
         {"run": "forward_order", "ms": 2.75, "extra_mib": 3.0, "bitwise_same": True}]}
     text = bench_row_order.markdown(
-        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+        KERNEL_META, [point])
     assert "| 64x8x40 | chunks of 16 | forward_order | 2.75 | 1.375× | 1.100× | 3 | yes |" in text
     assert "forward_order over flce: 1.100-1.100× at 1 points." in text
 
@@ -401,7 +402,7 @@ def test_rows_kernel_tuning_report_sets_the_default_against_the_fastest_and_the_
     assert bench_tune_rows.tuned("full+e4m3", 2048, 32000)[2] is False
     assert max(c[0] or 0 for c in bench_tune_rows.configs("stats", 600)) == 1024  # <= 2 V
     text = bench_tune_rows.markdown(
-        {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}, [point])
+        KERNEL_META, [point])
     assert "| 64x40 | 3000 | full | 8192/16 rev | 2.000 | 1500 | 4096/8 rev | 1.600 | 1875 | " \
         "1.250 | 1.100 |" in text
     assert "| 64x40 | 3000 | stats | 4096/4 | 0.500 | 2000 | 4096/4 | 0.500 | 2000 | 1.000 | - |" \
