@@ -53,7 +53,6 @@ def test_the_index_names_every_result():
 # already sound, so the list only shrinks).
 AWAITING_REMEASUREMENT = {
     "layouts_2xh200.md", "loss_parallel_2xh200.md", "fsdp_scaling_2xh200/",  # two GPUs
-    "flce_odd_vocab_h200.md",  # timed back to back with --warmup; bench.flce now interleaves
 }
 
 
