@@ -138,6 +138,21 @@ def test_flce_float8_report_says_when_the_threshold_was_lifted():
     assert run.returncode == 2 and "--ungated applies to --float8" in run.stderr
 
 
+def test_the_compiled_peer_gets_a_graph_of_its_own_at_each_shape():
+    """bench.flce times torch.compile's unfused loss as a training run (one shape) compiles it:
+    a static graph per shape. It used to make the second shape of a call recompile with N and V
+    symbolic (automatic dynamic shapes), and every later shape ran that generic graph."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    import flce
+    torch.manual_seed(0)
+    for n, h, v in ((24, 16, 40), (40, 16, 72)):
+        loss = bench_flce.methods(n, h, v, sweep=False)["unfused_compile"]
+        x, w = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+        loss(x, torch.randint(0, v, (n,)), w).backward()
+        graphs = _debug_get_cache_entry_list(flce.linear_cross_entropy.__code__)
+        assert len(graphs) == 1, f"{len(graphs)} graphs at {n}x{h}x{v}: one recompiled"
+
+
 def chunk_sizes_report(meta):
     meta = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **meta}
     runs = [{"run": "default", "chunk_size": None, "path": "chunks of 8192", "ms": 11.0,

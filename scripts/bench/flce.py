@@ -64,6 +64,7 @@ FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
 
 
 def methods(N, H, V, sweep, float8=False):
+    """{name: loss(x, targets, w)} to time at one N x H x V; call it once per shape."""
     if float8:
         return {name: (lambda f8: lambda x, t, w: flce.fused_linear_cross_entropy(
             x, t, w, float8=f8))(f8) for name, f8 in FLOAT8_METHODS.items()}
@@ -71,7 +72,7 @@ def methods(N, H, V, sweep, float8=False):
         "flce": lambda x, t, w: flce.fused_linear_cross_entropy(x, t, w),
         "flce_lean": lambda x, t, w: flce.fused_linear_cross_entropy(x, t, w, memory_lean=True),
         "unfused_eager": lambda x, t, w: flce.linear_cross_entropy(x, t, w),
-        "unfused_compile": torch.compile(flce.linear_cross_entropy),
+        "unfused_compile": compiled_for_one_shape(flce.linear_cross_entropy),
     }
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import \
@@ -92,6 +93,15 @@ def methods(N, H, V, sweep, float8=False):
                 m[name] = (lambda c, lean: lambda x, t, w: flce.fused_linear_cross_entropy(
                     x, t, w, chunk_size=c, memory_lean=lean))(c, lean)
     return m
+
+
+def compiled_for_one_shape(fn):
+    """torch.compile's best at one shape, as a training run (one shape) compiles it: a static
+    graph. Without the reset, a process's second shape recompiles with N and V symbolic
+    (automatic dynamic shapes) and every later shape runs that generic graph; with dynamic=False
+    alone, the ninth shape would pass the recompile limit and run eagerly."""
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
 
 
 def first_calls(fns: dict, x, t, w) -> tuple[dict, dict]:
