@@ -153,6 +153,17 @@ def test_the_compiled_peer_gets_a_graph_of_its_own_at_each_shape():
         assert len(graphs) == 1, f"{len(graphs)} graphs at {n}x{h}x{v}: one recompiled"
 
 
+def test_a_loss_report_says_how_the_compiled_peer_was_compiled():
+    """Reports written since the compiled peer got a static graph per shape say so; older ones
+    (their JSON without the key) render as they were written."""
+    said = "for that one shape"
+    assert said in flce_report({**CLEAN, "compiled_peer": bench_flce.COMPILED_PEER})
+    assert said not in flce_report(CLEAN)
+    grid = json.loads((REPO / "benchmarks" / "flce_grid.json").read_text())
+    meta = {**grid["meta"], "compiled_peer": bench_flce.COMPILED_PEER}
+    assert said in bench_flce.grid_markdown(meta, grid["results"])
+
+
 def chunk_sizes_report(meta):
     meta = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **meta}
     runs = [{"run": "default", "chunk_size": None, "path": "chunks of 8192", "ms": 11.0,

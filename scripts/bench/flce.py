@@ -59,6 +59,8 @@ TIMING = ("interleaved rounds: each round visits the bare GEMMs and every method
           "balanced orders (each in each position and after each other equally often), calls "
           f"each untimed for {SETTLE_MS:.0f} ms (once at least), then times one call; the "
           "median of the rounds")
+COMPILED_PEER = ("unfused_compile is torch.compile's graph of the unfused loss for that one shape "
+                 "(static, as a training run compiles it; `compiled_for_one_shape`)")
 FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
                   "flce_float8_logits_dx": "logits+dx"}
 
@@ -310,7 +312,7 @@ def main():
             accuracy = errors_vs_float64(fns, args.accuracy_tokens, H, V, dtype)
             accuracy["shape"] = f"{args.accuracy_tokens}x{H}x{V}"
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
-            "timing": TIMING}
+            "timing": TIMING, **({} if args.float8 else {"compiled_peer": COMPILED_PEER})}
     if args.ungated:
         meta["float8"] = "ungated: the float8 GEMMs at every shape, below flce's threshold too"
     text = markdown(meta, results, accuracy)
@@ -349,7 +351,7 @@ def run_grid(args, origin, dtype):
     results = json.loads(out.read_text())["results"] if args.resume and out.exists() else []
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
-            "timing": TIMING}
+            "timing": TIMING, "compiled_peer": COMPILED_PEER}
     for shape in args.shapes.split(",") if args.shapes else grid_shapes():
         if shape in done:
             continue
@@ -528,7 +530,8 @@ def grid_markdown(meta, results):
                       else f"{r['vs_gemms']:.3f}× / {r['extra_mib']:.0f}")
     lines = [*kernel_report_head(meta, meta["dtype"]),
              "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
-             "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory).", "",
+             "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory)."
+             + (f" {meta['compiled_peer']}." if meta.get("compiled_peer") else ""), "",
              *grid_verdict(results, meta["gpu"]), "", "By tokens N:", "",
              *grid_by_tokens(results), "",
              "| N×H×V | flce path | " + " | ".join(names) + " |",
@@ -555,7 +558,8 @@ def _method_cell(name, r):
 def markdown(meta, results, accuracy):
     lines = [*kernel_report_head(meta, meta["dtype"]),
              "Forward+backward, median ms / peak extra MiB (× the three bare GEMMs' time)."
-             + (f" Timing: {meta['timing']}." if meta.get("timing") else ""), "",
+             + (f" Timing: {meta['timing']}." if meta.get("timing") else "")
+             + (f" {meta['compiled_peer']}." if meta.get("compiled_peer") else ""), "",
              *grid_table(results, "method", "N×H×V", _method_cell)]
     if meta.get("float8"):
         lines += ["", f"float8 {meta['float8']}."]
