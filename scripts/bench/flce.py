@@ -312,7 +312,9 @@ def main():
             accuracy = errors_vs_float64(fns, args.accuracy_tokens, H, V, dtype)
             accuracy["shape"] = f"{args.accuracy_tokens}x{H}x{V}"
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
-            "timing": TIMING, **({} if args.float8 else {"compiled_peer": COMPILED_PEER})}
+            "timing": TIMING}
+    if not args.float8 and "unfused_compile" in (args.only or "unfused_compile").split(","):
+        meta["compiled_peer"] = COMPILED_PEER
     if args.ungated:
         meta["float8"] = "ungated: the float8 GEMMs at every shape, below flce's threshold too"
     text = markdown(meta, results, accuracy)
