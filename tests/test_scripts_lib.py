@@ -117,13 +117,13 @@ def test_the_timer_on_the_cpu():
 
 DIRTY = {"git": "abc1234+dirty", "dirty": True}
 CLEAN = {"git": "abc1234", "dirty": False}
-# the meta of a kernel benchmark's report from a clean commit
-KERNEL_META = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **CLEAN}
+# the provenance a kernel benchmark's report heads with; KERNEL_META: from a clean commit
+REPORT_META = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c"}
+KERNEL_META = {**REPORT_META, **CLEAN}
 
 
 def flce_report(meta):
-    meta = {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
-            "command": "c", **meta}
+    meta = {**REPORT_META, "dtype": "bfloat16", **meta}
     return bench_flce.markdown(meta, [{"shape": "8x4x16", "method": "flce", "ms": 1.0,
                                        "extra_mib": 2.0, "vs_gemms": 1.1}], {})
 
@@ -165,7 +165,7 @@ def test_a_loss_report_says_how_the_compiled_peer_was_compiled():
 
 
 def chunk_sizes_report(meta):
-    meta = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **meta}
+    meta = {**REPORT_META, **meta}
     runs = [{"run": "default", "chunk_size": None, "path": "chunks of 8192", "ms": 11.0,
              "extra_mib": 300.0}, {"run": "c16384", "chunk_size": 16384, "path": "one block",
                                    "ms": 10.0, "extra_mib": 500.0},
@@ -259,8 +259,7 @@ def float8_grid_results():
 
 
 def float8_grid_report(meta):
-    meta = {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
-            "command": "c", **meta}
+    meta = {**REPORT_META, "dtype": "bfloat16", **meta}
     return bench_float8_grid.markdown(meta, float8_grid_results())
 
 
@@ -321,8 +320,7 @@ def test_float8_grid_point_on_the_cpu(monkeypatch):
     assert point[3]["vs_gemms"] == 0.75 and point[3]["vs_float8_floor"] == 1.5
     assert "| 16x8x12 | no (below the threshold) | 4.00 | 0.500× | 1.250× | 0.750× | 1.500× | " \
         "7 / 7 |" in bench_float8_grid.markdown(
-            {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
-             "command": "c", **CLEAN}, point)
+            {**KERNEL_META, "dtype": "bfloat16"}, point)
 
 
 def test_row_overlap_report_rates_each_variant_against_flce():
@@ -488,7 +486,7 @@ def peers_report(meta):
 
 
 def logits_epilogue_report(meta):
-    meta = {"gpu": "G", "torch": "t", "triton": "tr", "date": "d", "command": "c", **meta}
+    meta = {**REPORT_META, **meta}
     tiles = [{"config": list(c), "plain_ms": 1.0, "stats_ms": 1.2, "logits_max_abs_diff": 0.0,
               "lse_max_abs_diff": 1e-6} for c in bench_logits_epilogue.CONFIGS]
     return bench_logits_epilogue.markdown(meta, [{
@@ -592,8 +590,7 @@ def test_flce_grid_verdict_counts_each_target():
     assert "faster than cce: 1 of 2" in text  # a peer that does not fit loses that point
     assert "≤ torch.compile's: 1 of 2 points; median ratio 0.88" in text
     assert "flce_lean memory ≤ Liger's: 1 of 2" in text and "flce_lean time ≤ Liger's: 1 of 2" in text
-    meta = {"gpu": "G", "torch": "t", "triton": "tr", "dtype": "bfloat16", "date": "d",
-            "command": "c", **CLEAN}
+    meta = {**KERNEL_META, "dtype": "bfloat16"}
     table = bench_flce.grid_markdown(meta, results)
     assert "| b | one block | 10.00 (1 TFLOP/s) | 1.080× / 300 |" in table and "| OOM |" in table
     assert "| a | - | 10.00" in table  # a report from before the path was recorded
