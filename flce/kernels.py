@@ -57,10 +57,12 @@ def _scaled(a, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP: tl.constexpr,
-               HAS_SMOOTHING: tl.constexpr, MAX_OFF_TARGET: tl.constexpr, BLOCK_V: tl.constexpr):
+def _row_stats(row_ptr, V, width, logit_scale, softcap, y_local, HAS_SOFTCAP: tl.constexpr,
+               HAS_SMOOTHING: tl.constexpr, MAX_OFF_TARGET: tl.constexpr,
+               PADDED: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 1 over one row: max, sum of exp(z - max), sum of z (for label smoothing) and, when
-    MAX_OFF_TARGET, the max of z over the columns other than y_local (else -inf).
+    MAX_OFF_TARGET, the max of z over the columns other than y_local (else -inf). It reads
+    `width` columns (PADDED: width > V, the rest padding, left out of every sum).
 
     The running max is a scalar updated once per block (the block's max first): one exp per
     element. A running max per lane costs a second exp per element (its rescaling), and that
@@ -70,9 +72,10 @@ def _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP: tl.conste
     s = 0.0
     sum_z = 0.0
     m_off = -float("inf")
-    for start in range(0, V, BLOCK_V):
-        mask = start + cols < V
-        a = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+    for start in range(0, width, BLOCK_V):
+        loads = start + cols < width
+        mask = (start + cols < V) if PADDED else loads
+        a = tl.load(row_ptr + start + cols, mask=loads, other=0.0).to(tl.float32)
         z = tl.where(mask, _scaled(a, logit_scale, softcap, HAS_SOFTCAP), -float("inf"))
         block_max = tl.max(z, axis=0)
         m_new = tl.maximum(m, block_max)
@@ -103,6 +106,10 @@ def flce_rows_kernel(
     weight_stride,
     weight_scale_ptr,  # fp32 scalar the gradient weight is multiplied by (HAS_WEIGHT_SCALE)
     V,                 # the columns of this chunk: the vocabulary slice [vocab_start, vocab_start + V)
+    width,             # the columns read and written: V, or (PADDED) more, whose padding is read
+                       # as nothing and, in a gradient pass, overwritten with 0. A masked access
+                       # is vectorized only where its bound is a multiple of 16: an odd V (50257)
+                       # made the row pass 3-5x slower on an H200.
     vocab_start,
     V_total,           # the full vocabulary (V and 0 on one device)
     ignore_index,
@@ -127,6 +134,7 @@ def flce_rows_kernel(
     MAX_OFF_TARGET: tl.constexpr,  # pass 1 finds the max off the target (FP8_GRAD or KEEP_OFF_MAX)
     HAS_WEIGHT_SCALE: tl.constexpr,
     REVERSE_GRAD: tl.constexpr,    # pass 2 walks the row's blocks last to first
+    PADDED: tl.constexpr,          # width > V
     FP8_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -147,14 +155,14 @@ def flce_rows_kernel(
             tl.store(off_max_ptr + row, 0.0)
         if COMPUTE_GRAD:
             zero = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
-            for start in range(0, V, BLOCK_V):
-                tl.store(row_ptr + start + cols, zero, mask=start + cols < V)
+            for start in range(0, width, BLOCK_V):
+                tl.store(row_ptr + start + cols, zero, mask=start + cols < width)
             if FP8_GRAD:
                 tl.store(g8_scale_ptr + row, 0.0)
                 tl.store(target_grad_ptr + row, 0.0)
                 zero8 = tl.zeros([BLOCK_V], dtype=g8_ptr.dtype.element_ty)
-                for start in range(0, V, BLOCK_V):
-                    tl.store(g8_row_ptr + start + cols, zero8, mask=start + cols < V)
+                for start in range(0, width, BLOCK_V):
+                    tl.store(g8_row_ptr + start + cols, zero8, mask=start + cols < width)
         return
 
     # A target outside [0, V_total) poisons its row with NaN (loss and gradient) instead of
@@ -173,9 +181,9 @@ def flce_rows_kernel(
         if FP8_GRAD:
             z_off_max = tl.load(off_max_ptr + row)
     else:
-        shift, s, sum_z, z_off_max = _row_stats(row_ptr, V, logit_scale, softcap, y_local,
+        shift, s, sum_z, z_off_max = _row_stats(row_ptr, V, width, logit_scale, softcap, y_local,
                                                 HAS_SOFTCAP, HAS_SMOOTHING, MAX_OFF_TARGET,
-                                                BLOCK_V)
+                                                PADDED, BLOCK_V)
         if KEEP_OFF_MAX:
             tl.store(off_max_ptr + row, z_off_max)
         # Differences are taken against the row max before log(s) is added: with logits ~1e4
@@ -216,14 +224,14 @@ def flce_rows_kernel(
                 r_y = z_y / softcap
                 g_y = g_y * (1.0 - r_y * r_y)
             tl.store(target_grad_ptr + row, tl.where(owns, g_y, 0.0))
-        n_blocks = tl.cdiv(V, BLOCK_V)
+        n_blocks = tl.cdiv(width, BLOCK_V)
         for i in range(0, n_blocks):
             if REVERSE_GRAD:
                 start = (n_blocks - 1 - i) * BLOCK_V
             else:
                 start = i * BLOCK_V
             offs = start + cols
-            mask = offs < V
+            mask = offs < width
             a = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
             g = tl.exp(z - shift - log_s) * p_coef - uniform
@@ -232,6 +240,8 @@ def flce_rows_kernel(
             if HAS_SOFTCAP:
                 r = z / softcap
                 g = g * (1.0 - r * r)
+            if PADDED:
+                g = tl.where(offs < V, g, 0.0)
             tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
             if FP8_GRAD:
                 q = fp8_saturated(tl.where(offs == y_local, 0.0, g * inv_scale), FP8_MAX)
@@ -242,8 +252,9 @@ def flce_rows_kernel(
 def flce_row_stats_kernel(
     logits_ptr, stride_row, target_ptr,
     stats_ptr,         # [C, 4] fp32 out: max, sum exp(z - max), target logit (0 if not here), sum z
-    V, vocab_start, ignore_index, logit_scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+    V, width, vocab_start, ignore_index, logit_scale, softcap,  # width: as flce_rows_kernel's
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, PADDED: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Pass 1 of the vocab-parallel loss: what each rank's slice contributes to lse and loss."""
     row = tl.program_id(0).to(tl.int64)
@@ -259,8 +270,8 @@ def flce_row_stats_kernel(
     y_local = y - vocab_start
     owns = (y_local >= 0) & (y_local < V)
     a_y = tl.load(row_ptr + tl.where(owns, y_local, 0)).to(tl.float32)
-    m, s, sum_z, _ = _row_stats(row_ptr, V, logit_scale, softcap, y_local, HAS_SOFTCAP,
-                                HAS_SMOOTHING, False, BLOCK_V)
+    m, s, sum_z, _ = _row_stats(row_ptr, V, width, logit_scale, softcap, y_local, HAS_SOFTCAP,
+                                HAS_SMOOTHING, False, PADDED, BLOCK_V)
     tl.store(out, m)
     tl.store(out + 1, s)
     tl.store(out + 2, tl.where(owns, _scaled(a_y, logit_scale, softcap, HAS_SOFTCAP), 0.0))
@@ -363,9 +374,20 @@ def walks_back(kind: str) -> bool:
     return kind == "full"
 
 
+def _checked_width(logits, width) -> int:
+    """The columns a row pass may touch (`launch_rows`): V, or a given width within the rows."""
+    C, V = logits.shape
+    if width is None:
+        return V
+    if logits.stride(1) != 1 or not V <= width <= (logits.stride(0) if C > 1 else width):
+        raise ValueError(f"width={width}: must be in [V={V}, the row stride "
+                         f"{logits.stride(0)}] of contiguous rows")
+    return width
+
+
 def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad,
                 block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None,
-                off_max=None, weight_scale=None, reverse_grad=None):
+                off_max=None, weight_scale=None, reverse_grad=None, width=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
     vocabulary slice, the gradient pass of `vocab_parallel`). stats: (row max, log sum exp(z -
     max)), [C] fp32 each, written (or read, stats_given), or None. fp8_grad: (g8 [C, V] e4m3,
@@ -374,10 +396,15 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     weight_scale: a 0-dim fp32 tensor the gradient weight is multiplied by (the upstream
     gradient times the loss weight without a launch of its own), or None. block_v, num_warps,
     reverse_grad: a configuration to time (`scripts/bench/tune_rows_kernel.py`,
-    `scripts/bench/row_order.py`) instead of the tuned one (`_block_and_warps`, `walks_back`)."""
+    `scripts/bench/row_order.py`) instead of the tuned one (`_block_and_warps`, `walks_back`).
+    width: the columns of each row behind `logits` (>= V, its row stride at most) that the
+    kernel may read and overwrite: those past V are padding, left out of the loss and set to 0
+    by a gradient pass, as is fp8_grad's copy (its rows must be as wide). Where it is a multiple
+    of 16 and V is not, the accesses are vectorized (`flce_rows_kernel`)."""
     C, V = logits.shape
     if C == 0:
         return
+    width = _checked_width(logits, width)
     target = target.contiguous()  # the kernels read target[row] (a strided target was misread)
     kind = "full" if compute_grad and not stats_given else "grad" if compute_grad else "stats"
     kind += "+e4m3" if kind == "full" and fp8_grad is not None else ""
@@ -393,7 +420,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
         (C,), logits, logits.stride(0), target, loss_out, row_max, log_sum,
         weight, 0 if weight.dim() == 0 else weight.stride(0),
         weight if weight_scale is None else weight_scale,
-        V, vocab_start, vocab_total or V, opts.ignore_index, float(opts.logit_scale),
+        V, width, vocab_start, vocab_total or V, opts.ignore_index, float(opts.logit_scale),
         float(opts.softcap or 1.0), float(opts.label_smoothing), float(opts.z_loss),
         g8, g8.stride(0), g8_scale, target_grad, loss_out if off_max is None else off_max,
         HAS_SOFTCAP=opts.softcap is not None,
@@ -407,24 +434,28 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
         MAX_OFF_TARGET=fp8_grad is not None or keep_off_max,
         HAS_WEIGHT_SCALE=weight_scale is not None,
         REVERSE_GRAD=reverse_grad,
+        PADDED=width > V,
         FP8_MAX=float(torch.finfo(g8.dtype).max) if fp8_grad is not None else 1.0,
         BLOCK_V=block_v,
         num_warps=num_warps,
     )
 
 
-def launch_row_stats(logits, target, stats_out, opts, vocab_start, block_v=None, num_warps=None):
-    """Per-row (max, sum-exp, target logit, sum z) of a vocabulary slice into stats_out [C, 4]."""
+def launch_row_stats(logits, target, stats_out, opts, vocab_start, block_v=None, num_warps=None,
+                     width=None):
+    """Per-row (max, sum-exp, target logit, sum z) of a vocabulary slice into stats_out [C, 4].
+    width: as launch_rows' (read only here)."""
     C, V = logits.shape
     if C == 0:
         return
+    width = _checked_width(logits, width)
     target = target.contiguous()
     block_v, num_warps = _block_and_warps(C, V, block_v, num_warps, "stats")
     _launch_row_stats(
-        (C,), logits, logits.stride(0), target, stats_out, V, vocab_start, opts.ignore_index,
-        float(opts.logit_scale), float(opts.softcap or 1.0),
+        (C,), logits, logits.stride(0), target, stats_out, V, width, vocab_start,
+        opts.ignore_index, float(opts.logit_scale), float(opts.softcap or 1.0),
         HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
-        BLOCK_V=block_v, num_warps=num_warps)
+        PADDED=width > V, BLOCK_V=block_v, num_warps=num_warps)
 
 
 @triton.jit

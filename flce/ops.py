@@ -163,7 +163,8 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
                dx: Optional[Tensor], dw_acc: Optional[Tensor], db_acc: Optional[Tensor],
                fp8: Optional[Float8Gemms] = None) -> None:
     """Per chunk of tokens [start, end): logits = x_c @ W.T (+ b) into one reused buffer;
-    row_pass(logits, start, end) turns them into dlogits in place; then dx_c = dlogits @ W,
+    row_pass(logits, start, end, width) turns them into dlogits in place (width: the columns
+    of the buffer's rows, which it may touch: `kernels.launch_rows`); then dx_c = dlogits @ W,
     dW += dlogits.T @ x_c, db += sum(dlogits), into whichever of dx, dw_acc, db_acc is given.
     The GEMMs run at `gemm_vocab` columns (dw_acc has that many rows: `weight_grad_buffer`).
     With fp8 the logits GEMM, and the dx GEMM if fp8.dx, run in float8."""
@@ -187,7 +188,7 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
             torch.mm(x_c, w_t, out=logits)
         else:
             torch.addmm(b, x_c, w_t, out=logits)
-        row_pass(rows, start, end)
+        row_pass(rows, start, end, block.shape[1])
         if dx is not None and fp8 is not None and fp8.dx:
             fp8.dx_into(dx[start:end], weight, start)
         elif dx is not None:
@@ -235,12 +236,13 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
         if fp8.dx and stats_given:  # the float8 scales need the max off the target: recompute
             stats, stats_given = None, False
 
-    def row_pass(logits, start, end):
+    def row_pass(logits, start, end, width):
         rw = row_weight if row_weight.dim() == 0 else row_weight[start:end]
         rows(logits, target[start:end], loss[start:end],
              None if stats is None else tuple(t[start:end] for t in stats), rw, opts,
              stats_given, compute_grad,
-             fp8_grad=fp8.grad_outputs(end - start) if fp8 is not None and fp8.dx else None)
+             fp8_grad=fp8.grad_outputs(end - start) if fp8 is not None and fp8.dx else None,
+             width=width)
 
     chunk_loop(x, weight, bias, C, row_pass, dx, dw_acc, db_acc, fp8)
     dw_acc = unpadded(dw_acc, V)
@@ -278,7 +280,7 @@ def block_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
         logits = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
     # no gradient in this pass: the row weight (here loss, for a tensor) is not read
     _row_fn(use_triton)(logits[:, :V], target, loss, (row_max, log_sum), loss, opts, False,
-                        False, off_max=off_max)
+                        False, off_max=off_max, width=logits.shape[1])
     return loss, row_max, log_sum, logits, off_max, w_col_absmax
 
 
@@ -306,7 +308,7 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
     # a gradient pass writes no loss: its loss_out (here the row maxima) is left as it is
     _row_fn(use_triton)(view, target, stats[0], stats, row_weight, opts, True, True,
                         fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max,
-                        weight_scale=row_scale)
+                        weight_scale=row_scale, width=logits.shape[1])
     if release_stats:
         # An autograd Function's saved tensors live until its backward returns, so without this
         # the row statistics (8 bytes a token) would be held through the GEMMs, the backward's

@@ -54,7 +54,8 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor,
                stats: Optional[tuple[Tensor, Tensor]], weight: Tensor, opts: LossOptions,
                stats_given: bool, compute_grad: bool,
                fp8_grad: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-               off_max: Optional[Tensor] = None, weight_scale: Optional[Tensor] = None) -> None:
+               off_max: Optional[Tensor] = None, weight_scale: Optional[Tensor] = None,
+               width: Optional[int] = None) -> None:
     """Fill loss_out for a chunk and, if compute_grad, overwrite logits with dlogits.
 
     stats: (row max of z, log sum exp(z - max)), written, or read when stats_given (a gradient
@@ -71,6 +72,8 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor,
     off_max: a statistics pass (not compute_grad) writes each row's largest z off the target
     there (0 for ignored rows), which a later float8 gradient pass of the Triton kernel reads;
     this twin recomputes it from z.
+    width: the Triton kernel's access width (`kernels.launch_rows`); the padding it may zero is
+    left as it is here, where nothing is gained by touching it.
     """
     V = logits.shape[1]
     if weight_scale is not None:

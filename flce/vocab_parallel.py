@@ -51,8 +51,9 @@ def _target_logit(z: Tensor, target: Tensor, opts: LossOptions, vocab_start: int
 
 
 def _chunk_grads(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: int,
-                 vocab_size: int, group) -> Tensor:
-    """Per-token losses (the same on every rank) and dlogits of this rank's slice, in place."""
+                 vocab_size: int, group, width: int) -> Tensor:
+    """Per-token losses (the same on every rank) and dlogits of this rank's slice, in place
+    (width, the Triton twin's access width, is of no use here)."""
     z = scaled_logits(logits, opts)
     m = _row_max(z)
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -105,18 +106,18 @@ def _combine(stats: Tensor, target: Tensor, opts: LossOptions, vocab_size: int, 
 
 
 def _chunk_grads_triton(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: int,
-                        vocab_size: int, group) -> Tensor:
+                        vocab_size: int, group, width: int) -> Tensor:
     """The Triton twin of _chunk_grads: a stats pass, two all-reduces, a gradient pass."""
     from flce.kernels import launch_row_stats, launch_rows
 
     C = logits.shape[0]
     stats = torch.empty(C, 4, device=logits.device, dtype=torch.float32)
-    launch_row_stats(logits, target, stats, opts, vocab_start)
+    launch_row_stats(logits, target, stats, opts, vocab_start, width=width)
     loss, row_stats = _combine(stats, target, opts, vocab_size, group)
     one = torch.ones((), device=logits.device, dtype=torch.float32)
     # a gradient pass writes no loss: its loss_out (the row maxima) is left as it is
     launch_rows(logits, target, row_stats[0], row_stats, one, opts, True, True,
-                vocab_start=vocab_start, vocab_total=vocab_size)
+                vocab_start=vocab_start, vocab_total=vocab_size, width=width)
     return loss
 
 
@@ -140,9 +141,9 @@ class _VocabParallelLoss(torch.autograd.Function):
         # PyTorch rows do that with no kernel launch over zero columns
         rows = _chunk_grads_triton if use_triton and weight.shape[0] else _chunk_grads
 
-        def row_pass(logits, start, end):
+        def row_pass(logits, start, end, width):
             losses[start:end] = rows(logits, target[start:end], opts, vocab_start, vocab_size,
-                                     group)
+                                     group, width)
 
         # every rank must run as many chunks (each chunk is two all-reduces): size them by the
         # largest slice, not this rank's, which is shorter (or empty) at the end of the vocabulary

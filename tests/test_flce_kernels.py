@@ -15,10 +15,10 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run(fn, logits, target, weight, opts, stats_in=None, compute_grad=True):
+def _run(fn, logits, target, weight, opts, stats_in=None, compute_grad=True, in_place=False):
     """(loss, (row max, log sum exp), logits after the pass); with stats_in, a gradient pass
-    reading those statistics."""
-    logits = logits.clone()
+    reading those statistics. in_place: the pass runs on `logits` itself, not a copy."""
+    logits = logits if in_place else logits.clone()
     C = logits.shape[0]
     loss = torch.full((C,), float("nan"), device=DEVICE)  # poisoned: every row must be written
     stats = (tuple(torch.full((C,), float("nan"), device=DEVICE) for _ in range(2))
@@ -184,3 +184,69 @@ def test_weighted_sum_matches_the_pytorch_ops(n, divisor):
     torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=0)
     torch.testing.assert_close(out, (loss.double().sum() * ref_w.double()).float(),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("opts", [LossOptions(), LossOptions(label_smoothing=0.2, z_loss=1e-3,
+                                                             softcap=4.0, ignore_index=2)],
+                         ids=["plain", "all"])
+@pytest.mark.parametrize("float8", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("block_v", [16, 64])
+def test_padded_width_reads_its_padding_as_nothing_and_zeroes_it(opts, float8, block_v):
+    """A row pass given the padded width of an odd vocabulary (`launch_rows(width=...)`, the
+    vectorized accesses) reads columns V.. as absent, whatever they hold (NaN here), and a
+    gradient pass writes 0 there, in dlogits and in the e4m3 copy; everything else is as at
+    width V: both passes, the statistics pass alone, then the gradient pass reading its
+    statistics."""
+    from flce.kernels import launch_rows
+    C, V, width = 9, 37, 48
+    logits = torch.randn(C, V, device=DEVICE) * 3
+    target = torch.randint(0, V, (C,), device=DEVICE)
+    target[2] = opts.ignore_index
+    target[5] = V - 1  # the last real column, next to the padding
+    weight = torch.rand(C, device=DEVICE) + 0.5
+    wide = torch.full((C, width), float("nan"), device=DEVICE)
+    wide[:, :V] = logits
+
+    def g8_of(cols):
+        return ((torch.full((C, cols), 7.0, device=DEVICE).to(torch.float8_e4m3fn),
+                 torch.zeros(C, device=DEVICE), torch.zeros(C, device=DEVICE))
+                if float8 else None)
+
+    # (a float8 gradient pass after a statistics pass also needs the maxima off the target:
+    # the one-block path's, tested through the loss in test_flce_float8)
+    for stats_from in (None,) if float8 else (None, "stats pass"):
+        narrow_g8, wide_g8 = g8_of(V), g8_of(width)
+        stats_in = None
+        if stats_from:
+            stats_in = _run(lambda *a: launch_rows(*a, block_v=block_v), logits, target, weight,
+                            opts, compute_grad=False)[1]
+            padded_stats = _run(lambda *a: launch_rows(*a, block_v=block_v, width=width),
+                                wide[:, :V], target, weight, opts, compute_grad=False,
+                                in_place=True)[1]
+            assert torch.isnan(wide[:, V:]).all()  # a statistics pass only reads
+            for a, b in zip(padded_stats, stats_in):
+                assert torch.equal(a, b)
+        ref = _run(lambda *a: launch_rows(*a, block_v=block_v, fp8_grad=narrow_g8), logits,
+                   target, weight, opts, stats_in=stats_in)
+        rows = wide.clone()
+        got = _run(lambda *a: launch_rows(*a, block_v=block_v, fp8_grad=wide_g8, width=width),
+                   rows[:, :V], target, weight, opts, stats_in=stats_in, in_place=True)
+        same_loss = torch.equal(got[0], ref[0]) or stats_in is not None  # NaN: not written
+        assert same_loss and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+        assert torch.equal(got[2], ref[2])
+        assert torch.equal(rows[:, V:], torch.zeros(C, width - V, device=DEVICE))
+        if float8:
+            bits = lambda t: t.view(torch.uint8)
+            assert torch.equal(bits(wide_g8[0][:, :V]), bits(narrow_g8[0]))
+            assert not bits(wide_g8[0][:, V:]).any()
+            assert all(torch.equal(a, b) for a, b in zip(wide_g8[1:], narrow_g8[1:]))
+
+
+def test_a_width_outside_the_rows_is_a_clear_error():
+    from flce.kernels import launch_rows
+    buf = torch.randn(4, 48, device=DEVICE)
+    t = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    for width in (36, 49):
+        with pytest.raises(ValueError, match=f"width={width}"):
+            launch_rows(buf[:, :37], t, torch.empty(4, device=DEVICE), None,
+                        torch.tensor(1.0, device=DEVICE), LossOptions(), False, False, width=width)

@@ -61,7 +61,7 @@ def overlapped_chunk_loop(side: torch.cuda.Stream):
             end = start + len(block)
             side.wait_event(written)
             with torch.cuda.stream(side):
-                row_pass(block if width == V else block[:, :V], start, end)
+                row_pass(block if width == V else block[:, :V], start, end, width)
             done = torch.cuda.Event()
             done.record(side)
             if i + 1 < len(starts):
