@@ -225,21 +225,26 @@ def test_padded_width_reads_its_padding_as_nothing_and_zeroes_it(opts, float8, b
                                 in_place=True)[1]
             assert torch.isnan(wide[:, V:]).all()  # a statistics pass only reads
             for a, b in zip(padded_stats, stats_in):
-                assert torch.equal(a, b)
+                torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
         ref = _run(lambda *a: launch_rows(*a, block_v=block_v, fp8_grad=narrow_g8), logits,
                    target, weight, opts, stats_in=stats_in)
         rows = wide.clone()
         got = _run(lambda *a: launch_rows(*a, block_v=block_v, fp8_grad=wide_g8, width=width),
                    rows[:, :V], target, weight, opts, stats_in=stats_in, in_place=True)
-        same_loss = torch.equal(got[0], ref[0]) or stats_in is not None  # NaN: not written
-        assert same_loss and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
-        assert torch.equal(got[2], ref[2])
+        # compiled for the GPU, the two widths may sum a block's lanes in other orders
+        close = lambda a, b: torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+        if stats_in is None:  # a gradient pass writes no loss
+            close(got[0], ref[0])
+        for a, b in zip((*got[1], got[2]), (*ref[1], ref[2])):
+            close(a, b)
         assert torch.equal(rows[:, V:], torch.zeros(C, width - V, device=DEVICE))
         if float8:
-            bits = lambda t: t.view(torch.uint8)
-            assert torch.equal(bits(wide_g8[0][:, :V]), bits(narrow_g8[0]))
-            assert not bits(wide_g8[0][:, V:]).any()
-            assert all(torch.equal(a, b) for a, b in zip(wide_g8[1:], narrow_g8[1:]))
+            # e4m3 keeps 3 bits: a last-bit change of the statistics may move a value one step
+            torch.testing.assert_close(wide_g8[0][:, :V].float(), narrow_g8[0].float(),
+                                       rtol=0.13, atol=2.0 ** -9)
+            assert not wide_g8[0][:, V:].view(torch.uint8).any()
+            for a, b in zip(wide_g8[1:], narrow_g8[1:]):
+                close(a, b)
 
 
 def test_a_width_outside_the_rows_is_a_clear_error():
