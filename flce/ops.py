@@ -44,9 +44,11 @@ MIN_CHUNK_TOKENS = 8192     # ... with at least this many tokens (dW's fp32 accu
 MAX_CHUNK_TOKENS = 32768    # a read and a write of V x H per chunk: few chunks keep it cheap)
 MAX_CHUNK_BYTES = 2 << 30   # and never more logits than this
 # float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
-# from this many tokens and this much GEMM work (N·H·V); measured on an H200: 1024x4096x128256
-# and 2048x1024x32000 ran slower in float8, 2048x2048x128256 and larger faster
-FLOAT8_MIN_TOKENS = 2048
+# from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
+# rounds: at 512 tokens (x4096x256000, x8192x128256) "logits+dx" ran 7-9% slower than bf16,
+# at 1024 (x4096x128256, x8192x256000) both modes 4-11% faster, 2048x1024x{32000,128256}
+# (below the work) slower (benchmarks/flce_float8_gate_h200.md, flce_float8_threshold_h200.md)
+FLOAT8_MIN_TOKENS = 1024
 FLOAT8_MIN_WORK = 1 << 38
 
 

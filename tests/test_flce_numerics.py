@@ -461,8 +461,10 @@ def test_float8_runs_only_where_it_pays(monkeypatch):
     """Below FLOAT8_MIN_TOKENS tokens or FLOAT8_MIN_WORK the bf16 GEMMs run (faster there, and
     exact): the loss then equals the bf16 loss bit for bit; above, float8 rounds visibly."""
     import flce.ops
-    assert flce.ops.float8_used("logits+dx", 1024, 4096, 128256) == "none"
+    assert flce.ops.float8_used("logits+dx", 512, 8192, 128256) == "none"
     assert flce.ops.float8_used("logits+dx", 2048, 1024, 32000) == "none"
+    assert flce.ops.float8_used("logits+dx", 2048, 1024, 128256) == "none"
+    assert flce.ops.float8_used("logits+dx", 1024, 4096, 128256) == "logits+dx"
     assert flce.ops.float8_used("logits", 2048, 2048, 128256) == "logits"
     x, t, w, b = make_inputs(40, 32, 64, "cpu", torch.float32)
     bf16 = flce.fused_linear_cross_entropy(x, t, w, b, impl="torch")
