@@ -344,7 +344,8 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     in one ran 6-23% faster on 32768 and 32 (Liger-Kernel's choice) than on 8192 and 32 (the
     rule before), the statistics pass best on 16384 and 16, the gradient pass on 16384 and 32;
     at 32000 columns the rules for many rows did as well as any. (The e4m3 pass keeps 8192 and
-    32 at few long rows: float8 runs from 1024 tokens, in chunks of as many or more, so it was not timed.)
+    32 at few long rows: float8 runs from 1024 tokens, in chunks of as many or more, so it was
+    not timed.)
     With pass 2 walking back (`walks_back`), both passes in one at 256-2048 rows of 128256 and
     256000 columns ran 2-12% faster on 16384 and 16 than on the rule before (4096/8 above 512
     rows, 32768/32 up to 512), and 2-5% slower than 32768/32 at 16-64 rows
