@@ -172,6 +172,22 @@ def test_odd_vocabulary_runs_the_gemms_at_an_aligned_width(impl, device, chunk):
         rel_err(g, r) for g, r in zip(grads, ref)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_operands_append_zero_rows(dtype):
+    """W and the bias with exact zero rows up to the GEMM width, whatever the new memory held;
+    W itself where no padding is needed."""
+    from flce.ops import gemm_operands
+    for _ in range(3):  # fresh allocations, which may reuse freed, non-zero memory
+        w, b = torch.randn(37, 5, dtype=dtype) * 3, torch.randn(37, dtype=dtype)
+        wp, bp = gemm_operands(w, b)
+        assert wp.shape == (48, 5) and bp.shape == (48,) and wp.is_contiguous()
+        assert torch.equal(wp[:37], w) and torch.equal(bp[:37], b)
+        assert not wp[37:].any() and not bp[37:].any()
+        del wp, bp
+    w = torch.randn(48, 5, dtype=dtype)
+    assert gemm_operands(w, None)[0] is w
+
+
 @pytest.mark.parametrize("device", [d for i, d in impl_devices() if i == "triton"])
 @pytest.mark.parametrize("chunk", [None, 16, 1024], ids=["one_block", "chunked", "lean"])
 def test_odd_vocabulary_row_passes_take_the_aligned_width(monkeypatch, device, chunk):
