@@ -353,6 +353,18 @@ def test_loss_kernels_report_splits_each_run_by_kind_against_the_bare_gemms():
     assert "| 64x8x40 | liger | OOM |" in text
 
 
+def test_loss_kernels_report_gives_the_host_time_where_it_was_measured():
+    run = {"shape": "64x8x40", "run": "flce", "calls": 3, "wall_ms": 2.25, "host_ms": 1.5,
+           "allocator": {"num_device_alloc": 0, "num_device_free": 0, "num_alloc_retries": 0},
+           "kernels": [{"name": "nvjet_tst_128x256", "launches": 3, "us": 1500.0}]}
+    text = bench_loss_kernels.markdown(KERNEL_META, [{**run, "run": "bare_gemms"}, run])
+    assert "| wall ms | host ms | driver allocs" in text
+    assert "| 64x8x40 | flce | 1.50 | 1.50 | 0.00 | 0.00 | 1.000× | 2.25 | 1.50 | 0 / 0 / 0 |" \
+        in text
+    del run["host_ms"]  # a report measured before the column: rendered as it was
+    assert "host ms" not in bench_loss_kernels.markdown(KERNEL_META, [run])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the profiler's kernels)")
 def test_loss_kernels_finds_flces_row_kernel_and_the_gemms():
     fns = {"flce": bench_loss_kernels.methods(512, 64, 1000, False)["flce"]}
@@ -363,6 +375,8 @@ def test_loss_kernels_finds_flces_row_kernel_and_the_gemms():
     flce_run = point[1]
     assert flce_run["wall_ms"] > 0 and set(flce_run["allocator"]) == set(
         bench_loss_kernels.ALLOCATOR_EVENTS)
+    # host time, well under the GPU sleep each call is queued behind: the loss never syncs
+    assert 0 < flce_run["host_ms"] < 10
 
 
 def test_row_order_report_rates_each_variant_against_flce():

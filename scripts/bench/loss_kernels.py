@@ -7,14 +7,18 @@ Per shape, the bare GEMMs and each loss of `bench.flce` (`--only` some of them; 
 bf16 loss and the float8 ones) run once outside the profiler, then `--calls` times under it.
 For each: the summed kernel time per call, its share by kind (GEMMs, the loss's own kernels, the
 rest: `bench.summarize_trace`'s kinds), the time of synchronized calls outside the profiler and
-whether they went to the driver for memory, and the kernels that took the most. Where two losses run
+whether they went to the driver for memory, the host's time a call with the GPU kept busy (what
+the call costs the CPU; where it is near the wall, the GPU waits for the host), and the kernels
+that took the most. Where two losses run
 the same cuBLAS GEMMs, their kernels side by side say whether the GEMMs or the passes between
 them differ; against a timed grid, whether a gap is in the kernels or outside them (launches,
 allocations, the GPU's clocks). Writes <out>.json and <out>.md.
 """
 
 import argparse
+import statistics
 import sys
+import time
 from collections import defaultdict
 
 if not __package__:
@@ -28,6 +32,8 @@ from scripts.lib.report import kernel_report_head, provenance, write_report  # n
 from scripts.lib.timing import median_ms  # noqa: E402
 
 TOP = 6  # kernels listed per run
+HOST_TRIALS = 10
+HOST_SLEEP_CYCLES = 100_000_000  # about 50 ms of GPU clock: longer than any call's host time
 
 
 def kernels_per_call(run, calls: int) -> dict:
@@ -60,6 +66,22 @@ def walls_and_allocations(run, calls: int) -> tuple[float, dict]:
     return wall, {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_EVENTS}
 
 
+def host_ms(run, trials: int = HOST_TRIALS) -> float:
+    """The median host time of one call of run, in ms, each call made while a sleep kernel
+    queued before it keeps the GPU busy: no launch waits for the GPU, and one call's launches
+    are far fewer than the queue holds. A call that synchronizes with the GPU shows as the
+    sleep's length (tens of ms)."""
+    times = []
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOST_SLEEP_CYCLES)
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:
     N, H, V = map(int, shape.split("x"))
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
@@ -70,12 +92,13 @@ def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:
         try:
             kernels = kernels_per_call(run, calls)
             wall_ms, allocations = walls_and_allocations(run, calls)
+            host = host_ms(run)
         except torch.OutOfMemoryError:
-            kernels = wall_ms = allocations = None
+            kernels = wall_ms = allocations = host = None
         x.grad = w.grad = None
         torch.cuda.empty_cache()
         out.append({"shape": shape, "run": name, "calls": calls, "wall_ms": wall_ms,
-                    "allocator": allocations, "kernels": None if kernels is None
+                    "host_ms": host, "allocator": allocations, "kernels": None if kernels is None
                     else [{"name": k, "launches": n, "us": us} for k, (n, us) in
                           sorted(kernels.items(), key=lambda kv: -kv[1][1])]})
     del x, t, w, runs, floor_run, buffers
@@ -92,6 +115,8 @@ def by_kind(kernels: list[dict]) -> dict:
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
+    # reports measured before the host column have no host_ms: they render as they were
+    has_host = any("host_ms" in r for r in results)
     lines = [*kernel_report_head(meta, "bfloat16"),
              f"Kernels per call of forward+backward, from the profiler ({results[0]['calls']} "
              "calls after one outside it, if any): their summed time, its parts by kind (GEMMs; "
@@ -99,17 +124,21 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "kernels, casts, copies) and over the bare GEMMs' sum; then, outside the "
              "profiler, the median of as many synchronized calls timed by CUDA events (wall: "
              "gaps between kernels included) and the caching allocator's trips to the driver "
-             "over them (allocations, frees, retries: 0 in a steady state); then the kernels "
-             "that took the most (µs a call, launches a call).", "",
+             "over them (allocations, frees, retries: 0 in a steady state); "
+             + (f"the host's time a call (the median of {HOST_TRIALS} calls, each made while a "
+                "sleep kernel keeps the GPU busy: near the wall, the GPU waits for the host); "
+                if has_host else "")
+             + "then the kernels that took the most (µs a call, launches a call).", "",
              "| N×H×V | run | kernels ms | GEMMs ms | flce kernels ms | rest ms | × bare GEMMs | "
-             "wall ms | driver allocs / frees / retries | largest kernels |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "wall ms | " + ("host ms | " if has_host else "")
+             + "driver allocs / frees / retries | largest kernels |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if has_host else "")]
     floor = {r["shape"]: sum(k["us"] for k in r["kernels"]) for r in results
              if r["run"] == "bare_gemms" and r["kernels"]}
     for r in results:
         head = f"| {r['shape']} | {r['run']} | "
         if r["kernels"] is None:
-            lines.append(head + "OOM | - | - | - | - | - | - | - |")
+            lines.append(head + "OOM | - | - | - | - | - | - | - |" + (" - |" if has_host else ""))
             continue
         total = sum(k["us"] for k in r["kernels"])
         shares = by_kind(r["kernels"])
@@ -120,7 +149,9 @@ def markdown(meta: dict, results: list[dict]) -> str:
         trips = " / ".join(str(r["allocator"][k]) for k in ALLOCATOR_EVENTS)
         lines.append(head + f"{total / 1e3:.2f} | {shares['GEMM'] / 1e3:.2f} | "
                      f"{shares['loss (flce kernels)'] / 1e3:.2f} | {rest / 1e3:.2f} | {vs} | "
-                     f"{r['wall_ms']:.2f} | {trips} | {top.replace('|', '/')} |")
+                     f"{r['wall_ms']:.2f} | "
+                     + (f"{r['host_ms']:.2f} | " if has_host else "")
+                     + f"{trips} | {top.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
