@@ -377,10 +377,10 @@ def walks_back(kind: str) -> bool:
 
 def _checked_width(logits, width) -> int:
     """The columns a row pass may touch (`launch_rows`): V, or a given width within the rows."""
-    C, V = logits.shape
+    V = logits.shape[1]
     if width is None:
         return V
-    if logits.stride(1) != 1 or not V <= width <= (logits.stride(0) if C > 1 else width):
+    if logits.stride(1) != 1 or not V <= width <= logits.stride(0):
         raise ValueError(f"width={width}: must be in [V={V}, the row stride "
                          f"{logits.stride(0)}] of contiguous rows")
     return width

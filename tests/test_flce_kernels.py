@@ -251,7 +251,13 @@ def test_a_width_outside_the_rows_is_a_clear_error():
     from flce.kernels import launch_rows
     buf = torch.randn(4, 48, device=DEVICE)
     t = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    one = torch.tensor(1.0, device=DEVICE)
     for width in (36, 49):
         with pytest.raises(ValueError, match=f"width={width}"):
-            launch_rows(buf[:, :37], t, torch.empty(4, device=DEVICE), None,
-                        torch.tensor(1.0, device=DEVICE), LossOptions(), False, False, width=width)
+            launch_rows(buf[:, :37], t, torch.empty(4, device=DEVICE), None, one, LossOptions(),
+                        False, False, width=width)
+    with pytest.raises(ValueError, match="width=48"):  # one row, no wider buffer behind it
+        launch_rows(torch.randn(1, 37, device=DEVICE), t[:1], torch.empty(1, device=DEVICE), None,
+                    one, LossOptions(), False, False, width=48)
+    launch_rows(buf[:1, :37], t[:1], torch.empty(1, device=DEVICE), None, one, LossOptions(),
+                False, False, width=48)  # one row of the wider buffer: allowed
