@@ -45,9 +45,10 @@ MAX_CHUNK_TOKENS = 32768    # a read and a write of V x H per chunk: few chunks 
 MAX_CHUNK_BYTES = 2 << 30   # and never more logits than this
 # float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
 # from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
-# rounds: at 512 tokens (x4096x256000, x8192x128256) "logits+dx" ran 7-9% slower than bf16,
-# at 1024 (x4096x128256, x8192x256000) both modes 4-11% faster, 2048x1024x{32000,128256}
-# (below the work) slower (benchmarks/flce_float8_gate_h200.md, flce_float8_threshold_h200.md)
+# rounds: at 512 tokens (x4096x256000, x8192x128256) "logits+dx" ran 7-8% slower than bf16,
+# at 1024 (x4096x128256, x8192x256000) both modes 7-11% faster; below the work,
+# 2048x1024x32000 both slower, 2048x1024x128256 "logits+dx" 3% slower
+# (benchmarks/flce_float8_gate_h200.md, flce_float8_threshold_h200.md)
 FLOAT8_MIN_TOKENS = 1024
 FLOAT8_MIN_WORK = 1 << 38
 
