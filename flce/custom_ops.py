@@ -3,7 +3,8 @@
 block_forward / block_backward: the one-block path (`ops.py`; the logits of all tokens kept from
 forward to backward, which overwrites them with dlogits). fused_forward: loss and gradients in
 one chunked sweep (reductions mean/sum); token_losses and token_losses_backward: chunked
-reduction "none" (backward recomputes the logits), and losses without gradients; scale_cast /
+reduction "none" (backward recomputes the logits), and losses without gradients;
+sweep_forward / sweep_backward: memory_lean's sweep over vocabulary slices; scale_cast /
 scale_ (through scale_to): the chunked backward's multiply by the upstream gradient, rounded once
 to the parameter dtype.
 """
@@ -21,6 +22,7 @@ from flce.dispatch import stat_dtype, triton_usable, weight_of_sum
 from flce.float8 import padded
 from flce.ops import block_grads, block_stats, chunked_pass, gemm_vocab
 from flce.options import LossOptions
+from flce.vocab_sweep import sweep_grads, sweep_stats
 
 _EMPTY = (0,)
 
@@ -208,6 +210,47 @@ def token_losses_backward(
 def _(grad, x, target, weight, bias, row_max, log_sum, ignore_index, label_smoothing,
       logit_scale, z_loss, softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw,
       need_db):
+    return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
+            torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
+            torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
+
+
+@_op("sweep_forward", mutates_args=())
+def sweep_forward(
+    x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
+    ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
+    softcap: Optional[float], use_triton: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """memory_lean's vocabulary sweep, forward (`vocab_sweep.sweep_stats`): (per-token loss,
+    row max, log sum exp(z - max))."""
+    opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
+    return sweep_stats(x, target, weight, bias, opts, use_triton)
+
+
+@sweep_forward.register_fake
+def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_loss, softcap,
+      use_triton):
+    stat = x.new_empty((x.shape[0],), dtype=stat_dtype(x))
+    return stat, torch.empty_like(stat), torch.empty_like(stat)
+
+
+@_op("sweep_backward", mutates_args=())
+def sweep_backward(
+    row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor, target: Tensor, weight: Tensor,
+    bias: Optional[Tensor], loss: Tensor, row_max: Tensor, log_sum: Tensor,
+    ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
+    softcap: Optional[float], use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """memory_lean's vocabulary sweep, backward (`vocab_sweep.sweep_grads`): (dx, dW, db)."""
+    opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
+    dx, dw, db = sweep_grads(row_weight, row_scale, x, target, weight, bias, loss,
+                             (row_max, log_sum), opts, use_triton, need_dx, need_dw, need_db)
+    return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
+
+
+@sweep_backward.register_fake
+def _(row_weight, row_scale, x, target, weight, bias, loss, row_max, log_sum, ignore_index,
+      label_smoothing, logit_scale, z_loss, softcap, use_triton, need_dx, need_dw, need_db):
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
             torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))

@@ -5,12 +5,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to, token_losses,
-                              token_losses_backward, weighted_sum)
+from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to,
+                              sweep_backward, sweep_forward, token_losses, token_losses_backward,
+                              weighted_sum)
 from flce.dispatch import divisor_of, loss_weight, stat_dtype, use_triton, widened
 from flce.float8 import FLOAT8
 from flce.ops import float8_used, uses_one_block
 from flce.options import LossOptions
+from flce.vocab_sweep import uses_vocab_sweep
 
 
 class _OneBlockLoss(torch.autograd.Function):
@@ -50,6 +52,34 @@ class _OneBlockLoss(torch.autograd.Function):
         torch.autograd.graph.increment_version(logits)  # it holds dlogits now (custom_ops.py)
         return (dx if need[0] else None, None, dw if need[2] else None,
                 db if need[3] else None, None, None, None, None, None, None)
+
+
+class _VocabSweepLoss(torch.autograd.Function):
+    """memory_lean's sweep over vocabulary slices (`vocab_sweep.py`): forward keeps each row's
+    statistics; backward recomputes the slices' logits with the upstream gradient (times the loss
+    weight) folded into dlogits. reduce: as _OneBlockLoss's."""
+
+    @staticmethod
+    def forward(ctx, x, target, weight, bias, normalizer, opts, use_triton, reduce, inv_divisor):
+        loss, row_max, log_sum = sweep_forward(x, target, weight, bias, *opts, use_triton)
+        token_loss, loss_weight = loss, None
+        if reduce:
+            loss, loss_weight = weighted_sum(loss, target, normalizer, inv_divisor, opts[0],
+                                             use_triton)
+        ctx.save_for_backward(x, target, weight, bias, token_loss, row_max, log_sum, loss_weight)
+        ctx.config = (opts, use_triton)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, target, weight, bias, token_loss, row_max, log_sum, loss_weight = ctx.saved_tensors
+        opts, use_triton = ctx.config
+        need = ctx.needs_input_grad
+        dx, dw, db = sweep_backward(grad.to(row_max.dtype), loss_weight, x, target, weight, bias,
+                                    token_loss, row_max, log_sum, *opts, use_triton, need[0],
+                                    need[2], need[3])
+        return (dx if need[0] else None, None, dw if need[2] else None,
+                db if need[3] else None, None, None, None, None, None)
 
 
 class _ReducedLoss(torch.autograd.Function):
@@ -176,6 +206,12 @@ def fused_linear_cross_entropy(
         t is not None and t.requires_grad for t in (x, weight, bias))
     (N, H), V = x2.shape, weight.shape[0]
     float8 = float8_used(float8, N, H, V)
+    if grad and uses_vocab_sweep(N, H, V, x.element_size(), chunk_size, memory_lean, float8):
+        reduce = reduction != "none"
+        normalizer_t, inv_divisor = divisor_of(normalizer, opts) if reduce else (None, None)
+        loss = _VocabSweepLoss.apply(x2, t2, weight, bias, normalizer_t, o, on_triton, reduce,
+                                     inv_divisor)
+        return loss if reduce else loss.reshape(target.shape)
     if grad and uses_one_block(N, H, V, x.element_size(), chunk_size, memory_lean):
         if reduction == "none":
             loss = _OneBlockLoss.apply(x2, t2, weight, bias, None, o, float8, on_triton, False,

@@ -22,6 +22,7 @@ from flce.dispatch import loss_weight, stat_dtype, use_triton, widened
 from flce.ops import chunk_loop, pick_chunk_size, unpadded, weight_grad_buffer
 from flce.options import LossOptions
 from flce.reference import scaled_logits
+from flce.vocab_slices import loss_from_sums, row_max, slice_grads, target_logit
 
 
 def _check_slice(weight: Tensor, vocab_start: int, vocab_size: int) -> None:
@@ -33,65 +34,20 @@ def _check_slice(weight: Tensor, vocab_start: int, vocab_size: int) -> None:
                          f"a slice of a vocabulary of {vocab_size}")
 
 
-def _row_max(z: Tensor) -> Tensor:
-    """Each row's max; -inf for an empty vocabulary slice (fewer classes than ranks), which then
-    adds nothing: its exp-sum, target logit and sum of logits are all 0."""
-    if z.shape[1] == 0:
-        return torch.full(z.shape[:1], float("-inf"), device=z.device, dtype=z.dtype)
-    return z.max(dim=1).values
-
-
-def _target_logit(z: Tensor, target: Tensor, opts: LossOptions, vocab_start: int) -> Tensor:
-    """z[target] where this rank's slice holds the target, else 0 (summed over ranks later)."""
-    if z.shape[1] == 0:
-        return torch.zeros(z.shape[:1], device=z.device, dtype=z.dtype)
-    y_local = target - vocab_start
-    owns = (target != opts.ignore_index) & (y_local >= 0) & (y_local < z.shape[1])
-    return torch.where(owns, z.gather(1, y_local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0)
-
-
 def _chunk_grads(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: int,
                  vocab_size: int, group, width: int) -> Tensor:
     """Per-token losses (the same on every rank) and dlogits of this rank's slice, in place
     (width, the Triton twin's access width, is of no use here)."""
     z = scaled_logits(logits, opts)
-    m = _row_max(z)
+    m = row_max(z)
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     sums = torch.stack([torch.exp(z - m[:, None]).sum(1),
-                        _target_logit(z, target, opts, vocab_start), z.sum(1)])
+                        target_logit(z, target, opts, vocab_start), z.sum(1)])
     dist.all_reduce(sums, group=group)
-    loss, log_s = _loss_from_sums(m, sums, target, opts, vocab_size)
-    lse = m + log_s
-    ls = opts.label_smoothing
-    g = torch.exp(z - m[:, None] - log_s[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / vocab_size
-    y_local = target - vocab_start
-    owns = (target != opts.ignore_index) & (y_local >= 0) & (y_local < z.shape[1])
-    rows = owns.nonzero().squeeze(1)
-    g[rows, y_local[rows]] -= 1 - ls
-    g *= opts.logit_scale
-    if opts.softcap is not None:
-        g *= 1 - (z / opts.softcap) ** 2
-    keep = target != opts.ignore_index
-    g = torch.where(keep[:, None], g, 0.0)
-    g = torch.where(torch.isnan(loss)[:, None], float("nan"), g)  # a bad target: never silent
-    logits.copy_(g)
+    loss, log_s = loss_from_sums(m, sums, target, opts, vocab_size)
+    one = torch.ones((), device=logits.device, dtype=z.dtype)
+    slice_grads(logits, target, loss, m, log_s, one, opts, vocab_start, vocab_size)
     return loss
-
-
-def _loss_from_sums(m: Tensor, sums: Tensor, target: Tensor, opts: LossOptions,
-                    vocab_size: int) -> tuple[Tensor, Tensor]:
-    """Per-token loss and log sum exp(z - m) from the global row max m and the global
-    (sum exp(z - m), target logit, sum z); the loss is 0 for ignored tokens and NaN for a target
-    outside [0, vocab_size). log_s is kept apart from m: see reference.per_token_loss."""
-    log_s = torch.log(sums[0])
-    ls = opts.label_smoothing
-    loss = (1 - ls) * (log_s - (sums[1] - m)) + ls * (log_s - (sums[2] / vocab_size - m))
-    lse = m + log_s
-    loss = loss + opts.z_loss * lse * lse
-    keep = target != opts.ignore_index
-    bad = keep & ((target < 0) | (target >= vocab_size))
-    loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
-    return torch.where(keep, loss, 0.0), log_s
 
 
 def _combine(stats: Tensor, target: Tensor, opts: LossOptions, vocab_size: int, group):
@@ -101,7 +57,7 @@ def _combine(stats: Tensor, target: Tensor, opts: LossOptions, vocab_size: int, 
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     sums = torch.stack([stats[:, 1] * torch.exp(stats[:, 0] - m), stats[:, 2], stats[:, 3]])
     dist.all_reduce(sums, group=group)
-    loss, log_s = _loss_from_sums(m, sums, target, opts, vocab_size)
+    loss, log_s = loss_from_sums(m, sums, target, opts, vocab_size)
     return loss, (m, log_s)
 
 
@@ -214,10 +170,10 @@ def vocab_parallel_linear_cross_entropy_unfused(
     x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))
     stat = stat_dtype(x)
     z = scaled_logits(torch.nn.functional.linear(x2, weight, bias).to(stat), opts)
-    m = _row_max(z.detach())  # a shift: lse does not depend on it
+    m = row_max(z.detach())  # a shift: lse does not depend on it
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     sums = _SumOverRanks.apply(torch.stack([torch.exp(z - m[:, None]).sum(1),
-                                            _target_logit(z, t2, opts, vocab_start), z.sum(1)]),
+                                            target_logit(z, t2, opts, vocab_start), z.sum(1)]),
                                group)
-    loss, _ = _loss_from_sums(m, sums, t2, opts, vocab_size)
+    loss, _ = loss_from_sums(m, sums, t2, opts, vocab_size)
     return loss.sum() * loss_weight(t2, opts, normalizer, x.device, stat).reshape(())

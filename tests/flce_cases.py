@@ -20,6 +20,15 @@ def impl_devices():
 
 
 IMPL_DEVICES = pytest.mark.parametrize("impl,device", impl_devices(), ids=lambda v: str(v))
+# the loss options, alone and all together (with an ignore_index other than the default)
+OPTIONS = [
+    {},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-3},
+    {"logit_scale": 0.6},
+    {"softcap": 3.0},
+    {"label_smoothing": 0.25, "z_loss": 1e-2, "logit_scale": 1.7, "softcap": 4.0, "ignore_index": 5},
+]
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

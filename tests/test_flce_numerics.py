@@ -4,17 +4,9 @@ import pytest
 import torch
 
 import flce
-from flce_cases import (IMPL_DEVICES, float64_reference, impl_devices, loss_and_grads,
+from flce_cases import (IMPL_DEVICES, OPTIONS, float64_reference, impl_devices, loss_and_grads,
                         make_inputs, rel_err, skip_if_interpreted_bf16)
 
-OPTIONS = [
-    {},
-    {"label_smoothing": 0.1},
-    {"z_loss": 1e-3},
-    {"logit_scale": 0.6},
-    {"softcap": 3.0},
-    {"label_smoothing": 0.25, "z_loss": 1e-2, "logit_scale": 1.7, "softcap": 4.0, "ignore_index": 5},
-]
 REDUCTIONS = ["mean", "sum", "none"]
 # The two sweeps of flce/ops.py: one block of all tokens (no chunk size: the tests' token counts
 # are far below a chunk), and chunks of 16 tokens.
@@ -189,13 +181,16 @@ def test_gemm_operands_append_zero_rows(dtype):
 
 
 @pytest.mark.parametrize("device", [d for i, d in impl_devices() if i == "triton"])
-@pytest.mark.parametrize("chunk", [None, 16, 1024], ids=["one_block", "chunked", "lean"])
-def test_odd_vocabulary_row_passes_take_the_aligned_width(monkeypatch, device, chunk):
+@pytest.mark.parametrize("path", ["one_block", "chunked", "lean", "lean_sweep"])
+def test_odd_vocabulary_row_passes_take_the_aligned_width(monkeypatch, device, path):
     """The row passes were told only V: at an odd vocabulary their masked accesses could not be
     vectorized, and the row pass ran 3-5x slower than at V = 32000 on an H200 (V = 32001 and
     50257). Every pass of every path now gets the buffer's width (a multiple of 16 above V),
-    and the result stays float64's (`test_odd_vocabulary_runs_the_gemms_at_an_aligned_width`)."""
+    and the result stays float64's (`test_odd_vocabulary_runs_the_gemms_at_an_aligned_width`).
+    memory_lean's token chunks at H = 64 (one chunk of 48 tokens); at H = 16 its chunks would
+    be 16 tokens, so it sweeps the vocabulary in slices of 16 columns, the last one 5 wide."""
     import flce.kernels
+    import flce.vocab_sweep
     seen, launch = [], flce.kernels.launch_rows
 
     def spy(logits, *args, **kwargs):
@@ -203,11 +198,12 @@ def test_odd_vocabulary_row_passes_take_the_aligned_width(monkeypatch, device, c
         return launch(logits, *args, **kwargs)
 
     monkeypatch.setattr(flce.kernels, "launch_rows", spy)
-    x, t, w, b = make_inputs(45, 16, 37, device, torch.float32)
+    monkeypatch.setattr(flce.vocab_sweep, "SWEEP_MIN_WEIGHT", 0)  # the sweep at this small W
+    x, t, w, b = make_inputs(45, 64 if path == "lean" else 16, 37, device, torch.float32)
     loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl="triton",
-                                     chunk_size=None if chunk == 1024 else chunk,
-                                     memory_lean=chunk == 1024)
-    assert seen and set(seen) == {(37, 48)}, seen
+                                     chunk_size=16 if path == "chunked" else None,
+                                     memory_lean=path.startswith("lean"))
+    assert seen and set(seen) == ({(16, 16), (5, 16)} if path == "lean_sweep" else {(37, 48)}), seen
     ref_loss, ref = float64_reference(x, t, w, b, up)
     assert rel_err(loss, ref_loss) <= 1e-6
     assert all(rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref))

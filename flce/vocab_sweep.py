@@ -1,0 +1,157 @@
+"""memory_lean at few tokens and a large vocabulary: the loss swept over slices of the vocabulary
+instead of chunks of the tokens.
+
+memory_lean's logits buffer is about the size of x (Liger-Kernel's memory). Over token chunks
+that is N·H/V tokens a chunk, a few dozen or fewer at a few thousand tokens and a vocabulary of
+100k+, and every chunk reads W twice and reads and writes dW: W's traffic, not the GEMMs'
+work, sets the time (on an H200 at 2048x1024x256000, 93 ms against 4.8 ms of GEMMs). The same
+buffer holds the logits of all N tokens over a slice of about H columns of the vocabulary, so
+sweeping the slices reads W and writes dW once. The rows' softmax statistics over the slices
+combine as those of the vocab-parallel loss's ranks do (`vocab_slices.py`):
+
+- forward (`sweep_stats`): per slice, logits = x @ W_s.T (+ b_s) and their per-row (max,
+  sum-exp, target logit, sum); combined, STATS_GROUP slices at a time, into the loss and each
+  row's (max, log sum exp(z - max));
+- backward (`sweep_grads`): per slice, the logits again, turned into dlogits in place with the
+  upstream gradient and the loss weight folded in, then dW_s = dlogits.T @ x (one GEMM over all
+  tokens, rounded once), db_s, and dx += dlogits @ W_s, accumulated in the parameter dtype as
+  memory_lean accumulates dW over its token chunks.
+
+8·N·H·V FLOPs against the token chunks' 6 (the logits GEMM runs twice), taken where those
+chunks would hold fewer than SWEEP_BELOW_TOKENS tokens and W is large (`uses_vocab_sweep`).
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flce.ops import gemm_operands, gemm_vocab, pick_chunk_size, unpadded
+from flce.options import LossOptions
+from flce.vocab_slices import combine_slices, loss_from_sums, slice_grads, slice_stats
+
+# Measured on an H200 (benchmarks/flce_lean_sweep_h200.md): where memory_lean's token chunks
+# hold 128 tokens or fewer and W is large, the sweep took 1.6-4.0x less time (2048x1024x256000:
+# 23.5 against 93.2 ms); at 256 tokens both took the same (within 5%), at 512-1024 the token
+# chunks were 15-40% faster (the sweep's second logits GEMM). Each slice costs about as many
+# launches as a chunk, twice over: at a small W (2048x1024x32000) the launches, not W's traffic,
+# set the time, and the sweep's doubled launches lost.
+SWEEP_BELOW_TOKENS = 256      # memory_lean's token chunks this short ...
+SWEEP_MIN_WEIGHT = 1 << 27    # ... and W of this many elements (V x H) at least: sweep
+STATS_GROUP = 32              # slices whose row statistics are combined in one go
+
+
+def sweep_columns(n_tokens: int, hidden: int, vocab: int, elem_bytes: int) -> int:
+    """Vocabulary columns a slice: all tokens' logits in no more memory than memory_lean's
+    token chunk would take (`ops.pick_chunk_size`), a multiple of 16 (at least 16)."""
+    chunk = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=True)
+    return max(16, chunk * vocab // max(n_tokens, 1) // 16 * 16)
+
+
+def uses_vocab_sweep(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
+                     chunk_size: Optional[int], lean: bool, float8: str) -> bool:
+    """Whether a memory_lean call with gradients sweeps the vocabulary: its token chunks would be
+    shorter than SWEEP_BELOW_TOKENS (and than N), W has SWEEP_MIN_WEIGHT elements or more, and
+    the vocabulary takes more than one slice.
+    Not with a chunk_size given (the token chunks asked for) nor with float8 GEMMs."""
+    if not lean or chunk_size is not None or float8 != "none" or vocab * hidden < SWEEP_MIN_WEIGHT:
+        return False
+    chunk = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=True)
+    return (chunk < min(SWEEP_BELOW_TOKENS, n_tokens)
+            and sweep_columns(n_tokens, hidden, vocab, elem_bytes) < vocab)
+
+
+def _slices(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
+    """(vocab_start, its columns, their GEMM width, W_s, logits) per slice, the logits written
+    into one reused buffer as a contiguous [N, GEMM width] view: W_s (and b_s) have zero rows up
+    to the GEMM width where the slice's rows are not whole 16-byte words (`ops.gemm_vocab`, the
+    last slice of an odd vocabulary), and the logits those columns, 0."""
+    N, (V, H) = x.shape[0], weight.shape
+    cols = min(V, sweep_columns(N, H, V, x.element_size()))
+    buf = torch.empty(N * gemm_vocab(cols, x.element_size()), device=x.device, dtype=x.dtype)
+    for start in range(0, V, cols):
+        end = min(start + cols, V)
+        w_s, b_s = gemm_operands(weight[start:end], None if bias is None else bias[start:end])
+        width = w_s.shape[0]
+        logits = buf[: N * width].view(N, width)
+        if b_s is None:
+            torch.mm(x, w_s.t(), out=logits)
+        else:
+            torch.addmm(b_s, x, w_s.t(), out=logits)
+        yield start, end - start, width, w_s, logits
+
+
+def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
+                opts: LossOptions, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward: (per-token loss, row max, log sum exp(z - max)), the statistics over the whole
+    vocabulary (fp32, float64 for float64 inputs)."""
+    N, V = x.shape[0], weight.shape[0]
+    stat = torch.promote_types(x.dtype, torch.float32)
+    # parts[0] holds the slices combined so far, parts[1:] the group being filled
+    parts = torch.empty(1 + STATS_GROUP, N, 4, device=x.device, dtype=stat)
+    parts[0, :, 0] = float("-inf")  # nothing combined yet: no max, no sums
+    parts[0, :, 1:] = 0
+    if not use_triton:
+        _check_targets(target, opts, V)
+    filled = 0
+    for start, cols, width, _, logits in _slices(x, weight, bias):
+        rows = logits[:, :cols]
+        if use_triton:
+            from flce.kernels import launch_row_stats
+            launch_row_stats(rows, target, parts[1 + filled], opts, start, width=width)
+        else:
+            parts[1 + filled] = slice_stats(rows, target, opts, start)
+        filled += 1
+        if filled == STATS_GROUP or start + cols == V:
+            parts[0] = combine_slices(parts[: 1 + filled])
+            filled = 0
+    m = parts[0, :, 0]
+    loss, log_s = loss_from_sums(m, parts[0, :, 1:].t(), target, opts, V)
+    return loss, m.clone(), log_s
+
+
+def _check_targets(target: Tensor, opts: LossOptions, vocab: int) -> None:
+    """The CPU path raises on a target outside [0, V), as `reference.chunk_rows` does (a host
+    check costs nothing there); on the GPU such a row's loss is NaN."""
+    bad = (target != opts.ignore_index) & ((target < 0) | (target >= vocab))
+    if bad.any():
+        raise IndexError(f"target id {int(target[bad][0])} is outside [0, {vocab}) "
+                         f"and is not ignore_index={opts.ignore_index}")
+
+
+def sweep_grads(row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor, target: Tensor,
+                weight: Tensor, bias: Optional[Tensor], loss: Tensor,
+                stats: tuple[Tensor, Tensor], opts: LossOptions, use_triton: bool,
+                need_dx: bool, need_dw: bool, need_db: bool):
+    """Backward: (dx, dW, db), each None where not needed, in the dtypes of x, weight and bias.
+    row_weight: fp32, 0-dim or [N] (the upstream gradient), times row_scale (a 0-dim fp32
+    tensor, the loss weight) when given; loss: the per-token losses of forward (NaN rows, bad
+    targets, give NaN gradients on the CPU path as the kernel's do); stats: `sweep_stats`'."""
+    V = weight.shape[0]
+    dx = torch.empty_like(x) if need_dx else None
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    if not use_triton:
+        row_weight = row_weight if row_scale is None else row_weight * row_scale
+    for start, cols, width, w_s, logits in _slices(x, weight, bias):
+        rows = logits[:, :cols]
+        if use_triton:
+            from flce.kernels import launch_rows
+            # a gradient pass writes no loss: its loss_out (the row maxima) is left as it is
+            launch_rows(rows, target, stats[0], stats, row_weight, opts, True, True,
+                        vocab_start=start, vocab_total=V, weight_scale=row_scale, width=width)
+        else:
+            slice_grads(rows, target, loss, *stats, row_weight, opts, start, V)
+        if dx is not None:
+            if start:
+                dx.addmm_(logits, w_s)
+            else:
+                torch.mm(logits, w_s, out=dx)
+        if dw is not None:
+            if width == cols:
+                torch.mm(logits.t(), x, out=dw[start:start + cols])
+            else:
+                dw[start:start + cols] = unpadded(torch.mm(logits.t(), x), cols)
+        if db is not None:
+            db[start:start + cols] = rows.sum(0, dtype=stats[0].dtype)
+    return dx, dw, db
