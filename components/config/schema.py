@@ -241,9 +241,10 @@ class Loss:
     chunk_size: int = 0
     """Tokens per chunk of the fused loss; 0: automatic."""
     memory_lean: bool = False
-    """flce: accumulate dW in the weight dtype over small chunks (less memory; bf16 accumulation error).
+    """flce: Liger-Kernel's peak memory (gradients + a logits buffer the size of the hidden states).
 
-    Liger-Kernel's peak memory (gradients + a logits buffer the size of the hidden states)."""
+    Gradients accumulate in the weight dtype (bf16 accumulation error): dW over small token
+    chunks, or, at few tokens and a large vocabulary, dx over vocabulary slices (docs/loss.md)."""
     float8: LossFloat8 = "none"
     """flce: the loss's GEMMs in float8 (e4m3, rowwise scales): "logits", or "logits+dx" too.
 
