@@ -30,12 +30,14 @@ from flce.ops import gemm_operands, gemm_vocab, pick_chunk_size, unpadded
 from flce.options import LossOptions
 from flce.vocab_slices import combine_slices, loss_from_sums, slice_grads, slice_stats
 
-# Measured on an H200 (benchmarks/flce_lean_sweep_h200.md): where memory_lean's token chunks
-# hold 128 tokens or fewer and W is large, the sweep took 1.6-4.0x less time (2048x1024x256000:
-# 23.5 against 93.2 ms); at 256 tokens both took the same (within 5%), at 512-1024 the token
-# chunks were 15-40% faster (the sweep's second logits GEMM). Each slice costs about as many
-# launches as a chunk, twice over: at a small W (2048x1024x32000) the launches, not W's traffic,
-# set the time, and the sweep's doubled launches lost.
+# Where memory_lean's token chunks hold 128 tokens or fewer and W is large, the sweep took
+# 1.5-4.9x less time than they did (benchmarks/flce_lean_sweep_h200.md against the grid's
+# memory_lean column, 14 points on an H200). Where the bounds fall comes from a probe on that
+# H200 (the sweep forced against the token chunks in interleaved rounds, not kept as a report):
+# at 256-token chunks both took the same within 5% (three points), at 512-1024 the chunks were
+# 15-40% faster (the sweep's second logits GEMM); and as a slice costs about as many launches as
+# a chunk, twice over, at a small W (2048x1024x32000, 64-token chunks) the launches set the time
+# and the sweep lost (10.8 against 6.6 ms).
 SWEEP_BELOW_TOKENS = 256      # memory_lean's token chunks this short ...
 SWEEP_MIN_WEIGHT = 1 << 27    # ... and W of this many elements (V x H) at least: sweep
 STATS_GROUP = 32              # slices whose row statistics are combined in one go
@@ -111,7 +113,7 @@ def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
             filled = 0
     m = parts[0, :, 0]
     loss, log_s = loss_from_sums(m, parts[0, :, 1:].t(), target, opts, V)
-    return loss, m.clone(), log_s
+    return loss, m.clone(), log_s  # a view of parts would keep all of it until backward
 
 
 def _check_targets(target: Tensor, opts: LossOptions, vocab: int) -> None:
