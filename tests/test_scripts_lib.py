@@ -153,6 +153,27 @@ def test_the_compiled_peer_gets_a_graph_of_its_own_at_each_shape():
         assert len(graphs) == 1, f"{len(graphs)} graphs at {n}x{h}x{v}: one recompiled"
 
 
+def test_lean_paths_force_each_path_and_restore_the_bounds(monkeypatch):
+    """bench.flce --lean-paths times memory_lean over token chunks and over vocabulary slices at
+    one shape whichever it would take itself; both against float64, the bounds as they were."""
+    import flce.custom_ops
+    import flce.vocab_sweep
+    from flce_cases import float64_reference, loss_and_grads, make_inputs, rel_err
+    swept, stats = [], flce.custom_ops.sweep_stats
+    monkeypatch.setattr(flce.custom_ops, "sweep_stats", lambda *a: swept.append(1) or stats(*a))
+    bounds = flce.vocab_sweep.SWEEP_BELOW_TOKENS, flce.vocab_sweep.SWEEP_MIN_WEIGHT
+    paths = bench_flce.methods(67, 24, 101, sweep=False, lean=True)
+    for name, sweeps in (("flce_lean_chunks", False), ("flce_lean_slices", True)):
+        swept.clear()
+        x, t, w, _ = make_inputs(67, 24, 101, "cpu", torch.float32, bias=False)
+        loss, grads, up = loss_and_grads(lambda x, t, w, b: paths[name](x, t, w), x, t, w, None)
+        assert bool(swept) == sweeps, name
+        ref_loss, ref = float64_reference(x, t, w, None, up)
+        assert rel_err(loss, ref_loss) <= 1e-5 and all(
+            rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref))
+        assert (flce.vocab_sweep.SWEEP_BELOW_TOKENS, flce.vocab_sweep.SWEEP_MIN_WEIGHT) == bounds
+
+
 def test_a_loss_report_says_how_the_compiled_peer_was_compiled():
     """Reports written since the compiled peer got a static graph per shape say so; older ones
     (their JSON without the key) render as they were written."""

@@ -9,6 +9,8 @@ table into benchmarks/.
 
     python3 -m scripts.bench.flce                     # the three standard shapes
     python3 -m scripts.bench.flce --sweep             # plus chunk-size / accumulation variants
+    python3 -m scripts.bench.flce --lean-paths        # plus memory_lean over token chunks and
+                                                      # over vocabulary slices, each forced
     python3 -m scripts.bench.flce --float8            # the float8 loss against the bf16 one, the
                                                       # bare bf16 and float8 GEMMs, quantization
     python3 -m scripts.bench.flce --grid [--resume]   # N x H x V grid against the targets
@@ -39,7 +41,7 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from flce.ops import gemm_operands  # noqa: E402
+from flce.ops import gemm_operands, pick_chunk_size  # noqa: E402
 from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
                                 write_report)
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
@@ -65,8 +67,29 @@ FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
                   "flce_float8_logits_dx": "logits+dx"}
 
 
-def methods(N, H, V, sweep, float8=False):
-    """{name: loss(x, targets, w)} to time at one N x H x V; call it once per shape."""
+def lean_paths(N, H, V) -> dict:
+    """memory_lean at one N x H x V over its token chunks and over vocabulary slices, whichever
+    it would take itself (`flce.vocab_sweep.uses_vocab_sweep`): where those bounds should fall.
+    The slices need chunks shorter than N (else there is one chunk, which both take)."""
+    import flce.vocab_sweep as sweep
+    chunk = pick_chunk_size(N, H, V, 2, None, lean=True)  # lean's: whatever the element size
+
+    def slices(x, t, w):  # the bounds read at the call; backward follows forward's path
+        bounds = sweep.SWEEP_BELOW_TOKENS, sweep.SWEEP_MIN_WEIGHT
+        sweep.SWEEP_BELOW_TOKENS, sweep.SWEEP_MIN_WEIGHT = N + 1, 0
+        try:
+            return flce.fused_linear_cross_entropy(x, t, w, memory_lean=True)
+        finally:
+            sweep.SWEEP_BELOW_TOKENS, sweep.SWEEP_MIN_WEIGHT = bounds
+
+    return {"flce_lean_chunks": lambda x, t, w: flce.fused_linear_cross_entropy(
+                x, t, w, memory_lean=True, chunk_size=chunk),  # a chunk size: no sweep
+            "flce_lean_slices": slices}
+
+
+def methods(N, H, V, sweep, float8=False, lean=False):
+    """{name: loss(x, targets, w)} to time at one N x H x V; call it once per shape (lean: with
+    memory_lean's two paths forced, `lean_paths`)."""
     if float8:
         return {name: (lambda f8: lambda x, t, w: flce.fused_linear_cross_entropy(
             x, t, w, float8=f8))(f8) for name, f8 in FLOAT8_METHODS.items()}
@@ -88,6 +111,8 @@ def methods(N, H, V, sweep, float8=False):
         m["cce"] = lambda x, t, w: cce(x, w, t)
     except ImportError as e:
         print(f"cut-cross-entropy not importable ({e}); skipped")
+    if lean:
+        m |= lean_paths(N, H, V)
     if sweep:
         for c in (1024, 2048, 4096, 8192):
             for lean in (False, True):
@@ -244,6 +269,9 @@ def main():
     p.add_argument("--reps", type=int, default=12,
                    help="at most this many rounds, in whole blocks of balanced orders")
     p.add_argument("--sweep", action="store_true", help="also time chunk/accumulation variants")
+    p.add_argument("--lean-paths", action="store_true",
+                   help="also time memory_lean over its token chunks and over vocabulary slices, "
+                        "each forced (flce_lean_chunks, flce_lean_slices)")
     p.add_argument("--float8", action="store_true",
                    help="the float8 loss (flce float8=logits, logits+dx) against flce in bf16, "
                         "and each bare GEMM in bf16 and float8")
@@ -279,7 +307,7 @@ def main():
     results, accuracy = [], {}
     for i, shape in enumerate(args.shapes.split(",")):
         N, H, V = map(int, shape.split("x"))
-        fns = methods(N, H, V, args.sweep, args.float8)
+        fns = methods(N, H, V, args.sweep, args.float8, args.lean_paths)
         if args.only:
             fns = {k: v for k, v in fns.items() if k in args.only.split(",")}
         x, t, w = make_inputs(N, H, V, dtype)
