@@ -4,7 +4,8 @@ block_forward / block_backward: the one-block path (`ops.py`; the logits of all 
 forward to backward, which overwrites them with dlogits). fused_forward: loss and gradients in
 one chunked sweep (reductions mean/sum); token_losses and token_losses_backward: chunked
 reduction "none" (backward recomputes the logits), and losses without gradients;
-sweep_forward / sweep_backward: memory_lean's sweep over vocabulary slices; scale_cast /
+sweep_forward / sweep_backward: memory_lean's sweep over vocabulary slices for reduction
+"none" (for mean and sum fused_forward takes it); scale_cast /
 scale_ (through scale_to): the chunked backward's multiply by the upstream gradient, rounded once
 to the parameter dtype.
 """
@@ -22,7 +23,7 @@ from flce.dispatch import stat_dtype, triton_usable, weight_of_sum
 from flce.float8 import padded
 from flce.ops import block_grads, block_stats, chunked_pass, gemm_vocab
 from flce.options import LossOptions
-from flce.vocab_sweep import sweep_grads, sweep_stats
+from flce.vocab_sweep import sweep_grads, sweep_pass, sweep_stats, uses_vocab_sweep
 
 _EMPTY = (0,)
 
@@ -84,9 +85,15 @@ def fused_forward(
     # gradients are rounded to bf16 as they accumulate anyway: loss_weight goes into dlogits, so
     # that backward leaves them as they are for the usual upstream gradient of 1.
     row_weight = loss_weight if lean else torch.ones((), device=x.device, dtype=stat_dtype(x))
-    loss, dx, dw, db = chunked_pass(
-        x, target, weight, bias, row_weight, None, False, opts, chunk_size, lean,
-        use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8)
+    (N, H), V = x.shape, weight.shape[0]
+    if (need_dx or need_dw or need_db) and uses_vocab_sweep(N, H, V, x.element_size(),
+                                                            chunk_size, lean, float8):
+        loss, dx, dw, db = sweep_pass(x, target, weight, bias, row_weight, opts, use_triton,
+                                      need_dx, need_dw, need_db)
+    else:
+        loss, dx, dw, db = chunked_pass(
+            x, target, weight, bias, row_weight, None, False, opts, chunk_size, lean,
+            use_triton, need_dx, need_dw, need_db, cast_grads=False, float8=float8)
     return loss.sum() * loss_weight, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
@@ -221,8 +228,8 @@ def sweep_forward(
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], use_triton: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """memory_lean's vocabulary sweep, forward (`vocab_sweep.sweep_stats`): (per-token loss,
-    row max, log sum exp(z - max))."""
+    """memory_lean's vocabulary sweep for reduction "none", forward (`vocab_sweep.sweep_stats`):
+    (per-token loss, row max, log sum exp(z - max)); fused_forward runs it for mean and sum."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
     return sweep_stats(x, target, weight, bias, opts, use_triton)
 
@@ -236,20 +243,21 @@ def _(x, target, weight, bias, ignore_index, label_smoothing, logit_scale, z_los
 
 @_op("sweep_backward", mutates_args=())
 def sweep_backward(
-    row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor, target: Tensor, weight: Tensor,
+    row_weight: Tensor, x: Tensor, target: Tensor, weight: Tensor,
     bias: Optional[Tensor], loss: Tensor, row_max: Tensor, log_sum: Tensor,
     ignore_index: int, label_smoothing: float, logit_scale: float, z_loss: float,
     softcap: Optional[float], use_triton: bool, need_dx: bool, need_dw: bool, need_db: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """memory_lean's vocabulary sweep, backward (`vocab_sweep.sweep_grads`): (dx, dW, db)."""
+    """memory_lean's vocabulary sweep for reduction "none", backward (`vocab_sweep.sweep_grads`
+    with the per-token upstream gradient): (dx, dW, db)."""
     opts = _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
-    dx, dw, db = sweep_grads(row_weight, row_scale, x, target, weight, bias, loss,
+    dx, dw, db = sweep_grads(row_weight, x, target, weight, bias, loss,
                              (row_max, log_sum), opts, use_triton, need_dx, need_dw, need_db)
     return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @sweep_backward.register_fake
-def _(row_weight, row_scale, x, target, weight, bias, loss, row_max, log_sum, ignore_index,
+def _(row_weight, x, target, weight, bias, loss, row_max, log_sum, ignore_index,
       label_smoothing, logit_scale, z_loss, softcap, use_triton, need_dx, need_dw, need_db):
     return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
             torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),

@@ -55,31 +55,27 @@ class _OneBlockLoss(torch.autograd.Function):
 
 
 class _VocabSweepLoss(torch.autograd.Function):
-    """memory_lean's sweep over vocabulary slices (`vocab_sweep.py`): forward keeps each row's
-    statistics; backward recomputes the slices' logits with the upstream gradient (times the loss
-    weight) folded into dlogits. reduce: as _OneBlockLoss's."""
+    """reduction "none" by memory_lean's sweep over vocabulary slices (`vocab_sweep.py`; mean and
+    sum take it inside _ReducedLoss): forward keeps each row's statistics, backward recomputes
+    the slices' logits with the per-token upstream gradient folded into dlogits."""
 
     @staticmethod
-    def forward(ctx, x, target, weight, bias, normalizer, opts, use_triton, reduce, inv_divisor):
+    def forward(ctx, x, target, weight, bias, opts, use_triton):
         loss, row_max, log_sum = sweep_forward(x, target, weight, bias, *opts, use_triton)
-        token_loss, loss_weight = loss, None
-        if reduce:
-            loss, loss_weight = weighted_sum(loss, target, normalizer, inv_divisor, opts[0],
-                                             use_triton)
-        ctx.save_for_backward(x, target, weight, bias, token_loss, row_max, log_sum, loss_weight)
+        ctx.save_for_backward(x, target, weight, bias, loss, row_max, log_sum)
         ctx.config = (opts, use_triton)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        x, target, weight, bias, token_loss, row_max, log_sum, loss_weight = ctx.saved_tensors
+        x, target, weight, bias, loss, row_max, log_sum = ctx.saved_tensors
         opts, use_triton = ctx.config
         need = ctx.needs_input_grad
-        dx, dw, db = sweep_backward(grad.to(row_max.dtype), loss_weight, x, target, weight, bias,
-                                    token_loss, row_max, log_sum, *opts, use_triton, need[0],
-                                    need[2], need[3])
+        dx, dw, db = sweep_backward(grad.to(row_max.dtype), x, target, weight, bias, loss,
+                                    row_max, log_sum, *opts, use_triton, need[0], need[2],
+                                    need[3])
         return (dx if need[0] else None, None, dw if need[2] else None,
-                db if need[3] else None, None, None, None, None, None)
+                db if need[3] else None, None, None)
 
 
 class _ReducedLoss(torch.autograd.Function):
@@ -206,12 +202,9 @@ def fused_linear_cross_entropy(
         t is not None and t.requires_grad for t in (x, weight, bias))
     (N, H), V = x2.shape, weight.shape[0]
     float8 = float8_used(float8, N, H, V)
-    if grad and uses_vocab_sweep(N, H, V, x.element_size(), chunk_size, memory_lean, float8):
-        reduce = reduction != "none"
-        normalizer_t, inv_divisor = divisor_of(normalizer, opts) if reduce else (None, None)
-        loss = _VocabSweepLoss.apply(x2, t2, weight, bias, normalizer_t, o, on_triton, reduce,
-                                     inv_divisor)
-        return loss if reduce else loss.reshape(target.shape)
+    if grad and reduction == "none" and uses_vocab_sweep(N, H, V, x.element_size(), chunk_size,
+                                                         memory_lean, float8):
+        return _VocabSweepLoss.apply(x2, t2, weight, bias, o, on_triton).reshape(target.shape)
     if grad and uses_one_block(N, H, V, x.element_size(), chunk_size, memory_lean):
         if reduction == "none":
             loss = _OneBlockLoss.apply(x2, t2, weight, bias, None, o, float8, on_triton, False,

@@ -9,13 +9,18 @@ buffer holds the logits of all N tokens over a slice of about H columns of the v
 sweeping the slices reads W and writes dW once. The rows' softmax statistics over the slices
 combine as those of the vocab-parallel loss's ranks do (`vocab_slices.py`):
 
-- forward (`sweep_stats`): per slice, logits = x @ W_s.T (+ b_s) and their per-row (max,
-  sum-exp, target logit, sum); combined, STATS_GROUP slices at a time, into the loss and each
-  row's (max, log sum exp(z - max));
-- backward (`sweep_grads`): per slice, the logits again, turned into dlogits in place with the
-  upstream gradient and the loss weight folded in, then dW_s = dlogits.T @ x (one GEMM over all
-  tokens, rounded once), db_s, and dx += dlogits @ W_s, accumulated in the parameter dtype as
-  memory_lean accumulates dW over its token chunks.
+- the statistics pass (`sweep_stats`): per slice, logits = x @ W_s.T (+ b_s) and their per-row
+  (max, sum-exp, target logit, sum); combined, STATS_GROUP slices at a time, into the loss and
+  each row's (max, log sum exp(z - max));
+- the gradient pass (`sweep_grads`): per slice, the logits again, turned into dlogits in place
+  with the row weights folded in, then dW_s = dlogits.T @ x (one GEMM over all tokens, rounded
+  once), db_s, and dx += dlogits @ W_s, accumulated in the parameter dtype as memory_lean
+  accumulates dW over its token chunks.
+
+For reductions "mean" and "sum" both run in forward (`sweep_pass`, as memory_lean's token chunks
+do: the loss weight folded in, backward scales by the upstream gradient), the row statistics in
+the tail of the logits buffer. For reduction "none" forward keeps the statistics and backward
+runs the gradient pass with the per-token upstream gradient.
 
 8·N·H·V FLOPs against the token chunks' 6 (the logits GEMM runs twice), taken where those
 chunks would hold fewer than SWEEP_BELOW_TOKENS tokens and W is large (`uses_vocab_sweep`).
@@ -67,14 +72,29 @@ def uses_vocab_sweep(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
             and sweep_columns(n_tokens, hidden, vocab, elem_bytes) < vocab)
 
 
-def _slices(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
+def sweep_buffer(x: Tensor, weight: Tensor, keep_stats: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """The sweep's one buffer: room for a slice's logits of all tokens (`sweep_columns`), in x's
+    dtype, and with keep_stats the rows' (max, log sum) behind them ([2, N], fp32 or float64):
+    kept there, they take none of the memory the slices left them (KEPT_BYTES_PER_TOKEN) on top
+    of the buffer, which is what keeps the peak within Liger-Kernel's."""
+    N, (V, H) = x.shape[0], weight.shape
+    elem = x.element_size()
+    logits_bytes = N * gemm_vocab(min(V, sweep_columns(N, H, V, elem)), elem)
+    logits_bytes *= elem
+    stat = torch.promote_types(x.dtype, torch.float32)
+    stats_bytes = 2 * N * stat.itemsize if keep_stats else 0
+    raw = torch.empty(logits_bytes + stats_bytes, device=x.device, dtype=torch.uint8)
+    logits = raw[:logits_bytes].view(x.dtype)  # offsets: multiples of 16 columns, so aligned
+    return logits, raw[logits_bytes:].view(stat).view(2, N) if keep_stats else None
+
+
+def _slices(x: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Tensor):
     """(vocab_start, its columns, their GEMM width, W_s, logits) per slice, the logits written
-    into one reused buffer as a contiguous [N, GEMM width] view: W_s (and b_s) have zero rows up
-    to the GEMM width where the slice's rows are not whole 16-byte words (`ops.gemm_vocab`, the
-    last slice of an odd vocabulary), and the logits those columns, 0."""
+    into buf (`sweep_buffer`) as a contiguous [N, GEMM width] view: W_s (and b_s) have zero rows
+    up to the GEMM width where the slice's rows are not whole 16-byte words (`ops.gemm_vocab`,
+    the last slice of an odd vocabulary), and the logits those columns, 0."""
     N, (V, H) = x.shape[0], weight.shape
     cols = min(V, sweep_columns(N, H, V, x.element_size()))
-    buf = torch.empty(N * gemm_vocab(cols, x.element_size()), device=x.device, dtype=x.dtype)
     for start in range(0, V, cols):
         end = min(start + cols, V)
         w_s, b_s = gemm_operands(weight[start:end], None if bias is None else bias[start:end])
@@ -88,22 +108,27 @@ def _slices(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
 
 
 def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
-                opts: LossOptions, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+                opts: LossOptions, use_triton: bool, buf: Optional[Tensor] = None,
+                kept: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Forward: (per-token loss, row max, log sum exp(z - max)), the statistics over the whole
-    vocabulary (fp32, float64 for float64 inputs)."""
+    vocabulary (fp32, float64 for float64 inputs); the last two are kept[0] and kept[1] where
+    kept is given (`sweep_buffer`), and the slices' logits go into buf if given."""
     N, V = x.shape[0], weight.shape[0]
     stat = torch.promote_types(x.dtype, torch.float32)
+    if buf is None:
+        buf = sweep_buffer(x, weight, keep_stats=False)[0]
     # parts[0] holds the slices combined so far, parts[1:] the group being filled
     parts = torch.empty(1 + STATS_GROUP, N, 4, device=x.device, dtype=stat)
     parts[0, :, 0] = float("-inf")  # nothing combined yet: no max, no sums
     parts[0, :, 1:] = 0
     if not use_triton:
         _check_targets(target, opts, V)
+    if use_triton:
+        from flce.kernels import launch_row_stats
     filled = 0
-    for start, cols, width, _, logits in _slices(x, weight, bias):
+    for start, cols, width, _, logits in _slices(x, weight, bias, buf):
         rows = logits[:, :cols]
         if use_triton:
-            from flce.kernels import launch_row_stats
             launch_row_stats(rows, target, parts[1 + filled], opts, start, width=width)
         else:
             parts[1 + filled] = slice_stats(rows, target, opts, start)
@@ -111,9 +136,11 @@ def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
         if filled == STATS_GROUP or start + cols == V:
             parts[0] = combine_slices(parts[: 1 + filled])
             filled = 0
-    m = parts[0, :, 0]
-    loss, log_s = loss_from_sums(m, parts[0, :, 1:].t(), target, opts, V)
-    return loss, m.clone(), log_s  # a view of parts would keep all of it until backward
+    loss, log_s = loss_from_sums(parts[0, :, 0], parts[0, :, 1:].t(), target, opts, V)
+    if kept is None:  # their own tensors: a view of parts would keep all of it until backward
+        return loss, parts[0, :, 0].clone(), log_s
+    kept[0], kept[1] = parts[0, :, 0], log_s
+    return loss, kept[0], kept[1]
 
 
 def _check_targets(target: Tensor, opts: LossOptions, vocab: int) -> None:
@@ -125,27 +152,31 @@ def _check_targets(target: Tensor, opts: LossOptions, vocab: int) -> None:
                          f"and is not ignore_index={opts.ignore_index}")
 
 
-def sweep_grads(row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor, target: Tensor,
+def sweep_grads(row_weight: Tensor, x: Tensor, target: Tensor,
                 weight: Tensor, bias: Optional[Tensor], loss: Tensor,
                 stats: tuple[Tensor, Tensor], opts: LossOptions, use_triton: bool,
-                need_dx: bool, need_dw: bool, need_db: bool):
+                need_dx: bool, need_dw: bool, need_db: bool, buf: Optional[Tensor] = None,
+                db_dtype: Optional[torch.dtype] = None):
     """Backward: (dx, dW, db), each None where not needed, in the dtypes of x, weight and bias.
-    row_weight: fp32, 0-dim or [N] (the upstream gradient), times row_scale (a 0-dim fp32
-    tensor, the loss weight) when given; loss: the per-token losses of forward (NaN rows, bad
-    targets, give NaN gradients on the CPU path as the kernel's do); stats: `sweep_stats`'."""
+    row_weight: fp32, 0-dim (the loss weight) or [N] (the upstream gradient of reduction
+    "none"), folded into dlogits; loss: the per-token losses of forward (NaN rows, bad
+    targets, give NaN gradients on the CPU path as the kernel's do); stats: `sweep_stats`';
+    buf: the buffer the slices' logits go into, if given (`sweep_buffer`); db_dtype: db's, if
+    not the bias's."""
     V = weight.shape[0]
+    if buf is None:
+        buf = sweep_buffer(x, weight, keep_stats=False)[0]
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias) if need_db else None
-    if not use_triton:
-        row_weight = row_weight if row_scale is None else row_weight * row_scale
-    for start, cols, width, w_s, logits in _slices(x, weight, bias):
+    db = torch.empty_like(bias, dtype=db_dtype) if need_db else None
+    if use_triton:
+        from flce.kernels import launch_rows
+    for start, cols, width, w_s, logits in _slices(x, weight, bias, buf):
         rows = logits[:, :cols]
         if use_triton:
-            from flce.kernels import launch_rows
             # a gradient pass writes no loss: its loss_out (the row maxima) is left as it is
             launch_rows(rows, target, stats[0], stats, row_weight, opts, True, True,
-                        vocab_start=start, vocab_total=V, weight_scale=row_scale, width=width)
+                        vocab_start=start, vocab_total=V, width=width)
         else:
             slice_grads(rows, target, loss, *stats, row_weight, opts, start, V)
         if dx is not None:
@@ -161,3 +192,19 @@ def sweep_grads(row_weight: Tensor, row_scale: Optional[Tensor], x: Tensor, targ
         if db is not None:
             db[start:start + cols] = rows.sum(0, dtype=stats[0].dtype)
     return dx, dw, db
+
+
+def sweep_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
+               row_weight: Tensor, opts: LossOptions, use_triton: bool, need_dx: bool,
+               need_dw: bool, need_db: bool):
+    """Both passes in forward, for reductions "mean" and "sum" (`ops.chunked_pass`'s contract
+    for memory_lean): (per-token loss, dx, dW, db) with row_weight (the loss weight) folded into
+    the gradients, dx and dW in the parameter dtypes, db in fp32 (float64 for float64 inputs).
+    One buffer holds the slices' logits and the row statistics between the passes, so that the
+    peak, in the gradient pass, is the gradients, the per-token losses and that buffer."""
+    buf, kept = sweep_buffer(x, weight, keep_stats=True)
+    loss, *stats = sweep_stats(x, target, weight, bias, opts, use_triton, buf, kept)
+    # db in the statistics' dtype, as the chunked sweep's accumulator: backward rounds it once
+    dx, dw, db = sweep_grads(row_weight, x, target, weight, bias, loss, tuple(stats),
+                             opts, use_triton, need_dx, need_dw, need_db, buf, stats[0].dtype)
+    return loss, dx, dw, db

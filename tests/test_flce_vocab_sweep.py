@@ -83,6 +83,27 @@ def test_more_slices_than_a_statistics_group(impl, device, bias, small_weights_s
     _check(impl, device, torch.float32, 40, 8, 1000, bias, 1e-5, reduction="none", z_loss=1e-3)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_mean_and_sum_keep_the_row_statistics_in_the_logits_buffer(monkeypatch, reduction,
+                                                                   small_weights_sweep):
+    """Both passes run in forward for mean and sum, the rows' (max, log sum) in the tail of the
+    one buffer: kept as tensors of their own (8 bytes a token) they put the peak up to 30 KiB
+    above Liger-Kernel's on an H200 (benchmarks/flce_lean_sweep_h200.md, 99f3567)."""
+    seen, grads = [], flce.vocab_sweep.sweep_grads
+
+    def spy(row_weight, x, target, weight, bias, loss, stats, *rest):
+        seen.append((stats, rest[-2]))
+        return grads(row_weight, x, target, weight, bias, loss, stats, *rest)
+
+    monkeypatch.setattr(flce.vocab_sweep, "sweep_grads", spy)
+    x, t, w, b = make_inputs(67, 24, 101, "cpu", torch.float32)
+    flce.fused_linear_cross_entropy(x, t, w, b, memory_lean=True, reduction=reduction,
+                                    impl="torch").backward()
+    (stats, buf), = seen
+    assert all(s.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+               for s in stats)
+
+
 @IMPL_DEVICES
 def test_bf16(impl, device, small_weights_sweep):
     skip_if_interpreted_bf16(impl, device)

@@ -156,11 +156,10 @@ def test_the_compiled_peer_gets_a_graph_of_its_own_at_each_shape():
 def test_lean_paths_force_each_path_and_restore_the_bounds(monkeypatch):
     """bench.flce --lean-paths times memory_lean over token chunks and over vocabulary slices at
     one shape whichever it would take itself; both against float64, the bounds as they were."""
-    import flce.custom_ops
     import flce.vocab_sweep
     from flce_cases import float64_reference, loss_and_grads, make_inputs, rel_err
-    swept, stats = [], flce.custom_ops.sweep_stats
-    monkeypatch.setattr(flce.custom_ops, "sweep_stats", lambda *a: swept.append(1) or stats(*a))
+    swept, stats = [], flce.vocab_sweep.sweep_stats
+    monkeypatch.setattr(flce.vocab_sweep, "sweep_stats", lambda *a: swept.append(1) or stats(*a))
     bounds = flce.vocab_sweep.SWEEP_BELOW_TOKENS, flce.vocab_sweep.SWEEP_MIN_WEIGHT
     paths = bench_flce.methods(67, 24, 101, sweep=False, lean=True)
     for name, sweeps in (("flce_lean_chunks", False), ("flce_lean_slices", True)):
