@@ -46,12 +46,12 @@ from flce.vocab_slices import combine_slices, loss_from_sums, slice_grads, slice
 SWEEP_BELOW_TOKENS = 256      # memory_lean's token chunks this short ...
 SWEEP_MIN_WEIGHT = 1 << 27    # ... and W of this many elements (V x H) at least: sweep
 STATS_GROUP = 32              # slices whose row statistics are combined in one go
-KEPT_BYTES_PER_TOKEN = 3 * 8  # loss, row max, log sum: kept for backward, float64 at most
+KEPT_BYTES_PER_TOKEN = 3 * 8  # loss, row max, log sum between the passes, float64 at most
 
 
 def sweep_columns(n_tokens: int, hidden: int, vocab: int, elem_bytes: int) -> int:
     """Vocabulary columns a slice, a multiple of 16 (at least 16): all tokens' logits and the
-    statistics kept from forward to backward in no more memory than memory_lean's token chunk
+    statistics kept between the two passes in no more memory than memory_lean's token chunk
     would take (`ops.pick_chunk_size`), whose sweep keeps nothing."""
     chunk = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=True)
     n = max(n_tokens, 1)
