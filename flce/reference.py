@@ -44,6 +44,15 @@ def per_token_loss(z: Tensor, target: Tensor, shift: Tensor, log_s: Tensor,
     return torch.where(keep, loss, torch.zeros_like(loss))
 
 
+def check_targets(target: Tensor, opts: LossOptions, vocab: int) -> None:
+    """Raise on a target outside [0, vocab) that is not ignore_index. The PyTorch path's check
+    (a host check costs nothing on the CPU); the Triton kernels make such a row's loss NaN."""
+    bad = (target != opts.ignore_index) & ((target < 0) | (target >= vocab))
+    if bad.any():
+        raise IndexError(f"target id {int(target[bad][0])} is outside [0, {vocab}) "
+                         f"and is not ignore_index={opts.ignore_index}")
+
+
 def row_max_and_log_sum(z: Tensor) -> tuple[Tensor, Tensor]:
     """(max, log sum exp(z - max)) per row: lse = max + log_sum, kept apart for precision."""
     m = z.max(dim=1).values
@@ -80,10 +89,7 @@ def chunk_rows(logits: Tensor, target: Tensor, loss_out: Tensor,
         weight = weight * weight_scale
     z = scaled_logits(logits, opts)
     keep = target != opts.ignore_index
-    bad = keep & ((target < 0) | (target >= V))
-    if bad.any():  # CPU path only: a host check is free here
-        raise IndexError(f"target id {int(target[bad][0])} is outside [0, {V}) "
-                         f"and is not ignore_index={opts.ignore_index}")
+    check_targets(target, opts, V)
     if stats_given:  # a gradient pass: the caller has the loss
         shift, log_s = stats
     else:

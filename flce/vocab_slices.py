@@ -39,10 +39,11 @@ def slice_stats(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: 
     `kernels.flce_row_stats_kernel` writes them (rows whose target is ignore_index: 0, 1, 0, 0)."""
     z = scaled_logits(logits, opts)
     m = row_max(z)
-    stats = torch.stack([m, torch.exp(z - m[:, None]).sum(1),
-                         target_logit(z, target, opts, vocab_start), z.sum(1)], dim=1)
-    neutral = torch.tensor([0.0, 1.0, 0.0, 0.0], device=z.device, dtype=z.dtype)
-    return torch.where((target == opts.ignore_index)[:, None], neutral, stats)
+    ignored = target == opts.ignore_index
+    return torch.stack([m.masked_fill(ignored, 0.0),
+                        torch.exp(z - m[:, None]).sum(1).masked_fill(ignored, 1.0),
+                        target_logit(z, target, opts, vocab_start), z.sum(1).masked_fill(ignored, 0.0)],
+                       dim=1)
 
 
 def combine_slices(parts: Tensor) -> Tensor:

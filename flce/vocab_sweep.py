@@ -33,6 +33,7 @@ from torch import Tensor
 
 from flce.ops import gemm_operands, gemm_vocab, pick_chunk_size, unpadded
 from flce.options import LossOptions
+from flce.reference import check_targets
 from flce.vocab_slices import combine_slices, loss_from_sums, slice_grads, slice_stats
 
 # Where memory_lean's token chunks hold 128 tokens or fewer and W is large, the sweep took
@@ -121,10 +122,10 @@ def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
     parts = torch.empty(1 + STATS_GROUP, N, 4, device=x.device, dtype=stat)
     parts[0, :, 0] = float("-inf")  # nothing combined yet: no max, no sums
     parts[0, :, 1:] = 0
-    if not use_triton:
-        _check_targets(target, opts, V)
     if use_triton:
         from flce.kernels import launch_row_stats
+    else:
+        check_targets(target, opts, V)
     filled = 0
     for start, cols, width, _, logits in _slices(x, weight, bias, buf):
         rows = logits[:, :cols]
@@ -141,15 +142,6 @@ def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
         return loss, parts[0, :, 0].clone(), log_s
     kept[0], kept[1] = parts[0, :, 0], log_s
     return loss, kept[0], kept[1]
-
-
-def _check_targets(target: Tensor, opts: LossOptions, vocab: int) -> None:
-    """The CPU path raises on a target outside [0, V), as `reference.chunk_rows` does (a host
-    check costs nothing there); on the GPU such a row's loss is NaN."""
-    bad = (target != opts.ignore_index) & ((target < 0) | (target >= vocab))
-    if bad.any():
-        raise IndexError(f"target id {int(target[bad][0])} is outside [0, {vocab}) "
-                         f"and is not ignore_index={opts.ignore_index}")
 
 
 def sweep_grads(row_weight: Tensor, x: Tensor, target: Tensor,
