@@ -312,9 +312,10 @@ def test_trace_report_sums_kinds_and_names_its_sources(tmp_path, monkeypatch):
     names = {"cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 7.0, "nvjet_tst_128x256": 5.0,
              "flce_rows_kernel": 2.0, "multi_tensor_apply_kernel<adam>": 1.5,
              "ncclDevKernel_ReduceScatter": 1.0, "triton_red_fused_rms_norm": 0.5}
-    events = [{"ph": "X", "cat": "kernel", "name": n, "dur": us * 1e3} for n, us in names.items()]
+    events = [{"ph": "X", "cat": "kernel", "name": n, "ts": 1e5 * (i + len(names) * k), "dur": us * 1e3}
+              for k in range(2) for i, (n, us) in enumerate(names.items())]
     trace = tmp_path / "rank-0.json"
-    trace.write_text(json.dumps({"traceEvents": events * 2}))
+    trace.write_text(json.dumps({"traceEvents": events}))
     out = tmp_path / "profile"
     monkeypatch.setattr(sys, "argv", ["summarize_trace", str(trace), "--top", "3", "--out",
                                       str(out), "--trace-command", "python3 train.py --x 1"])
@@ -328,6 +329,11 @@ def test_trace_report_sums_kinds_and_names_its_sources(tmp_path, monkeypatch):
     assert [k["calls"] for k in report["top"]] == [2, 2, 2] and len(report["top"]) == 3
     meta = report["meta"]
     assert meta["trace"] == str(trace) and meta["trace_command"] == "python3 train.py --x 1"
+    # the timeline: kernels 100 ms apart, the collective alone, the rest idle
+    tl = report["timeline"]
+    assert (tl["step_ms"], tl["busy_ms"]) == (pytest.approx(1100.5), pytest.approx(32.0))
+    assert tl["collectives_alone_ms"] == pytest.approx(2.0) and tl["gaps"] == 11
+    assert "collectives alone" in out.with_suffix(".md").read_text()
     assert "python3 train.py --x 1" in out.with_suffix(".md").read_text()
 
 

@@ -8,8 +8,10 @@
 Groups kernel events by name (truncated), prints total ms, share of all kernel time, calls and
 mean µs, and the share of each kind of kernel (attention, GEMMs, the loss's own kernels, the
 optimizer, collectives, the rest: norms, activations, copies). Kernels on different streams
-overlap, so the shares are of summed kernel time. With --out it also writes a report (<out>.json
-and <out>.md) naming the trace, the command that made it (--trace-command) and the commit.
+overlap, so the shares are of summed kernel time; the timeline of the step (`trace_timeline.py`:
+busy, communication not hidden, idle, host syncs) says what the step waited on. With --out it
+also writes a report (<out>.json and <out>.md) naming the trace, the command that made it
+(--trace-command) and the commit.
 """
 
 import argparse
@@ -21,6 +23,7 @@ from collections import defaultdict
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.summarize_trace ...")
 
+from scripts.bench.trace_timeline import markdown_lines, timeline  # noqa: E402
 from scripts.lib.report import probe_environment, provenance, warning_lines, write_report  # noqa: E402
 
 # The first pattern a kernel's name matches gives its kind (cuDNN's and flash's attention, cuBLAS's
@@ -68,7 +71,7 @@ def text_table(summary: dict) -> str:
     lines += [f"{k['ms']:9.2f} {100 * k['share']:5.1f}% {k['calls']:6d} {k['mean_us']:9.1f}  "
               f"{k['kernel']}" for k in summary["top"]]
     lines += ["", *(f"{100 * k['share']:5.1f}%  {k['ms']:9.2f} ms  {k['kind']}"
-                    for k in summary["kinds"])]
+                    for k in summary["kinds"]), "", *markdown_lines(summary["timeline"])]
     return "\n".join(lines)
 
 
@@ -84,6 +87,7 @@ def markdown(meta: dict, summary: dict) -> str:
              "| kind | ms | share |", "|---|---|---|",
              *(f"| {k['kind']} | {k['ms']:.2f} | {100 * k['share']:.1f}% |"
                for k in summary["kinds"]), "",
+             *markdown_lines(summary["timeline"]), "",
              "| total ms | share | calls | mean µs | kind | kernel |", "|---|---|---|---|---|---|",
              *(f"| {k['ms']:.2f} | {100 * k['share']:.1f}% | {k['calls']} | {k['mean_us']:.1f} | "
                f"{k['kind']} | `{cell(k['kernel'])}` |" for k in summary["top"])]
@@ -101,10 +105,11 @@ def main():
                    help="the command that wrote the trace, recorded in the report")
     args = p.parse_args()
     with open(args.trace) as f:
-        totals = kernel_totals(json.load(f), args.width)
+        trace = json.load(f)
+    totals = kernel_totals(trace, args.width)
     if not totals:
         raise SystemExit(f"{args.trace}: no GPU kernel events (was CUDA profiled?)")
-    summary = summarize(totals, args.top)
+    summary = {**summarize(totals, args.top), "timeline": timeline(trace)}
     print(text_table(summary))
     if args.out:
         meta = {**provenance(), **probe_environment(), "trace": args.trace,
