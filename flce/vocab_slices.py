@@ -84,8 +84,9 @@ def slice_grads(logits: Tensor, target: Tensor, loss: Tensor, m: Tensor, log_s: 
     g = torch.exp(z - m[:, None] - log_s[:, None]) * (1 + 2 * opts.z_loss * lse[:, None]) - ls / vocab_size
     y_local = target - vocab_start
     owns = (target != opts.ignore_index) & (y_local >= 0) & (y_local < z.shape[1])
-    rows = owns.nonzero().squeeze(1)
-    g[rows, y_local[rows]] -= 1 - ls
+    if z.shape[1]:  # a scatter: indexing by owns.nonzero() has a data-dependent shape
+        g.scatter_add_(1, y_local.clamp(0, z.shape[1] - 1)[:, None],
+                       owns.to(g.dtype)[:, None] * -(1 - ls))
     g *= (row_weight.expand(m.shape) * opts.logit_scale)[:, None]
     if opts.softcap is not None:
         g *= 1 - (z / opts.softcap) ** 2
