@@ -465,6 +465,19 @@ def test_cuda_float8_trains_like_bf16_with_compile(tmp_path, recipe):
 
 
 @pytest.mark.skipif(_fp8_gpus() < 1, reason="needs a CUDA GPU with fp8 (compute capability >= 8.9)")
+def test_cuda_float8_with_per_op_checkpointing_trains_as_without(tmp_path):
+    """Per-op selective AC (its policy keeps every other aten._scaled_mm and the casts' amax)
+    inside the compiled float8 blocks: the same curve as without checkpointing."""
+    run = CUDA_BASE + ["--compile.enable", "true", "--model.converters", "quantize.linear.float8",
+                       "--training.steps", "10"]
+    assert train.main(run + ["--job.dump_folder", str(tmp_path / "none")]) == 0
+    assert train.main(run + ["--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "op",
+                             "--job.dump_folder", str(tmp_path / "op")]) == 0
+    _assert_same_curves(_metrics(tmp_path / "op"), _metrics(tmp_path / "none"), 5e-3)
+
+
+@pytest.mark.skipif(_fp8_gpus() < 1, reason="needs a CUDA GPU with fp8 (compute capability >= 8.9)")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_cuda_fp8_gemms_match_emulation(recipe):
     """torch._scaled_mm on the GPU against torchao's emulation of it, forward and backward."""

@@ -73,15 +73,15 @@ def single(tmp_path_factory):
 
 # Each launch costs ~10 s of CI: a layout whose parts another one already runs together is left
 # out (tp=2 with the sequence-parallel flce runs under full AC below, the vocab-parallel flce at
-# dp_shard=2 x tp=2 under selective AC, the unfused loss under FSDP at dp_shard=2 x tp=2).
-LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, activation checkpointing])
+# dp_shard=2 x tp=2 under per-op selective AC, the unfused loss under FSDP at dp_shard=2 x tp=2).
+LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, AC mode[:option]])
     (2, 1, 1, "sequence", "flce"),  # FSDP: dp_shard=2 (the loss-parallel mode needs tp > 1)
     (2, 1, 2, "sequence", "unfused"),
     (4, 1, 2, "sequence", "flce"),
     (4, 1, 2, "vocab", "unfused"),
     (4, 2, 1, "sequence", "flce"),  # HSDP: replicate 2 x shard 2
     (2, 1, 2, "sequence", "flce", "full"),  # with activation checkpointing (TP plan before AC)
-    (4, 1, 2, "vocab", "flce", "selective"),
+    (4, 1, 2, "vocab", "flce", "selective:op"),  # per-op: TP's reduce-scatters kept
 ]
 
 
@@ -89,13 +89,14 @@ LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, activati
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_layout_matches_one_process(tmp_path, single, layout):
     nproc, replicate, tp, parallel, impl, ac = (*layout, "none")[:6]
+    ac, _, option = ac.partition(":")
     dims = ParallelDims.resolve(replicate, -1, tp, nproc)
     dump = tmp_path / "run"
     torchrun(nproc, dump, "--parallelism.tensor_parallel_degree", str(tp),
              "--parallelism.data_parallel_replicate_degree", str(replicate),
              "--training.local_batch_size", str(GLOBAL_BATCH // dims.dp),
              "--loss.parallel", parallel, "--loss.impl", impl,
-             "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", "2")
+             "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", option or "2")
     ref, got = metrics(single), metrics(dump)
     assert sorted(got) == [1, 2, 3, 4, 5]
     for step in got:

@@ -331,9 +331,11 @@ class Validation:
 class ActivationCheckpoint:
     """Recompute activations in the backward pass instead of keeping them."""
     mode: ACMode = "none"
-    """"full": every block; "selective": every selective_ac_option-th block."""
+    """"full": every block; "selective": as selective_ac_option says."""
     selective_ac_option: str = "2"
-    """selective: checkpoint every n-th block (a positive integer, as a string)."""
+    """selective: "op" (every block, keeping the attention's and every other matmul's outputs,
+    recomputing the elementwise work; torchtitan's per-op policy) or a positive integer n
+    (every n-th block, whole)."""
 
 
 @dataclass

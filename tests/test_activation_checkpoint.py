@@ -1,0 +1,108 @@
+"""parallelisms/activation_checkpoint.py: what each mode recomputes in backward (counted from the
+ops that run), that the gradients stay those of no checkpointing, and the per-op policy's choice
+for float8's matmuls."""
+
+import copy
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
+
+from models.args import FLAVORS
+from models.llama import Llama
+from parallelisms.activation_checkpoint import (ALWAYS_SAVED, _per_op_policy,
+                                                apply_activation_checkpointing)
+from parallelisms.compile import compile_blocks
+
+aten = torch.ops.aten
+PROJECTIONS = 7  # wq, wk, wv, wo, w1, w2, w3: a block's matmuls in forward
+
+
+class OpCounts(TorchDispatchMode):
+    """How many times each op ran (after autograd: forward's, backward's and recomputed ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def attention_ops(counts: Counter) -> int:
+    return sum(n for op, n in counts.items() if op in ALWAYS_SAVED and op is not aten.max.default)
+
+
+def _run(model, tokens):
+    hidden = model(tokens)
+    with OpCounts() as backward:
+        hidden.square().mean().backward()
+    # the wrapper's module sits between a block and its parameters: the same names without it
+    return backward.counts, {n.replace("_checkpoint_wrapped_module.", ""): p.grad
+                             for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode,option,recomputed_mms,recomputed_attention", [
+    # the whole block again, but for w2: backward needs its input, not its output, and the
+    # recomputation stops once it has what backward needs
+    ("full", "2", PROJECTIONS - 1, 1),
+    ("selective", "2", PROJECTIONS - 1, 1),   # every other block
+    ("selective", "op", 3, 0),                # wk, wo, w3; the attention's output is kept
+])
+def test_backward_recomputes_what_the_mode_says(mode, option, recomputed_mms,
+                                                recomputed_attention, rng):
+    torch.manual_seed(rng.randrange(2**31))
+    model = Llama(FLAVORS["debug"], seq_len=32)
+    model.init_weights()
+    tokens = torch.randint(0, model.args.vocab_size, (2, 32))
+    plain_counts, plain_grads = _run(copy.deepcopy(model), tokens)
+    layers = apply_activation_checkpointing(model, mode, option)
+    every = 2 if option == "2" and mode == "selective" else 1
+    assert layers == -(-model.args.n_layers // every) and layers >= 2
+    counts, grads = _run(model, tokens)
+    assert counts[aten.mm.default] - plain_counts[aten.mm.default] == recomputed_mms * layers
+    assert attention_ops(counts) - attention_ops(plain_counts) == recomputed_attention * layers
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_per_op_policy_counts_float8_matmuls_as_matmuls():
+    """torchao's float8 layers run aten._scaled_mm: the per-op policy keeps every other one,
+    alternating with aten.mm, in forward and the same again when it recomputes."""
+    for is_recompute in (False, True):
+        ctx, matmuls = SimpleNamespace(is_recompute=is_recompute), Counter()
+        calls = [aten._scaled_mm.default, aten.mm.default, aten.silu.default,
+                 aten._scaled_mm.default, aten.max.default, aten.mul.Tensor,
+                 aten._scaled_dot_product_flash_attention.default, aten._scaled_mm.default]
+        got = [_per_op_policy(matmuls, ctx, func) == CheckpointPolicy.MUST_SAVE for func in calls]
+        assert got == [True, False, False, True, True, False, True, False]
+
+
+def test_a_bad_selective_option_is_a_clear_error():
+    model = Llama(FLAVORS["debug"], seq_len=8)
+    with pytest.raises(ValueError, match=r"selective_ac_option = 'ops': expected 'op' \(per op\)"):
+        apply_activation_checkpointing(model, "selective", "ops")
+
+
+@pytest.mark.slow
+def test_per_op_checkpointing_inside_compiled_blocks(rng):
+    """The trainer's order (AC, then each block compiled with fullgraph): the policy goes into
+    the compiled graphs, and the gradients stay those of the eager model without checkpointing."""
+    torch._dynamo.reset()
+    torch.manual_seed(rng.randrange(2**31))
+    model = Llama(FLAVORS["debug"], seq_len=32)
+    model.init_weights()
+    tokens = torch.randint(0, model.args.vocab_size, (2, 32))
+    _, plain_grads = _run(copy.deepcopy(model), tokens)
+    apply_activation_checkpointing(model, "selective", "op")
+    compile_blocks(model)
+    loss = model(tokens).square().mean()
+    loss.backward()
+    grads = {n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): p.grad
+             for n, p in model.named_parameters()}
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
