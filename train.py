@@ -460,7 +460,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     bad_steps = BadSteps(device, start_step)
     exit_code, run_tokens, step = 0, 0, start_step - 1
-    with maybe_profile(cfg.profiling, dump, rank) as profiler:
+    with maybe_profile(cfg.profiling, dump, rank, device, log) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
             with meter.waiting_for_data():
                 micro = [next(train_iter) for _ in range(cfg.training.gradient_accumulation_steps)]
@@ -475,7 +475,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
             tokens_seen += step_tokens * world
             run_tokens += step_tokens * world
             if profiler is not None:
-                profiler.step()
+                profiler.step(step)
             logs = metrics.logs_at(step)
             stopping = stop.agreed(device, ranks_talk=logs)  # all-reduces on log steps only
             saves = ckpt.saves_at(step, stopping)

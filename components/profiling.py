@@ -1,24 +1,93 @@
-"""Optional torch.profiler traces: one active step every `profile_freq` steps, per rank."""
+"""Optional profiling, per rank: torch.profiler traces of one step every `profile_freq` steps
+(`enable_profiling`), and CUDA memory snapshots (`enable_memory_snapshot`): the allocator's
+history of allocations and frees with their Python stacks, dumped every `profile_freq` steps and
+when the step runs out of memory (`scripts/bench/summarize_memory.py` reads them)."""
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
 from components.config.schema import Profiling
 
+# Recorded allocator events kept (a ring: the oldest go first). A step of an 8B model under FSDP
+# makes tens of thousands; each takes a few kB of host memory with its stack.
+MAX_MEMORY_EVENTS = 200_000
+
+
+class MemorySnapshots:
+    """Records the CUDA caching allocator's history from construction; `dump` writes it to
+    <folder>/<name>/rank-<r>.pickle (torch.cuda.memory._dump_snapshot's format, which
+    https://pytorch.org/memory_viz also opens)."""
+
+    def __init__(self, folder: Path, rank: int):
+        self.folder, self.rank = folder, rank
+        torch.cuda.memory._record_memory_history(max_entries=MAX_MEMORY_EVENTS, stacks="python")
+
+    def dump(self, name: str) -> Path:
+        out = self.folder / name
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"rank-{self.rank}.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        return path
+
+    def close(self) -> None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+class Profilers:
+    """What the training loop calls once per step: `step(step)` after each optimizer step."""
+
+    def __init__(self, trace: Optional[torch.profiler.profile], memory: Optional[MemorySnapshots],
+                 freq: int):
+        self.trace, self.memory, self.freq = trace, memory, freq
+        self.last_step: Optional[int] = None
+
+    def step(self, step: int) -> None:
+        self.last_step = step
+        if self.trace is not None:
+            self.trace.step()
+        if self.memory is not None and step % self.freq == 0:
+            self.memory.dump(f"step-{step}")
+
 
 @contextmanager
-def maybe_profile(cfg: Profiling, dump_folder: Path, rank: int):
-    """Yields an object with .step(); a Chrome trace per profiled step goes to
-    <dump_folder>/<save_traces_folder>/step-<N>/rank-<r>.json (open in Perfetto)."""
-    if not cfg.enable_profiling:
+def maybe_profile(cfg: Profiling, dump_folder: Path, rank: int, device: torch.device,
+                  log: Callable[[str], None]):
+    """Yields a `Profilers`, or None when nothing is asked for. A Chrome trace per profiled step
+    goes to <dump_folder>/<save_traces_folder>/step-<N>/rank-<r>.json (open in Perfetto), memory
+    snapshots to <dump_folder>/<save_memory_snapshot_folder>/step-<N>/ and, on running out of
+    memory, oom-step-<N>/."""
+    if not (cfg.enable_profiling or cfg.enable_memory_snapshot):
         yield None
         return
-    folder = Path(dump_folder) / cfg.save_traces_folder
+    with ExitStack() as stack:
+        trace = memory = None
+        if cfg.enable_profiling:
+            trace = stack.enter_context(_trace_profiler(cfg, Path(dump_folder), rank))
+        if cfg.enable_memory_snapshot and device.type != "cuda":
+            log(f"warning: [profiling] enable_memory_snapshot records CUDA memory, and this run is "
+                f"on the {device.type}: no snapshot is written")
+        elif cfg.enable_memory_snapshot:
+            memory = MemorySnapshots(Path(dump_folder) / cfg.save_memory_snapshot_folder, rank)
+            stack.callback(memory.close)
+        profilers = Profilers(trace, memory, cfg.profile_freq)
+        try:
+            yield profilers
+        except torch.OutOfMemoryError:
+            if memory is not None:
+                step = 1 if profilers.last_step is None else profilers.last_step + 1
+                log(f"out of memory: snapshot of step {step} in "
+                    f"{memory.dump(f'oom-step-{step}').parent}")
+            raise
+
+
+def _trace_profiler(cfg: Profiling, folder: Path, rank: int) -> torch.profiler.profile:
+    out_folder = folder / cfg.save_traces_folder
 
     def save(prof):
-        out = folder / f"step-{prof.step_num}"
+        out = out_folder / f"step-{prof.step_num}"
         out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(out / f"rank-{rank}.json"))
 
@@ -26,6 +95,5 @@ def maybe_profile(cfg: Profiling, dump_folder: Path, rank: int):
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     wait = max(0, cfg.profile_freq - 2)
-    with torch.profiler.profile(activities=activities, on_trace_ready=save,
-                                schedule=torch.profiler.schedule(wait=wait, warmup=1, active=1)) as prof:
-        yield prof
+    return torch.profiler.profile(activities=activities, on_trace_ready=save,
+                                  schedule=torch.profiler.schedule(wait=wait, warmup=1, active=1))
