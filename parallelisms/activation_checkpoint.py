@@ -6,7 +6,9 @@ casts' absolute maxima, the sequence-parallel reduce-scatters, and every other m
 (the first, third, ... of a block: of a Llama block's seven projections wq, wv, w1 and w2); the
 norms, RoPE, SwiGLU's elementwise work and the other matmuls run again in backward. Matmuls are
 `aten.mm` and, for float8 linear layers, `aten._scaled_mm` (torchtitan 0.2.2's list names
-`aten.mm` only, so it keeps none of float8's GEMM outputs).
+`aten.mm` only, so it keeps none of float8's GEMM outputs). In eager blocks (compile off) a kept
+output that backward never reads, w2's, is held until the block's backward all the same: the
+policy sees ops, not what reads them.
 """
 
 import typing
