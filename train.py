@@ -113,8 +113,8 @@ def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, dims: Par
             f"[model] converters does not list {FLOAT8_CONVERTER!r}: float8 is off")
     if mesh is not None and dims.tp > 1:
         apply_tp(model, mesh["tp"], cfg.loss.parallel)
-    apply_activation_checkpointing(model.model, cfg.activation_checkpoint.mode,
-                                   cfg.activation_checkpoint.selective_ac_option)
+    ac = cfg.activation_checkpoint
+    apply_activation_checkpointing(model.model, ac.mode, ac.selective_ac_option, ac.memory_budget)
     if cfg.compile.enable and "model" in cfg.compile.components:
         compile_blocks(model.model)
     if cfg.compile.enable and "loss" in cfg.compile.components:

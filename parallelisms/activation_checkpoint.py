@@ -1,4 +1,5 @@
-"""Activation checkpointing of transformer blocks: none, full, every k-th block, or per op.
+"""Activation checkpointing of transformer blocks: none, full, every k-th block, per op, or
+what torch.compile picks within a memory budget.
 
 `selective_ac_option = "op"` (torchtitan's per-op selective checkpointing) wraps every block but
 keeps what is costly to recompute for the memory it takes: the attention's outputs, the float8
@@ -9,6 +10,11 @@ norms, RoPE, SwiGLU's elementwise work and the other matmuls run again in backwa
 `aten.mm` only, so it keeps none of float8's GEMM outputs). In eager blocks (compile off) a kept
 output that backward never reads, w2's, is held until the block's backward all the same: the
 policy sees ops, not what reads them.
+
+`mode = "memory_budget"` wraps nothing: the compiled blocks' partitioner keeps `memory_budget` of
+their activation memory and recomputes the rest, choosing the ops whose recomputation costs
+least for the memory it saves (torch._functorch.config.activation_memory_budget, the setting
+torchtitan's mode of that name makes too).
 """
 
 import typing
@@ -16,6 +22,7 @@ from collections import Counter
 from functools import partial
 
 import torch
+import torch._functorch.config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -53,11 +60,16 @@ def per_op_context():
     return create_selective_checkpoint_contexts(partial(_per_op_policy, Counter()))
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: str = "2") -> int:
-    """Wrap blocks of model.layers in place; returns how many were wrapped."""
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: str = "2",
+                                   memory_budget: float = 1.0) -> int:
+    """Wrap blocks of model.layers in place; returns how many were wrapped. Sets the compiler's
+    activation memory budget (process-wide, read when a block is compiled) to memory_budget for
+    mode "memory_budget" and back to 1, keep all, for the others."""
     if mode not in MODES:
         raise ValueError(f"[activation_checkpoint] mode = {mode!r}: expected one of {MODES}")
-    if mode == "none":
+    torch._functorch.config.activation_memory_budget = (
+        memory_budget if mode == "memory_budget" else 1.0)
+    if mode in ("none", "memory_budget"):
         return 0
     k, options = 1, {}
     if mode == "selective" and every == PER_OP:

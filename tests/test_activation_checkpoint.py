@@ -106,3 +106,47 @@ def test_per_op_checkpointing_inside_compiled_blocks(rng):
              for n, p in model.named_parameters()}
     for name, g in plain_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _saved_bytes(model, tokens) -> int:
+    """Bytes of the storages autograd keeps for backward, the parameters' left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens).square().mean()
+    return sum(saved.values()), loss
+
+
+@pytest.mark.slow
+def test_memory_budget_keeps_less_and_changes_no_gradient(rng, monkeypatch):
+    """mode = "memory_budget": at budget 0 the compiled blocks keep less for backward than at 1
+    (nothing recomputed), with the gradients of the eager model."""
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)
+    seed = rng.randrange(2**31)
+    torch.manual_seed(seed)
+    reference = Llama(FLAVORS["debug"], seq_len=32)
+    reference.init_weights()
+    tokens = torch.randint(0, reference.args.vocab_size, (2, 32))
+    _, plain_grads = _run(copy.deepcopy(reference), tokens)
+    kept = {}
+    for budget in (1.0, 0.0):
+        torch._dynamo.reset()
+        model = copy.deepcopy(reference)
+        assert apply_activation_checkpointing(model, "memory_budget", memory_budget=budget) == 0
+        assert torch._functorch.config.activation_memory_budget == budget
+        compile_blocks(model)
+        kept[budget], loss = _saved_bytes(model, tokens)
+        loss.backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, plain_grads[name.replace("_orig_mod.", "")],
+                                       rtol=1e-4, atol=1e-6, msg=name)
+    assert kept[0.0] < 0.8 * kept[1.0], kept
+    apply_activation_checkpointing(model, "none")  # the other modes put the budget back
+    assert torch._functorch.config.activation_memory_budget == 1.0

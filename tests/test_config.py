@@ -68,6 +68,10 @@ def test_control_characters_in_strings_round_trip(tmp_path):
     (["--training.steps", "0"], r"\[training\] steps = 0: must be >= 1"),
     (["--data.on_bad_document", "ignore"], r"\[data\] on_bad_document = 'ignore': expected one of"),
     (["--training.steps"], r"needs a value"),
+    (["--activation_checkpoint.mode", "memory_budget"],
+     r"mode = \"memory_budget\" needs \[compile\] enable = true with \"model\" in components"),
+    (["--activation_checkpoint.memory_budget", "1.5"],
+     r"\[activation_checkpoint\] memory_budget = 1.5: must be in \[0, 1\]"),
     (["steps=3"], r"unexpected argument"),
     (["--config", "/nonexistent.toml"], r"no such file"),
 ])
@@ -223,7 +227,7 @@ def test_modules_list_the_configs_choices():
     assert tp.LOSS_PARALLEL == args(config.LossParallel)
     assert activation_checkpoint.MODES == args(config.ACMode)
     assert sorted(sdpa.BACKENDS) == sorted(args(config.SdpaBackend))
-    assert sorted(bench_train.AC_MODES) == sorted(args(config.ACMode))
+    assert sorted((*bench_train.AC_MODES, "memory_budget")) == sorted(args(config.ACMode))
     assert set(bench_train.LOSS_IMPLS.values()) == set(args(config.LossImpl))
     assert flce.float8.FLOAT8 == args(config.LossFloat8)  # the library cannot import the config
 

@@ -213,6 +213,13 @@ def check_values(cfg: JobConfig) -> None:
     for name in cfg.model.converters:
         if cfg.model.converters.count(name) > 1:
             raise ConfigError(f"[model] converters lists {name!r} twice")
+    ac = cfg.activation_checkpoint
+    if not 0 <= ac.memory_budget <= 1:
+        raise ConfigError(f"[activation_checkpoint] memory_budget = {ac.memory_budget}: must be "
+                          "in [0, 1] (the share of a block's activation memory kept)")
+    if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):
+        raise ConfigError("[activation_checkpoint] mode = \"memory_budget\" needs [compile] enable "
+                          "= true with \"model\" in components (the compiler picks what to recompute)")
     float8 = cfg.quantize.linear.float8
     if float8.enable_fsdp_float8_all_gather and float8.recipe_name != "tensorwise":
         raise ConfigError("[quantize.linear.float8] enable_fsdp_float8_all_gather needs "

@@ -32,7 +32,8 @@ ReshardAfterForward = Literal["default", "always", "never"]
 RotateMethod = Literal["allgather", "alltoall"]
 AsyncMode = Literal["disabled", "async"]
 WandbMode = Literal["offline", "online", "disabled"]
-ACMode = Literal["none", "selective", "full"]  # in the order of the memory they save
+# none, selective, full: in the order of the memory they save; memory_budget: as much as asked
+ACMode = Literal["none", "selective", "full", "memory_budget"]
 CompileComponent = Literal["model", "loss"]
 Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
@@ -331,11 +332,16 @@ class Validation:
 class ActivationCheckpoint:
     """Recompute activations in the backward pass instead of keeping them."""
     mode: ACMode = "none"
-    """"full": every block; "selective": as selective_ac_option says."""
+    """"full": every block; "selective": as selective_ac_option says; "memory_budget": the
+    compiler picks what each compiled block recomputes (needs [compile] enable with "model")."""
     selective_ac_option: str = "2"
     """selective: "op" (every block, keeping the attention's and every other matmul's outputs,
     recomputing the elementwise work; torchtitan's per-op policy) or a positive integer n
     (every n-th block, whole)."""
+    memory_budget: float = 0.5
+    """memory_budget: the share (0 to 1) of a compiled block's activation memory kept for
+    backward; torch.compile's partitioner recomputes the rest, the cheapest ops to recompute
+    first (1: nothing recomputed; 0: as much as it can)."""
 
 
 @dataclass

@@ -50,7 +50,8 @@ FUSED = "flce"
 # Benchmark name -> [loss] impl. unfused_compiled also compiles the loss module (--compile).
 LOSS_IMPLS = {"flce": "flce", "unfused": "unfused", "torch_chunked": "torch_chunked",
               "unfused_compiled": "unfused"}
-AC_MODES = typing.get_args(ACMode)  # lightest first
+# lightest first; memory_budget is left out: where it falls depends on its budget
+AC_MODES = tuple(mode for mode in typing.get_args(ACMode) if mode != "memory_budget")
 RUN_FOLDER = "{loss}_b{batch}_ac-{ac}"  # each run's dump folder under --runs-dir
 
 
