@@ -1,4 +1,4 @@
-"""scripts/bench/trace_timeline.py: a profiled step's GPU timeline (busy, communication not
+"""scripts/lib/trace_timeline.py: a profiled step's GPU timeline (busy, communication not
 hidden, idle, host syncs) against hand-counted traces, a per-microsecond count of random ones,
 and a real CUDA trace."""
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from scripts.bench.trace_timeline import merged, timeline
+from scripts.lib.trace_timeline import merged, timeline
 
 
 def kernel(name, ts, dur, cat="kernel", stream=7):

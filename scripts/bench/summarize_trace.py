@@ -23,7 +23,7 @@ from collections import defaultdict
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.summarize_trace ...")
 
-from scripts.bench.trace_timeline import markdown_lines, timeline  # noqa: E402
+from scripts.lib.trace_timeline import markdown_lines, timeline  # noqa: E402
 from scripts.lib.report import probe_environment, provenance, warning_lines, write_report  # noqa: E402
 
 # The first pattern a kernel's name matches gives its kind (cuDNN's and flash's attention, cuBLAS's
