@@ -120,12 +120,16 @@ def test_report_names_its_snapshot(tmp_path):
     assert "`a/b/train.py:9 main`" in (tmp_path / "memory.md").read_text()
 
 
+def train_with_snapshots(dump: Path, device: str, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", "--config", "configs/debug.toml",
+                           "--training.device", device, "--profiling.enable_memory_snapshot",
+                           "true", "--job.dump_folder", str(dump), *overrides],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
 def test_a_cpu_run_says_it_writes_no_snapshot(tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "--config", "configs/debug.toml",
-                          "--training.steps", "2", "--training.device", "cpu",
-                          "--profiling.enable_memory_snapshot", "true",
-                          "--profiling.profile_freq", "1", "--job.dump_folder", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = train_with_snapshots(tmp_path, "cpu", "--training.steps", "2",
+                               "--profiling.profile_freq", "1")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "enable_memory_snapshot records CUDA memory" in out.stdout + out.stderr
     assert not (tmp_path / "memory_snapshot").exists()
@@ -154,11 +158,8 @@ def test_cuda_snapshot_finds_the_blocks_and_their_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_training_run_dumps_snapshots_the_summary_reads(tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "--config", "configs/debug.toml",
-                          "--training.steps", "4", "--training.device", "cuda",
-                          "--profiling.enable_memory_snapshot", "true",
-                          "--profiling.profile_freq", "2", "--job.dump_folder", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = train_with_snapshots(tmp_path, "cuda", "--training.steps", "4",
+                               "--profiling.profile_freq", "2")
     assert out.returncode == 0, out.stderr[-2000:]
     snapshots = sorted((tmp_path / "memory_snapshot").glob("step-*/rank-0.pickle"))
     assert [p.parent.name for p in snapshots] == ["step-2", "step-4"]
@@ -172,13 +173,9 @@ def test_cuda_training_run_dumps_snapshots_the_summary_reads(tmp_path):
 def test_cuda_out_of_memory_leaves_a_snapshot(tmp_path):
     """A batch far beyond the GPU's memory: the run fails, and says where the snapshot of the
     step that ran out is."""
-    out = subprocess.run([sys.executable, "train.py", "--config", "configs/debug.toml",
-                          "--training.steps", "2", "--training.device", "cuda",
-                          "--data.synthetic", "true", "--training.seq_len", "2048",
-                          "--training.local_batch_size", "65536",
-                          "--profiling.enable_memory_snapshot", "true",
-                          "--job.dump_folder", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = train_with_snapshots(tmp_path, "cuda", "--training.steps", "2", "--data.synthetic",
+                               "true", "--training.seq_len", "2048",
+                               "--training.local_batch_size", "65536")
     assert out.returncode != 0 and "OutOfMemoryError" in out.stderr
     assert "out of memory: snapshot of step 1" in out.stdout + out.stderr
     (path,) = (tmp_path / "memory_snapshot").glob("oom-step-1/rank-0.pickle")
