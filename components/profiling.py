@@ -11,9 +11,9 @@ import torch
 
 from components.config.schema import Profiling
 
-# Recorded allocator events kept (a ring: the oldest go first). A step of an 8B model under FSDP
-# makes tens of thousands; each takes a few kB of host memory with its stack.
-MAX_MEMORY_EVENTS = 200_000
+# Recorded allocator events kept (a ring: the oldest go first), torchtitan's number. Each holds
+# its Python stack, a few kB of host memory and of every dump, which holds them all.
+MAX_MEMORY_EVENTS = 100_000
 
 
 class MemorySnapshots:
