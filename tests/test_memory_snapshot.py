@@ -1,5 +1,5 @@
-"""CUDA memory snapshots: `[profiling] enable_memory_snapshot` and scripts/bench/summarize_memory.py,
-which finds the peak of a recorded allocator history and what was allocated where then."""
+"""CUDA memory snapshots: `[profiling] enable_memory_snapshot` and
+scripts/bench/summarize_memory.py, which finds the peak of a recorded allocator history and what was allocated where then."""
 
 import json
 import pickle
@@ -51,6 +51,17 @@ def test_hand_counted_peak_and_where_its_blocks_were_allocated():
     assert [(s["site"], s["gib"] * GiB, s["blocks"]) for s in summary["sites"]] == [
         (BEFORE_HISTORY, 500, 1), ("work/models/llama.py:97 forward", 256, 1),
         ("work/flce/ops.py:12 chunk_loop", 64, 1)]
+
+
+def test_a_site_is_the_innermost_frame_of_the_repository():
+    generated = frame("/tmp/torchinductor_root/c4/cc4x.py", 210, "call")
+    calls_block = frame("/root/work/models/llama.py", 218, "forward")
+    assert summarize_memory.site([generated, TORCH_FRAME, calls_block]) == \
+        "work/models/llama.py:218 forward"
+    # nothing of the repository (a compiled backward on autograd's thread): the innermost frame
+    assert (summarize_memory.site([generated, TORCH_FRAME])
+            == "torchinductor_root/c4/cc4x.py:210 call")
+    assert summarize_memory.site([]) == "no stack recorded"
 
 
 def test_random_histories_against_a_forward_replay(rng):

@@ -8,8 +8,9 @@ enable_memory_snapshot`, or any `torch.cuda.memory._dump_snapshot` pickle, torch
 
 Replays the allocator's recorded history (allocations and completed frees) back from the state
 the snapshot ends in, finds the moment most memory was allocated, and groups the blocks live
-then by where they were allocated: the innermost stack frame outside PyTorch and other installed
-packages (this repository's line, or torchtitan's), else the innermost one. Blocks allocated
+then by where they were allocated: the innermost stack frame outside PyTorch, other installed
+packages and the code torch.compile generates (this repository's line, or torchtitan's: for a
+compiled block, the line that calls it), else the innermost one. Blocks allocated
 before the recorded history began count as such. With --out it also writes a report
 (<out>.json and <out>.md).
 """
@@ -26,7 +27,9 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 from scripts.lib.report import probe_environment, provenance, warning_lines, write_report  # noqa: E402
 
 BEFORE_HISTORY = "allocated before the recorded history"
-INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]|^<|^\?\?$|[/\\]lib[/\\]python3\.\d+[/\\]")
+# installed packages, the standard library, code torch.compile generated, frames without a file
+INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python3\.\d+[/\\]"
+                       r"|torchinductor|^<|^\?\?$")
 GiB = 2**30
 
 
