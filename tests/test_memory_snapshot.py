@@ -1,5 +1,6 @@
 """CUDA memory snapshots: `[profiling] enable_memory_snapshot` and
-scripts/bench/summarize_memory.py, which finds the peak of a recorded allocator history and what was allocated where then."""
+scripts/bench/summarize_memory.py, which finds the peak of a recorded allocator history and what
+was allocated where then."""
 
 import json
 import pickle
