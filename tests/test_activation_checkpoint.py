@@ -91,16 +91,22 @@ def test_a_bad_selective_option_is_a_clear_error():
 @pytest.mark.slow
 def test_per_op_checkpointing_inside_compiled_blocks(rng):
     """The trainer's order (AC, then each block compiled with fullgraph): the policy goes into
-    the compiled graphs, and the gradients stay those of the eager model without checkpointing."""
-    torch._dynamo.reset()
+    the compiled graphs (they keep less for backward than the compiled blocks without it), and
+    the gradients stay those of the eager model without checkpointing."""
     torch.manual_seed(rng.randrange(2**31))
     model = Llama(FLAVORS["debug"], seq_len=32)
     model.init_weights()
     tokens = torch.randint(0, model.args.vocab_size, (2, 32))
     _, plain_grads = _run(copy.deepcopy(model), tokens)
+    torch._dynamo.reset()
+    unwrapped = copy.deepcopy(model)
+    compile_blocks(unwrapped)
+    kept_without, _ = _saved_bytes(unwrapped, tokens)
+    torch._dynamo.reset()
     apply_activation_checkpointing(model, "selective", "op")
     compile_blocks(model)
-    loss = model(tokens).square().mean()
+    kept, loss = _saved_bytes(model, tokens)
+    assert kept < 0.9 * kept_without, (kept, kept_without)
     loss.backward()
     grads = {n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): p.grad
              for n, p in model.named_parameters()}
@@ -108,8 +114,8 @@ def test_per_op_checkpointing_inside_compiled_blocks(rng):
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _saved_bytes(model, tokens) -> int:
-    """Bytes of the storages autograd keeps for backward, the parameters' left out."""
+def _saved_bytes(model, tokens) -> tuple[int, torch.Tensor]:
+    """(Bytes of the storages autograd keeps for backward, the parameters' left out; the loss)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
