@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from flce.dispatch import stat_dtype
 from flce.ops import gemm_operands, gemm_vocab, pick_chunk_size, unpadded
 from flce.options import LossOptions
 from flce.reference import check_targets
@@ -55,6 +56,10 @@ def sweep_columns(n_tokens: int, hidden: int, vocab: int, elem_bytes: int) -> in
     statistics kept between the two passes in no more memory than memory_lean's token chunk
     would take (`ops.pick_chunk_size`), whose sweep keeps nothing."""
     chunk = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=True)
+    return _columns_within(chunk, n_tokens, vocab, elem_bytes)
+
+
+def _columns_within(chunk: int, n_tokens: int, vocab: int, elem_bytes: int) -> int:
     n = max(n_tokens, 1)
     budget = chunk * vocab * elem_bytes - KEPT_BYTES_PER_TOKEN * n
     return max(16, budget // (n * elem_bytes) // 16 * 16)
@@ -70,7 +75,7 @@ def uses_vocab_sweep(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
         return False
     chunk = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=True)
     return (chunk < min(SWEEP_BELOW_TOKENS, n_tokens)
-            and sweep_columns(n_tokens, hidden, vocab, elem_bytes) < vocab)
+            and _columns_within(chunk, n_tokens, vocab, elem_bytes) < vocab)
 
 
 def sweep_buffer(x: Tensor, weight: Tensor, keep_stats: bool) -> tuple[Tensor, Optional[Tensor]]:
@@ -82,7 +87,7 @@ def sweep_buffer(x: Tensor, weight: Tensor, keep_stats: bool) -> tuple[Tensor, O
     elem = x.element_size()
     logits_bytes = N * gemm_vocab(min(V, sweep_columns(N, H, V, elem)), elem)
     logits_bytes *= elem
-    stat = torch.promote_types(x.dtype, torch.float32)
+    stat = stat_dtype(x)
     stats_bytes = 2 * N * stat.itemsize if keep_stats else 0
     raw = torch.empty(logits_bytes + stats_bytes, device=x.device, dtype=torch.uint8)
     logits = raw[:logits_bytes].view(x.dtype)  # offsets: multiples of 16 columns, so aligned
@@ -94,8 +99,10 @@ def _slices(x: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Tensor):
     into buf (`sweep_buffer`) as a contiguous [N, GEMM width] view: W_s (and b_s) have zero rows
     up to the GEMM width where the slice's rows are not whole 16-byte words (`ops.gemm_vocab`,
     the last slice of an odd vocabulary), and the logits those columns, 0."""
-    N, (V, H) = x.shape[0], weight.shape
-    cols = min(V, sweep_columns(N, H, V, x.element_size()))
+    N, V = x.shape[0], weight.shape[0]
+    # buf holds N rows of sweep_columns (a multiple of 16: its own GEMM width), or of all V
+    # padded to their GEMM width where one slice takes the whole vocabulary
+    cols = min(V, buf.numel() // max(N, 1))
     for start in range(0, V, cols):
         end = min(start + cols, V)
         w_s, b_s = gemm_operands(weight[start:end], None if bias is None else bias[start:end])
@@ -115,7 +122,7 @@ def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
     vocabulary (fp32, float64 for float64 inputs); the last two are kept[0] and kept[1] where
     kept is given (`sweep_buffer`), and the slices' logits go into buf if given."""
     N, V = x.shape[0], weight.shape[0]
-    stat = torch.promote_types(x.dtype, torch.float32)
+    stat = stat_dtype(x)
     if buf is None:
         buf = sweep_buffer(x, weight, keep_stats=False)[0]
     # parts[0] holds the slices combined so far, parts[1:] the group being filled

@@ -37,13 +37,18 @@ def attention_ops(counts: Counter) -> int:
     return sum(n for op, n in counts.items() if op in ALWAYS_SAVED and op is not aten.max.default)
 
 
+def grads_by_name(model) -> dict:
+    """Each parameter's gradient under its plain name: the checkpoint wrapper's and compile's
+    modules sit between a block and its parameters."""
+    return {n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): p.grad
+            for n, p in model.named_parameters()}
+
+
 def _run(model, tokens):
     hidden = model(tokens)
     with OpCounts() as backward:
         hidden.square().mean().backward()
-    # the wrapper's module sits between a block and its parameters: the same names without it
-    return backward.counts, {n.replace("_checkpoint_wrapped_module.", ""): p.grad
-                             for n, p in model.named_parameters()}
+    return backward.counts, grads_by_name(model)
 
 
 @pytest.mark.parametrize("mode,option,recomputed_mms,recomputed_attention", [
@@ -108,8 +113,7 @@ def test_per_op_checkpointing_inside_compiled_blocks(rng):
     kept, loss = _saved_bytes(model, tokens)
     assert kept < 0.9 * kept_without, (kept, kept_without)
     loss.backward()
-    grads = {n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): p.grad
-             for n, p in model.named_parameters()}
+    grads = grads_by_name(model)
     for name, g in plain_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -150,9 +154,8 @@ def test_memory_budget_keeps_less_and_changes_no_gradient(rng, monkeypatch):
         compile_blocks(model)
         kept[budget], loss = _saved_bytes(model, tokens)
         loss.backward()
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, plain_grads[name.replace("_orig_mod.", "")],
-                                       rtol=1e-4, atol=1e-6, msg=name)
+        for name, g in grads_by_name(model).items():
+            torch.testing.assert_close(g, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert kept[0.0] < 0.8 * kept[1.0], kept
     apply_activation_checkpointing(model, "none")  # the other modes put the budget back
     assert torch._functorch.config.activation_memory_budget == 1.0
