@@ -154,3 +154,16 @@ def test_no_host_sync_on_cuda(small_weights_sweep):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()
+
+
+def test_slice_grads_has_no_data_dependent_shape():
+    """The target column's gradient by a scatter: indexing by owns.nonzero() made a tensor whose
+    shape depends on the values (on CUDA the host waits for them; on the meta device it cannot
+    run at all, which is what this checks on the CPU)."""
+    from flce.options import LossOptions
+    from flce.vocab_slices import slice_grads
+    meta = lambda *shape, dtype=torch.float32: torch.empty(*shape, device="meta", dtype=dtype)  # noqa: E731
+    logits = meta(6, 5)
+    slice_grads(logits, meta(6, dtype=torch.int64), meta(6), meta(6), meta(6), meta(()),
+                LossOptions(label_smoothing=0.1), 2, 10)
+    assert logits.shape == (6, 5)
