@@ -28,6 +28,10 @@ def _inputs(N=6, H=4, V=9):
     (lambda a: a.update(impl="cuda"), ValueError, "impl='cuda'"),
     (lambda a: a.update(float8="fp8"), ValueError, "float8='fp8': expected one of"),
     (lambda a: a.update(chunk_size=0), ValueError, "chunk_size"),
+    (lambda a: a.update(chunk_size=True), ValueError, "chunk_size=True"),
+    (lambda a: a.update(ignore_index=2**70), ValueError, "ignore_index=.*must fit in int64"),
+    (lambda a: a.update(normalizer=torch.tensor(4.0, requires_grad=True)), ValueError,
+     "normalizer requires grad"),
     (lambda a: a.update(normalizer=torch.ones(2)), ValueError, "normalizer must be a scalar"),
     (lambda a: a.update(normalizer=0), ValueError, "normalizer=0"),
     (lambda a: a.update(normalizer=float("inf")), ValueError, "normalizer=inf: must be a finite"),
@@ -47,10 +51,15 @@ def test_bad_input(change, error, match):
 
 
 def test_module_checks_options_at_construction():
-    with pytest.raises(ValueError, match="reduction"):
-        flce.FusedLinearCrossEntropyLoss(reduction="max")
-    with pytest.raises(ValueError, match="float8='e4m3'"):
-        flce.FusedLinearCrossEntropyLoss(float8="e4m3")
+    """All of them: chunk_size=0 and memory_lean="yes" were taken at construction and failed
+    only at the first step's forward."""
+    for kwargs, error, match in [(dict(reduction="max"), ValueError, "reduction"),
+                                 (dict(float8="e4m3"), ValueError, "float8='e4m3'"),
+                                 (dict(chunk_size=0), ValueError, "chunk_size=0"),
+                                 (dict(memory_lean="yes"), TypeError, "memory_lean='yes'"),
+                                 (dict(impl="cuda"), ValueError, "impl='cuda'")]:
+        with pytest.raises(error, match=match):
+            flce.FusedLinearCrossEntropyLoss(**kwargs)
 
 
 def test_out_of_range_target_on_cpu_raises():
@@ -62,6 +71,9 @@ def test_out_of_range_target_on_cpu_raises():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU-only machine")
 def test_triton_on_cpu_without_interpreter(monkeypatch):
+    # triton imported first with the interpreter on, as conftest set it: imported while it is
+    # off, it stays so, and the next test's kernels failed when this file ran alone
+    import flce.kernels  # noqa: F401
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, target, weight, bias = _inputs()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -81,6 +93,38 @@ def test_a_tensor_normalizer_that_is_not_a_positive_number_gives_nan(impl, devic
         loss.backward()
         assert torch.isnan(loss) and torch.isnan(x.grad).all() and torch.isnan(weight.grad).all()
         x.grad = weight.grad = None
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_int32_targets_with_an_ignore_index_beyond_int32(impl, device, chunk):
+    """int32 targets were compared with ignore_index in int32 on the PyTorch path, where torch
+    wrapped 2**32 to 0: class 0's tokens lost their loss and gradient, silently."""
+    x, target, weight, bias = (t.to(device) for t in _inputs(N=8))
+    target[::2] = 0
+    for ignore_index in (2**32, -2**31 - 1):
+        ref = flce.fused_linear_cross_entropy(x, target, weight, bias, reduction="none",
+                                              ignore_index=ignore_index, impl=impl)
+        got = flce.fused_linear_cross_entropy(x, target.int(), weight, bias, reduction="none",
+                                              ignore_index=ignore_index, chunk_size=chunk,
+                                              impl=impl)
+        assert (ref > 0).all()  # nothing ignored
+        torch.testing.assert_close(got, ref)
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("chunk,reduction", [(None, "mean"), (2, "mean"), (2, "none"),
+                                             (None, "none")])
+def test_double_backward_is_refused(impl, device, chunk, reduction):
+    """create_graph=True: the chunked path handed back gradients without a graph, so a gradient
+    penalty through the loss silently got nothing (the one-block path failed with autograd's
+    misleading in-place error)."""
+    x, target, weight, bias = (t.to(device).detach().requires_grad_(t.is_floating_point())
+                               for t in _inputs())
+    loss = flce.fused_linear_cross_entropy(x, target, weight, bias, chunk_size=chunk,
+                                           reduction=reduction, impl=impl).sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
