@@ -2,7 +2,6 @@
 vocab-parallel loss) and the custom ops: which implementation runs (Triton or PyTorch), the dtype
 of the per-token statistics, and the weight the summed loss is multiplied by."""
 
-import math
 import numbers
 import os
 from typing import Optional
@@ -10,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flce.options import LossOptions
+from flce.options import LossOptions, finite
 
 IMPLS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,10 +40,24 @@ def use_triton(impl: str, x: Tensor) -> bool:
     return x.device.type == "cuda" and x.dtype in TRITON_DTYPES and triton_usable(x.device)
 
 
-def widened(target: Tensor) -> Tensor:
+def widened(target: Tensor, ignore_index: int) -> Tensor:
     """Class ids as int32 or int64: the PyTorch path gathers with them, and gather takes no
-    narrower index (int8/uint8/int16 targets failed there with a bare gather error)."""
-    return target if target.dtype in (torch.int32, torch.int64) else target.long()
+    narrower index (int8/uint8/int16 targets failed there with a bare gather error). int32 ids
+    become int64 when ignore_index lies outside int32: compared in int32, torch wraps it
+    (2**32 matched class 0, whose tokens were then ignored)."""
+    if target.dtype == torch.int64 or (
+            target.dtype == torch.int32 and -2**31 <= ignore_index < 2**31):
+        return target
+    return target.long()
+
+
+def refuse_double_backward() -> None:
+    """Called first in the loss's backward: it returns gradients formed without a graph, so
+    under create_graph=True (grad mode on in backward) every second-order term through the loss
+    would be silently missing, e.g. a gradient penalty's."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("flce: double backward (create_graph=True) is not supported: the "
+                           "loss's gradients carry no graph of their own")
 
 
 def stat_dtype(x: Tensor) -> torch.dtype:
@@ -62,10 +75,13 @@ def divisor_of(normalizer: Optional[object], opts: LossOptions
     if isinstance(normalizer, Tensor):
         if normalizer.numel() != 1:
             raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+        if normalizer.requires_grad and torch.is_grad_enabled():
+            raise ValueError("normalizer requires grad, but the loss is not differentiated by "
+                             "its divisor: pass normalizer.detach()")
         return normalizer, None
     if isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real):
         raise TypeError(f"normalizer={normalizer!r}: must be a number or a scalar tensor")
-    if not (math.isfinite(normalizer) and normalizer > 0):
+    if not (finite(normalizer) and normalizer > 0):
         raise ValueError(f"normalizer={normalizer}: must be a finite number > 0")
     return None, 1.0 / float(normalizer)
 

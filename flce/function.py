@@ -8,7 +8,8 @@ from torch import Tensor
 from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to,
                               sweep_backward, sweep_forward, token_losses, token_losses_backward,
                               weighted_sum)
-from flce.dispatch import divisor_of, loss_weight, stat_dtype, use_triton, widened
+from flce.dispatch import (IMPLS, divisor_of, loss_weight, refuse_double_backward,
+                           stat_dtype, use_triton, widened)
 from flce.float8 import FLOAT8
 from flce.ops import float8_used, uses_one_block
 from flce.options import LossOptions
@@ -39,6 +40,7 @@ class _OneBlockLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         (x, target, weight, bias, row_max, log_sum, logits, off_max, w_col_absmax,
          loss_weight) = ctx.saved_tensors
         opts, float8, use_triton = ctx.config
@@ -68,6 +70,7 @@ class _VocabSweepLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         x, target, weight, bias, loss, row_max, log_sum = ctx.saved_tensors
         opts, use_triton = ctx.config
         need = ctx.needs_input_grad
@@ -94,6 +97,7 @@ class _ReducedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         dx, dw, db, loss_weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         x_dtype, w_dtype = ctx.dtypes
@@ -118,6 +122,7 @@ class _TokenLosses(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         x, target, weight, bias, row_max, log_sum = ctx.saved_tensors
         need = ctx.needs_input_grad
         opts, chunk_size, lean, float8, use_triton = ctx.config
@@ -154,6 +159,20 @@ def _check_inputs(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tens
             raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
 
 
+def check_settings(chunk_size: Optional[int], memory_lean: bool, float8: str, impl: str) -> None:
+    """The settings besides the loss's own options (LossOptions): checked by the function at
+    each call and by the module once, at construction."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r}: must be None or a positive int")
+    if not isinstance(memory_lean, bool):
+        raise TypeError(f"memory_lean={memory_lean!r}: must be a bool")
+    if float8 not in FLOAT8:
+        raise ValueError(f"float8={float8!r}: expected one of {FLOAT8}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+
+
 def fused_linear_cross_entropy(
     x: Tensor,
     target: Tensor,
@@ -183,19 +202,14 @@ def fused_linear_cross_entropy(
     """
     opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
     _check_inputs(x, target, weight, bias)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size={chunk_size!r}: must be None or a positive int")
-    if not isinstance(memory_lean, bool):
-        raise TypeError(f"memory_lean={memory_lean!r}: must be a bool")
-    if float8 not in FLOAT8:
-        raise ValueError(f"float8={float8!r}: expected one of {FLOAT8}")
+    check_settings(chunk_size, memory_lean, float8, impl)
     if normalizer is not None and reduction == "none":
         raise ValueError("normalizer applies to reduction='mean' or 'sum', not 'none'")
     on_triton = use_triton(impl, x)
     # no reshape of what already has its shape: each is an autograd node and a launch's worth
     # of host time, which is most of the loss's time at a few thousand tokens
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    t2 = widened(target if target.dim() == 1 else target.reshape(-1))
+    t2 = widened(target if target.dim() == 1 else target.reshape(-1), ignore_index)
     o = (ignore_index, float(label_smoothing), float(logit_scale), float(z_loss),
          None if softcap is None else float(softcap))
     grad = torch.is_grad_enabled() and any(

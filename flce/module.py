@@ -4,9 +4,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from flce.dispatch import IMPLS
-from flce.float8 import FLOAT8
-from flce.function import fused_linear_cross_entropy
+from flce.function import check_settings, fused_linear_cross_entropy
 from flce.options import LossOptions
 
 
@@ -27,12 +25,10 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         impl: str = "auto",
     ):
         super().__init__()
+        # checked here, not at the first step
         self.options = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap,
-                                   reduction)  # validates early, not at the first step
-        if impl not in IMPLS:
-            raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-        if float8 not in FLOAT8:
-            raise ValueError(f"float8={float8!r}: expected one of {FLOAT8}")
+                                   reduction)
+        check_settings(chunk_size, memory_lean, float8, impl)
         self.chunk_size = chunk_size
         self.memory_lean = memory_lean
         self.float8 = float8

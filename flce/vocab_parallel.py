@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flce.custom_ops import scale_to
-from flce.dispatch import loss_weight, stat_dtype, use_triton, widened
+from flce.dispatch import (loss_weight, refuse_double_backward, stat_dtype, use_triton,
+                           widened)
 from flce.ops import chunk_loop, pick_chunk_size, unpadded, weight_grad_buffer
 from flce.options import LossOptions
 from flce.reference import scaled_logits
@@ -114,6 +115,7 @@ class _VocabParallelLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         dx, dw, db, loss_weight = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         scale = grad * loss_weight
@@ -133,7 +135,7 @@ def vocab_parallel_linear_cross_entropy(
     if opts.reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     _check_slice(weight, vocab_start, vocab_size)
-    x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))
+    x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1), opts.ignore_index)
     weight_of_sum = loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
     return _VocabParallelLoss.apply(x2, t2, weight, bias, weight_of_sum.reshape(()), opts,
                                     vocab_start, vocab_size, group, chunk_size,
@@ -167,7 +169,7 @@ def vocab_parallel_linear_cross_entropy_unfused(
     if opts.reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
     _check_slice(weight, vocab_start, vocab_size)
-    x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1))
+    x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1), opts.ignore_index)
     stat = stat_dtype(x)
     z = scaled_logits(torch.nn.functional.linear(x2, weight, bias).to(stat), opts)
     m = row_max(z.detach())  # a shift: lse does not depend on it

@@ -48,6 +48,22 @@ def test_inside_torch_compile(impl, device, float8, V, chunk, float8_at_any_size
     assert all(rel_err(g, ge) <= 1e-5 for g, ge in zip(grads, eager_grads))
 
 
+def test_inside_torch_compile_with_dynamic_shapes():
+    """fullgraph + dynamic=True: the options' checks called math.isfinite, which dynamo cannot
+    trace on the symbolic floats it passes (Unsupported: torch.* op returned non-Tensor)."""
+    torch._dynamo.reset()
+    fn = lambda x, t, w: flce.fused_linear_cross_entropy(x, t, w, label_smoothing=0.1)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for N in (11, 19):
+        x, t, w, _ = make_inputs(N, 8, 37, "cpu", torch.float32)
+        got = compiled(x, t, w)
+        got_grads = torch.autograd.grad(got, (x, w))
+        ref = fn(x, t, w)
+        ref_grads = torch.autograd.grad(ref, (x, w))
+        assert rel_err(got, ref) <= 1e-6
+        assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got_grads, ref_grads))
+
+
 @cuda_only
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("float8", ["none", "logits", "logits+dx"])
