@@ -27,14 +27,15 @@ from torch.distributed.tensor import DTensor
 
 from components.allocator import default_allocator_settings
 from components.bad_steps import BadSteps, too_many_bad_steps
-from components.checkpoint import Checkpointer, ResumePoint, find_resume_point, list_checkpoints
+from components.checkpoint import (Checkpointer, ResumePoint, check_resumed_tokenizer,
+                                   find_resume_point, list_checkpoints)
 from components.config.docs import help_text
 from components.config.parse import (config_changes, config_checks, load_config, refusal_line,
                                      to_toml, wants_help)
 from components.config.schema import ConfigError, JobConfig
 from components.data.build import build_data
-from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, convert_to_float8,
-                                       ignored_settings)
+from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, check_fp8_device,
+                                       convert_to_float8, ignored_settings)
 from components.initial_load import take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
@@ -48,8 +49,9 @@ from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
 from models import FLAVORS, Llama, LlamaArgs, flops_per_token, with_context
 from models.hf import load_hf_weights
-from models.sdpa import set_sdpa_backend
+from models.sdpa import check_sdpa_backend, set_sdpa_backend
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.activation_checkpoint import check_settings as check_ac_settings
 from parallelisms.compile import compile_blocks
 from parallelisms.context_parallel import NoSharding, SequenceSharding, check_context_parallel
 from parallelisms.fsdp import apply_fsdp, precompute_float8_scales
@@ -314,12 +316,14 @@ def main(argv=None) -> int:
         return train(cfg, rank, world, device, stop)
 
 
-def check_before_building(cfg: JobConfig, rank: int, world: int
+def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.device
                           ) -> tuple[ParallelDims, Tokenizer, LlamaArgs, object, ResumePoint]:
     """What would otherwise fail only after the model is built, as config errors (one line, exit
     2): the parallel degrees, the tokenizer, the optimizer and schedule settings, the checkpoint
-    to resume, the metrics backends and the model's shape. Records the config (rank 0 writes
-    <dump_folder>/config.toml) once it is complete."""
+    to resume (and that it was trained with this tokenizer), the metrics backends, the model's
+    shape, the loss, activation checkpointing, attention and float8 settings. Then records the
+    config (rank 0 writes <dump_folder>/config.toml): a refused run leaves the config of the
+    run that wrote the folder's metrics in place."""
     with config_checks():
         dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                     cfg.parallelism.data_parallel_shard_degree,
@@ -329,11 +333,6 @@ def check_before_building(cfg: JobConfig, rank: int, world: int
     with config_checks():  # before config.toml records the settings
         take_settings_from_initial_load(cfg, log)
     dump = Path(cfg.job.dump_folder)
-    if rank == 0:
-        dump.mkdir(parents=True, exist_ok=True)
-        (dump / "config.toml").write_text(to_toml(cfg))
-        if cfg.job.print_config:
-            print(to_toml(cfg), flush=True)
     with config_checks():
         tokenizer = build_tokenizer(cfg.tokenizer.name, cfg.tokenizer.path or None,
                                     cfg.tokenizer.bos_token or None,
@@ -341,8 +340,21 @@ def check_before_building(cfg: JobConfig, rank: int, world: int
         check_optimizer_settings(cfg.optimizer)
         schedule, schedule_note = fit_lr_schedule(cfg.lr_scheduler, cfg.training.steps)
         resume = find_resume_point(cfg.checkpoint, dump / cfg.checkpoint.folder)
+        if resume.step is not None:
+            check_resumed_tokenizer(resume.found[resume.step], tokenizer.fingerprint())
         check_metrics_backends(cfg.metrics)
         args = model_args(cfg, tokenizer.vocab_size, dims)
+        TrainingLoss(cfg.loss)
+        check_ac_settings(cfg.activation_checkpoint.mode,
+                          cfg.activation_checkpoint.selective_ac_option)
+        check_sdpa_backend(cfg.model.sdpa_backend, device)
+        if FLOAT8_CONVERTER in cfg.model.converters:
+            check_fp8_device(cfg.quantize.linear.float8, device)
+    if rank == 0:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "config.toml").write_text(to_toml(cfg))
+        if cfg.job.print_config:
+            print(to_toml(cfg), flush=True)
     if schedule_note:
         log(schedule_note)
     return dims, tokenizer, args, schedule, resume
@@ -432,7 +444,7 @@ def build_datasets(cfg: JobConfig, tokenizer: Tokenizer, args: LlamaArgs, dims: 
 
 def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: StopRequest) -> int:
     started = time.monotonic()
-    dims, tokenizer, args, schedule, resume = check_before_building(cfg, rank, world)
+    dims, tokenizer, args, schedule, resume = check_before_building(cfg, rank, world, device)
     mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
     model = build_model(cfg, args, device, dims, mesh)
     shard = (SequenceSharding(mesh["cp"], model.model, cfg.parallelism.context_parallel_rotate_method)

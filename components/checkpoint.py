@@ -225,6 +225,29 @@ def find_resume_point(cfg: Checkpoint, folder: Path) -> ResumePoint:
     return ResumePoint(step_to_load(cfg, folder, found), found)
 
 
+def saved_tokenizer(path: Path) -> Optional[dict]:
+    """{"fingerprint", "vocab_size"} of the tokenizer the checkpoint at path was trained with, as
+    its train_state.json records it; None where it records none (older checkpoints) or cannot be
+    read (a damaged one falls back to an earlier step when it is loaded)."""
+    try:
+        record = json.loads((path / "train_state.json").read_text()).get("tokenizer")
+        return {"fingerprint": str(record["fingerprint"]), "vocab_size": int(record["vocab_size"])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def check_resumed_tokenizer(path: Path, fingerprint: str) -> None:
+    """A ValueError naming [tokenizer] when the checkpoint a run resumes from was trained with
+    another tokenizer: the ids would mean other tokens, and the saved data position other text
+    (a text source failed at its first batch, deep in the data thread)."""
+    saved = saved_tokenizer(path)
+    if saved is not None and saved["fingerprint"] != fingerprint:
+        raise ValueError(f"[tokenizer] is not the tokenizer {path} was trained with (vocab_size "
+                         f"{saved['vocab_size']}, another vocabulary or bos/eos ids): resume with "
+                         "that one, or start a new run from these weights with [checkpoint] "
+                         "initial_load_path in another dump folder")
+
+
 class Checkpointer:
     def __init__(self, cfg: JobConfig, model, optimizer, scheduler, data, rank: int,
                  dp_rank: Optional[int] = None,
@@ -542,6 +565,13 @@ class Checkpointer:
                                     "folder (no config.json)")
         model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
+        saved = saved_tokenizer(path)
+        if self.rank == 0 and saved and self.tokenizer \
+                and saved["fingerprint"] != self.tokenizer["fingerprint"]:
+            # a new tokenizer of the same size may be meant (fine-tuning); resuming refuses one
+            warnings.warn(f"[checkpoint] initial_load_path = {path} was trained with another "
+                          "tokenizer than [tokenizer] (same vocab_size, other tokens or bos/eos "
+                          "ids): its embeddings are read as this tokenizer's ids")
         with _one_process_quiet(not dist.is_initialized()):
             safe_dcp.load({"model": model_sd}, path, no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))

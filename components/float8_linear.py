@@ -35,18 +35,19 @@ def has_fp8(capability: tuple[int, int]) -> bool:
 
 
 def check_fp8_device(cfg: Float8, device: torch.device) -> None:
-    """A clear error where float8 GEMMs cannot run, unless they are emulated."""
+    """A clear error (ValueError: the config asks for what this device lacks) where float8 GEMMs
+    cannot run, unless they are emulated."""
     if cfg.emulate:
         return
     fix = ("; set [quantize.linear.float8] emulate = true to test the float8 numerics without "
            "fp8 hardware (slow)")
     if device.type != "cuda":
-        raise RuntimeError(f"float8 training needs a CUDA GPU with fp8 (compute capability >= "
+        raise ValueError(f"float8 training needs a CUDA GPU with fp8 (compute capability >= "
                            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}), but this run is on the "
                            f"{device.type}{fix}")
     capability = torch.cuda.get_device_capability(device)
     if not has_fp8(capability):
-        raise RuntimeError(
+        raise ValueError(
             f"float8 training needs compute capability >= {FP8_CAPABILITY[0]}."
             f"{FP8_CAPABILITY[1]} (Ada, Hopper or newer), but {torch.cuda.get_device_name(device)}"
             f" has {capability[0]}.{capability[1]}{fix}")

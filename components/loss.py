@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 from torch import Tensor, nn
 
 import flce
+from flce.function import check_settings
 from components.config.schema import Loss, LossImpl
 
 IGNORE_INDEX = -100
@@ -25,9 +26,13 @@ class TrainingLoss(nn.Module):
         if cfg.impl not in IMPLS:
             raise ValueError(f"[loss] impl = {cfg.impl!r}: expected one of {IMPLS}")
         self.impl = cfg.impl
-        # sums: the trainer always divides by the global token count (normalizer)
-        self.options = flce.LossOptions(IGNORE_INDEX, cfg.label_smoothing, cfg.logit_scale,
-                                        cfg.z_loss, cfg.softcap or None, reduction="sum")
+        try:  # flce's own checks, here rather than at the first step
+            # sums: the trainer always divides by the global token count (normalizer)
+            self.options = flce.LossOptions(IGNORE_INDEX, cfg.label_smoothing, cfg.logit_scale,
+                                            cfg.z_loss, cfg.softcap or None, reduction="sum")
+            check_settings(cfg.chunk_size or None, cfg.memory_lean, cfg.float8, "auto")
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"[loss] {e}") from None
         if cfg.float8 != "none" and cfg.impl != "flce":
             raise ValueError(f"[loss] float8 = {cfg.float8!r} needs [loss] impl = \"flce\" "
                              f"(got {cfg.impl!r}): only the fused loss has float8 GEMMs")

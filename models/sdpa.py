@@ -22,18 +22,23 @@ _SWITCHES = {
 BACKENDS = ("auto", *_SWITCHES)
 
 
+def check_sdpa_backend(name: str, device: torch.device) -> None:
+    """A ValueError naming [model] sdpa_backend when `name` cannot run on `device`."""
+    if name not in BACKENDS:
+        raise ValueError(f"[model] sdpa_backend = {name!r}: expected one of {BACKENDS}")
+    if name != "auto" and device.type != "cuda":
+        raise ValueError(f"[model] sdpa_backend = {name!r} selects a CUDA kernel, but the model "
+                         f"runs on {device.type}: use \"auto\"")
+
+
 def set_sdpa_backend(name: str, device: torch.device) -> None:
     """Enable only `name`'s kernel for F.scaled_dot_product_attention ("auto": PyTorch's order).
 
     Process-wide, and read when torch.compile traces the model: call it before compiling."""
-    if name not in BACKENDS:
-        raise ValueError(f"[model] sdpa_backend = {name!r}: expected one of {BACKENDS}")
+    check_sdpa_backend(name, device)
     if name == "auto":  # PyTorch's defaults: every backend enabled (undoes an earlier choice)
         for enable in _SWITCHES.values():
             enable(True)
         return
-    if device.type != "cuda":
-        raise ValueError(f"[model] sdpa_backend = {name!r} selects a CUDA kernel, but the model "
-                         f"runs on {device.type}: use \"auto\"")
     for backend, enable in _SWITCHES.items():
         enable(backend == name)

@@ -60,13 +60,21 @@ def per_op_context():
     return create_selective_checkpoint_contexts(partial(_per_op_policy, Counter()))
 
 
+def check_settings(mode: str, every: str) -> None:
+    """The [activation_checkpoint] mode and selective_ac_option, as config errors (ValueError)."""
+    if mode not in MODES:
+        raise ValueError(f"[activation_checkpoint] mode = {mode!r}: expected one of {MODES}")
+    if mode == "selective" and every != PER_OP and (not every.isdigit() or int(every) < 1):
+        raise ValueError(f"[activation_checkpoint] selective_ac_option = {every!r}: expected "
+                         f"{PER_OP!r} (per op) or a positive integer k (every k-th block)")
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: str = "2",
                                    memory_budget: float = 1.0) -> int:
     """Wrap blocks of model.layers in place; returns how many were wrapped. Sets the compiler's
     activation memory budget (process-wide, read when a block is compiled) to memory_budget for
     mode "memory_budget" and back to 1, keep all, for the others."""
-    if mode not in MODES:
-        raise ValueError(f"[activation_checkpoint] mode = {mode!r}: expected one of {MODES}")
+    check_settings(mode, every)
     torch._functorch.config.activation_memory_budget = (
         memory_budget if mode == "memory_budget" else 1.0)
     if mode in ("none", "memory_budget"):
@@ -75,9 +83,6 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: str
     if mode == "selective" and every == PER_OP:
         options = {"context_fn": per_op_context}
     elif mode == "selective":
-        if not every.isdigit() or int(every) < 1:
-            raise ValueError(f"[activation_checkpoint] selective_ac_option = {every!r}: expected "
-                             f"{PER_OP!r} (per op) or a positive integer k (every k-th block)")
         k = int(every)
     wrapped = 0
     for name, block in list(model.layers.items()):

@@ -50,6 +50,36 @@ def test_exact_resume(tmp_path):
     assert max(abs(a[s] - b[s]) for s in b) <= 1e-6
 
 
+def test_resuming_under_another_val_every_or_tokenizer(tmp_path, monkeypatch, capsys):
+    """A text source's saved position means nothing under another [data] val_every: the run
+    resumes the model and reads from the start, saying so (it failed at the first step with a
+    traceback from the data thread). Another tokenizer is refused before anything is built (it
+    failed the same way; its ids would mean other tokens)."""
+    import random
+
+    from shard_cases import train_tokenizer
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "2", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    with pytest.warns(UserWarning, match=r"data iterator not restored \(data state was saved "
+                                         r"reading other documents \(\[data\] val_every 100 -> 7\)"):
+        assert train.main(BASE + ["--training.steps", "3", "--checkpoint.interval", "2",
+                                  "--data.val_every", "7", "--job.dump_folder", str(dump)]) == 0
+    assert sorted(losses(dump)) == [1, 2, 3]
+
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json", random.Random(0))
+    argv = BASE + ["--training.steps", "4", "--tokenizer.name", "hf", "--tokenizer.path",
+                   str(tmp_path / "tokenizer.json"), "--job.dump_folder", str(dump)]
+    assert tokenizer.vocab_size <= 512  # the debug model's embeddings fit it: only the check refuses
+    with pytest.raises(ValueError, match=r"\[tokenizer\] is not the tokenizer .*step-3 was "
+                                         r"trained with \(vocab_size 259"):
+        train.main(argv)
+    monkeypatch.setattr("sys.argv", ["train.py", *argv])
+    capsys.readouterr()
+    assert train.command_line() == 2
+    assert capsys.readouterr().err.startswith("config error: [tokenizer] is not the tokenizer")
+
+
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_each_save_is_logged_when_committed(tmp_path, capsys, mode):
     dump = tmp_path / mode
@@ -281,7 +311,7 @@ def test_a_planted_pickle_in_a_rank_file_is_not_run(tmp_path):
     rank_file = dump / "checkpoint" / "step-4" / "rank-0.pt"
     genuine = torch.load(rank_file, weights_only=True)  # what the trainer writes is plain data
     assert genuine["rng"].dtype == torch.uint8 and all(
-        isinstance(v, int) for v in genuine["data"].values())
+        isinstance(v, (int, dict)) for v in genuine["data"].values())
     marker = tmp_path / "code-ran"
     torch.save({**genuine, "data": _TouchesAFile(marker)}, rank_file)
     _rewrite_manifest(rank_file.parent)  # as a planter would

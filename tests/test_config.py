@@ -381,22 +381,47 @@ def test_model_name_takes_torchtitans_llama3():
      "config error: tokenizer file not found: {tmp}/missing.json"),
     (["--parallelism.tensor_parallel_degree", "3"], ValueError,
      "config error: world size 1 is not divisible"),
+    # these five were tracebacks (exit status 1) raised while the model was built
+    (["--loss.label_smoothing", "1.5"], ValueError,
+     "config error: [loss] label_smoothing=1.5: must be in [0, 1)"),
+    (["--loss.chunk_size", "-4"], ValueError,
+     "config error: [loss] chunk_size=-4: must be None or a positive int"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+      "abc"], ValueError, "config error: [activation_checkpoint] selective_ac_option = 'abc'"),
+    (["--model.sdpa_backend", "cudnn", "--training.device", "cpu"], ValueError,
+     "config error: [model] sdpa_backend = 'cudnn' selects a CUDA kernel, but the model runs on cpu"),
+    (["--model.converters", "quantize.linear.float8", "--training.device", "cpu"], ValueError,
+     "config error: float8 training needs a CUDA GPU with fp8"),
 ])
 def test_settings_checked_before_the_model_is_built_are_config_errors(tmp_path, monkeypatch,
                                                                       capsys, argv, error,
                                                                       message):
-    """Found after the config loads (they need the tokenizer or the world size), still the
-    config's fault: one stderr line and exit status 2, no traceback; callers of main() get the
-    exception's own type."""
+    """Found after the config loads (they need the tokenizer, the world size or the device),
+    still the config's fault: one stderr line and exit status 2, no traceback; callers of main()
+    get the exception's own type. The refused run leaves the dump folder's config.toml, that of
+    the run that wrote its metrics, as it was (it was overwritten before these checks)."""
     import train
     argv = [a.format(tmp=tmp_path) for a in argv] + [
         "--job.dump_folder", str(tmp_path / "run"), "--job.print_config", "false"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("# the earlier run's\n")
     with pytest.raises(error):
         train.main(argv)
     monkeypatch.setattr("sys.argv", ["train.py", *argv])
     assert train.command_line() == 2
     out = capsys.readouterr()
     assert out.err.startswith(message.format(tmp=tmp_path)) and out.err.count("\n") == 1, out.err
+    assert (tmp_path / "run" / "config.toml").read_text() == "# the earlier run's\n"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--job.dump_folder", ""], r"\[job\] dump_folder is empty"),  # it wrote into the current folder
+    (["--training.max_bad_steps", "0"], r"\[training\] max_bad_steps = 0: must be >= 1"),
+    (["--checkpoint.load_step", "-5"], r"\[checkpoint\] load_step = -5: must be a step >= 0"),
+])
+def test_values_out_of_range(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv)
 
 
 def _data_mistake(tmp_path: Path, mistake: str) -> list[str]:

@@ -23,7 +23,7 @@ from components.data import checks as data_check, windows as data_windows
 from components.data.build import build_data
 from components.data.checks import BadDocumentError, MissingTextField
 from components.data.sources import STDLIB_CORPUS_BYTES, embedded_corpus, load_documents
-from components.data.windows import Batches, SyntheticTokens, TokenWindows
+from components.data.windows import Batches, DataStateMismatch, SyntheticTokens, TokenWindows
 from components.tokenizer import ByteTokenizer
 
 BYTE = ByteTokenizer()
@@ -169,6 +169,34 @@ def test_state_of_another_rank_is_refused(tmp_path, rng):
     state = TokenWindows(documents, BYTE, 4, dp_rank=0, dp_world=2).state_dict()
     with pytest.raises(ValueError, match="saved by rank 0 of 2, this is rank 1 of 2"):
         TokenWindows(documents, BYTE, 4, dp_rank=1, dp_world=2).load_state_dict(state)
+
+
+def test_state_of_other_documents_is_refused_and_a_misfit_position_is_one_line(rng):
+    """A state saved under another val_every (or text_field) points into other documents: refused
+    at load (the checkpoint then warns and reads from the start). A position that does not fit
+    the documents (a changed source) was a traceback from the data thread at the first batch; it
+    is an error the trainer shows as one line."""
+    texts = [t + "x" * 40 for t in random_texts(rng, 6)]  # each longer than the offset below
+    documents = datasets.Dataset.from_dict({"text": texts})
+    windows = TokenWindows(documents, BYTE, 9, selection={"val_every": 10})
+    next(windows)
+    state = plain(windows.state_dict())
+    assert state["token_offset"] == 10 and state["selection"] == {"text_field": "text",
+                                                                  "val_every": 10}
+    with pytest.raises(ValueError, match=r"saved reading other documents \(\[data\] val_every "
+                                         r"10 -> 7\)"):
+        TokenWindows(documents, BYTE, 9, selection={"val_every": 7}).load_state_dict(state)
+    unselected = dict(state)
+    del unselected["selection"]  # a state saved before the selection was kept: loads
+    TokenWindows(documents, BYTE, 9, selection={"val_every": 10}).load_state_dict(unselected)
+
+    other = TokenWindows(datasets.Dataset.from_dict({"text": ["ab"] * 6}), BYTE, 9,
+                         selection={"val_every": 10})
+    other.load_state_dict(state)
+    with pytest.raises(DataStateMismatch, match=r"document 0 of epoch 0 on rank 0 has 4 tokens, "
+                                                r"the state points at token 10. Has \[data\] source"):
+        next(other)
+    assert DataStateMismatch.user_error
 
 
 def test_synthetic_tokens_are_deterministic_per_rank_and_resume(rng):

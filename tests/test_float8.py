@@ -26,7 +26,7 @@ from torch import nn
 
 import train
 from components.config.schema import ConfigError, Float8, Loss
-from components.config.parse import load_config, to_toml
+from components.config.parse import is_config_error, load_config, to_toml
 from components.float8_linear import check_fp8_device, convert_to_float8, has_fp8, is_float8_linear
 from models import Llama, LlamaArgs
 from parallelisms.mesh import ParallelDims
@@ -151,14 +151,17 @@ def test_conversion_skips_and_names_layers():
 def test_float8_needs_fp8_hardware_unless_emulated(tmp_path):
     assert [has_fp8(c) for c in ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))] == [
         False, False, False, True, True, True, True]
-    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU with fp8 \(compute capability >= "
+    with pytest.raises(ValueError, match=r"needs a CUDA GPU with fp8 \(compute capability >= "
                                            r"8.9\), but this run is on the cpu; set "
                                            r"\[quantize.linear.float8\] emulate = true"):
         check_fp8_device(Float8(), CPU)
     check_fp8_device(Float8(emulate=True), CPU)
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):  # through the trainer, too
+    # through the trainer, too: a config error before anything is built or recorded (it was a
+    # RuntimeError's traceback after config.toml, the tokenizer and the data)
+    with pytest.raises(ValueError, match="needs a CUDA GPU") as error:
         train.main(BASE + ["--model.converters", "quantize.linear.float8",
                            "--job.dump_folder", str(tmp_path)])
+    assert is_config_error(error.value) and not (tmp_path / "config.toml").exists()
 
 
 def _without_torchao(code: str) -> subprocess.CompletedProcess:

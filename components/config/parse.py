@@ -184,13 +184,18 @@ def _set_table(cfg: "JobConfig", where: str, table: dict) -> None:
 POSITIVE = [("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
             ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
             ("checkpoint", "interval"), ("validation", "freq"), ("validation", "steps"),
-            ("profiling", "profile_freq")]
+            ("profiling", "profile_freq"), ("training", "max_bad_steps")]
 
 
 def check_values(cfg: JobConfig) -> None:
     """Every value against its field's type (a JobConfig built or changed in code has not been
     through the parser), then what types cannot express: ranges, and keys that must agree."""
     _check_types(cfg, "")
+    if not cfg.job.dump_folder.strip():
+        raise ConfigError("[job] dump_folder is empty: name the folder the run writes to")
+    if cfg.checkpoint.load_step < -1:
+        raise ConfigError(f"[checkpoint] load_step = {cfg.checkpoint.load_step}: must be a step "
+                          ">= 0, or -1 for the latest")
     for section, key in POSITIVE:
         value = getattr(getattr(cfg, section), key)
         if value < 1:

@@ -35,5 +35,5 @@ def build_data(data: Data, training: Training, *, split: str, tokenizer: Tokeniz
     windows = TokenWindows(documents, tokenizer, seq_len, dp_rank=dp_rank, dp_world=dp_world,
                            max_token_id=max_token_id, text_field=data.text_field,
                            num_workers=data.num_workers if split == "train" else 0,
-                           name=f"{data.source} ({split})")
+                           name=f"{data.source} ({split})", selection={"val_every": data.val_every})
     return Prefetched(Batches(windows, local_batch_size))

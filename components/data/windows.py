@@ -32,6 +32,12 @@ DOCUMENTS_PER_TASK = 32  # documents tokenized together (one task of a worker)
 Window = tuple[torch.Tensor, torch.Tensor]
 
 
+class DataStateMismatch(ValueError):
+    """A resumed text source whose saved position does not fit its documents (found at the first
+    batch, in the data thread)."""
+    user_error = True  # one line and exit status 2 from train.py, no traceback
+
+
 def _is_rank_share(_example: dict, index: int, dp_rank: int, dp_world: int) -> bool:
     return index % dp_world == dp_rank
 
@@ -58,7 +64,7 @@ class TokenWindows:
 
     def __init__(self, documents: Documents, tokenizer: Tokenizer, seq_len: int, dp_rank: int = 0,
                  dp_world: int = 1, max_token_id: int | None = None, text_field: str = "text",
-                 num_workers: int = 0, name: str = "the documents"):
+                 num_workers: int = 0, name: str = "the documents", selection: dict | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}: must be >= 1")
         if not 0 <= dp_rank < dp_world:
@@ -73,6 +79,9 @@ class TokenWindows:
         self.text_field = text_field
         self.num_workers = num_workers
         self.name = name  # the source, in messages
+        # What picks the documents of `documents` besides the source's path (which may move),
+        # e.g. {"val_every": 10}: saved with the position, which means nothing under another.
+        self.selection = {"text_field": text_field, **(selection or {})}
         self._documents = documents
         if is_stream(documents):
             # By example, so document i of the stream goes to rank i % dp_world as without
@@ -139,10 +148,13 @@ class TokenWindows:
         (self._epoch, self._document), (tokens, lengths) = next(self._reader)
         if self._resume_offset:
             if (self._epoch, self._document) != expected or self._resume_offset >= lengths[0]:
-                raise ValueError(f"data state does not match the documents: document {expected[1]} of "
-                                 f"epoch {expected[0]} on rank {self.dp_rank} has "
-                                 f"{lengths[0] if (self._epoch, self._document) == expected else 0} "
-                                 f"tokens, the state points at token {self._resume_offset}")
+                raise DataStateMismatch(
+                    f"the data state does not match {self.name}: document {expected[1]} of epoch "
+                    f"{expected[0]} on rank {self.dp_rank} has "
+                    f"{lengths[0] if (self._epoch, self._document) == expected else 0} tokens, the "
+                    f"state points at token {self._resume_offset}. Has [data] source changed "
+                    "since the checkpoint? Resume with the documents it was trained on, or start "
+                    "a new run from its weights with [checkpoint] initial_load_path")
             self._position, self._resume_offset = self._resume_offset, 0
         else:
             self._position = 0
@@ -190,7 +202,7 @@ class TokenWindows:
             document = self._document + within
             token_offset = self._position - (int(self._ends[within - 1]) if within else 0)
         return {"epoch": self._epoch, "document": document, "token_offset": token_offset,
-                "dp_rank": self.dp_rank, "dp_world": self.dp_world}
+                "dp_rank": self.dp_rank, "dp_world": self.dp_world, "selection": self.selection}
 
     def read_more_than_once(self, state: dict) -> list[str]:
         """[the source's name] when this rank had begun reading its documents again at the state."""
@@ -202,6 +214,12 @@ class TokenWindows:
         if (state["dp_rank"], state["dp_world"]) != (self.dp_rank, self.dp_world):
             raise ValueError(f"data state was saved by rank {state['dp_rank']} of {state['dp_world']}, "
                              f"this is rank {self.dp_rank} of {self.dp_world}: the document shares differ")
+        saved = state.get("selection", self.selection)  # states saved before it was kept have none
+        if saved != self.selection:
+            changed = ", ".join(f"[data] {k} {saved.get(k)!r} -> {self.selection.get(k)!r}"
+                                for k in sorted(set(saved) | set(self.selection))
+                                if saved.get(k) != self.selection.get(k))
+            raise ValueError(f"data state was saved reading other documents ({changed})")
         if self._share is not None and not 0 <= state["document"] <= len(self._share):
             raise ValueError(f"data state points at document {state['document']}, but rank {self.dp_rank} "
                              f"has {len(self._share)} documents")
