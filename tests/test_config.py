@@ -418,6 +418,11 @@ def test_settings_checked_before_the_model_is_built_are_config_errors(tmp_path, 
     (["--job.dump_folder", ""], r"\[job\] dump_folder is empty"),  # it wrote into the current folder
     (["--training.max_bad_steps", "0"], r"\[training\] max_bad_steps = 0: must be >= 1"),
     (["--checkpoint.load_step", "-5"], r"\[checkpoint\] load_step = -5: must be a step >= 0"),
+    # these two named no section; the tokenizer file was silently not read
+    (["--data.val_every", "1"], r"\[data\] val_every = 1: must be >= 2"),
+    (["--model.vocab_size", "-3"], r"\[model\] vocab_size = -3: must be >= 1, or 0"),
+    (["--tokenizer.path", "tok.json"], r"\[tokenizer\] path = 'tok.json' is set, but name = "
+                                       r"\"byte\" reads no file"),
 ])
 def test_values_out_of_range(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -494,7 +499,8 @@ def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "c.toml").write_text('[job]\ndump_folder = "~/runs/a"\n')
     cfg = load_config(["--config", "~/c.toml", "--checkpoint.initial_load_path=~/hf",
-                       "--tokenizer.path", "~/tok.json", "--data.cache_dir", "~/cache"])
+                       "--tokenizer.name", "hf", "--tokenizer.path", "~/tok.json",
+                       "--data.cache_dir", "~/cache"])
     assert cfg.job.dump_folder == str(tmp_path / "runs/a")
     assert cfg.checkpoint.initial_load_path == str(tmp_path / "hf")
     assert cfg.tokenizer.path == str(tmp_path / "tok.json")

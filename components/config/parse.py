@@ -209,6 +209,15 @@ def check_values(cfg: JobConfig) -> None:
                           "wavelengths), or 0 for the flavor's")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
+    if cfg.data.val_every < 2:
+        raise ConfigError(f"[data] val_every = {cfg.data.val_every}: must be >= 2 (every n-th "
+                          "document is held out; 1 would hold out all)")
+    if cfg.model.vocab_size < 0:
+        raise ConfigError(f"[model] vocab_size = {cfg.model.vocab_size}: must be >= 1, or 0 for "
+                          "the flavor's")
+    if cfg.tokenizer.name == "byte" and cfg.tokenizer.path:
+        raise ConfigError(f"[tokenizer] path = {cfg.tokenizer.path!r} is set, but name = \"byte\" "
+                          "reads no file: set name = \"hf\" to use it, or leave path empty")
     if math.isnan(cfg.training.max_norm):  # every comparison with it is false: no clipping
         raise ConfigError("[training] max_norm = nan: must be a number (0 or less: no clipping)")
     if cfg.checkpoint.keep_latest_k < 0:

@@ -352,7 +352,8 @@ def reconcile(out: Path, settings: dict, units: list[Unit], files: dict | None) 
         differences.append(f"source: {plan['source']} -> {settings['source']}")
     if differences:
         raise PrepareError(f"{out} was begun with other settings ({'; '.join(differences)}): finish it with "
-                           f"the arguments it was begun with, or write to another --out")
+                           f"the arguments it was begun with, or write to another --out (or delete {out}: it holds only "
+                           f"this preparation's work)")
     planned = [Unit(**u) for u in plan["units"]]
     if files is not None:
         done = {p.stem for p in (out / UNITS).glob("*.json")}
