@@ -559,10 +559,16 @@ class Checkpointer:
                 and self.read_hf_folder is not None:
             self._load_hf_folder(path)
             return "a Hugging Face folder"
+        steps = {} if (path / ".metadata").is_file() else list_checkpoints(path, resumable=False)
+        if steps:  # a run's checkpoint folder, as generate, evaluate and export_hf take it
+            path = steps[max(steps)]
+            if self.rank == 0:
+                print(f"checkpoint: [checkpoint] initial_load_path holds step folders: loading "
+                      f"the latest complete one, {path}", flush=True)
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: neither a DCP "
                                     "checkpoint folder (no .metadata) nor a Hugging Face model "
-                                    "folder (no config.json)")
+                                    "folder (no config.json), nor a folder of step-<N> checkpoints")
         model_sd = plain_weights(get_model_state_dict(self.model))
         check_model_shapes(path, model_sd)
         saved = saved_tokenizer(path)

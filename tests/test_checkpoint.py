@@ -153,6 +153,14 @@ def test_initial_load_path_loads_weights_only(tmp_path):
                               "--checkpoint.initial_load_path", str(trained / "checkpoint/step-30"),
                               "--job.dump_folder", str(warm)]) == 0
     assert losses(warm)[1] < losses(fresh)[1] - 1.0
+    # the run's checkpoint folder, as generate/evaluate/export_hf take it: its latest step (it
+    # was "neither a DCP checkpoint folder nor a Hugging Face model folder")
+    parent = tmp_path / "parent"
+    assert train.main(BASE + ["--training.steps", "1", "--lr_scheduler.warmup_steps", "0",
+                              "--checkpoint.enable_checkpoint", "false",
+                              "--checkpoint.initial_load_path", str(trained / "checkpoint"),
+                              "--job.dump_folder", str(parent)]) == 0
+    assert losses(parent) == pytest.approx(losses(warm), abs=1e-6)
     # enable = false in a dump folder that holds an earlier run's step-30: that run's checkpoint
     # is not resumed (this run saves nothing), the weights come from initial_load_path.
     assert train.main(BASE + ["--training.steps", "1", "--lr_scheduler.warmup_steps", "0",

@@ -291,7 +291,7 @@ class Checkpoint:
     load_step: int = -1
     """The step to resume from; -1: the latest."""
     initial_load_path: str = ""
-    """Weights to start from when there is no checkpoint to resume: a step folder or a Hugging Face model folder.
+    """Weights to start from when there is no checkpoint to resume: a step folder (or a checkpoint folder: its latest) or a Hugging Face model folder.
 
     Loaded with enable = false too (a run that saves nothing never resumes either). A Hugging
     Face folder also gives the tokenizer (when [tokenizer] is all defaults) and the vocab size
