@@ -429,6 +429,14 @@ def test_values_out_of_range(argv, message):
         load_config(argv)
 
 
+def test_a_key_and_its_older_name_in_one_table(tmp_path):
+    """enable_checkpoint (torchtitan v0.1) beside enable: the later one won, silently."""
+    (tmp_path / "c.toml").write_text("[checkpoint]\nenable = true\nenable_checkpoint = false\n")
+    with pytest.raises(ConfigError, match=r"\[checkpoint\] sets both enable and its older name "
+                                          r"enable_checkpoint"):
+        load_config(["--config", str(tmp_path / "c.toml")])
+
+
 def _data_mistake(tmp_path: Path, mistake: str) -> list[str]:
     """The command-line arguments of a run that makes it (its files written here)."""
     import json

@@ -174,6 +174,9 @@ def _set(section, where: str, key: str, value: Any, from_text: bool) -> None:
 def _set_table(cfg: "JobConfig", where: str, table: dict) -> None:
     """A TOML table's keys; nested tables are subsections ([quantize.linear.float8])."""
     section = _section(cfg, where)
+    for (aliased, old), key in ALIASES.items():
+        if aliased == where and old in table and key in table:  # else the later one won, silently
+            raise ConfigError(f"[{where}] sets both {key} and its older name {old}: keep one")
     for key, value in table.items():
         if isinstance(value, dict) and key not in _keys(section):
             _set_table(cfg, f"{where}.{key}", value)
