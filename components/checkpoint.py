@@ -523,7 +523,11 @@ class Checkpointer:
             if extra["cuda_rng"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(extra["cuda_rng"])
         else:
-            self._load_data_state(None, step)
+            saved = len(list(path.glob("rank-*.pt")))
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            self._load_data_state(None, step, f"no data state for this rank: {rank_file.name} is "
+                                  f"not in the checkpoint ({saved} rank files; {world} ranks "
+                                  "now)")
         return TrainState(step, tokens_seen)
 
     def _rank_file(self, path: Path) -> Path:
@@ -541,10 +545,10 @@ class Checkpointer:
         ranks_per_dp_rank = max(len(list(path.glob("rank-*.pt"))) // max(saved_dp_world, 1), 1)
         return path / f"rank-{self.dp_rank * ranks_per_dp_rank}.pt"
 
-    def _load_data_state(self, state: Optional[dict], step: int) -> None:
+    def _load_data_state(self, state: Optional[dict], step: int, why_none: str = "") -> None:
         try:
             if state is None:
-                raise ValueError("no data state for this rank (the world size grew)")
+                raise ValueError(why_none)
             self.data.load_state_dict(state)
         except ValueError as e:  # saved under another data-parallel layout
             try:

@@ -80,6 +80,20 @@ def test_resuming_under_another_val_every_or_tokenizer(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.startswith("config error: [tokenizer] is not the tokenizer")
 
 
+def test_a_missing_rank_file_without_checksums_is_named(tmp_path):
+    """A checkpoint from before checksums.json, its rank-0.pt gone: the data restarts, saying
+    the file is missing (the warning said "the world size grew", at the same world size)."""
+    dump = tmp_path / "run"
+    assert train.main(BASE + ["--training.steps", "2", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    for name in ("checksums.json", "rank-0.pt"):
+        (dump / "checkpoint" / "step-2" / name).unlink()
+    with pytest.warns(UserWarning, match=r"data iterator not restored \(no data state for this "
+                                         r"rank: rank-0.pt is not in the checkpoint \(0 rank "
+                                         r"files; 1 ranks now\)\)"):
+        assert train.main(BASE + ["--training.steps", "3", "--job.dump_folder", str(dump)]) == 0
+
+
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_each_save_is_logged_when_committed(tmp_path, capsys, mode):
     dump = tmp_path / mode

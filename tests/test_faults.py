@@ -135,7 +135,7 @@ DAMAGE = {  # what is done to a file of step-4, and how the warning describes it
 
 @pytest.mark.parametrize("file,damage", [
     ("__0_0.distcp", "overwritten"),  # 256 bytes of the weights: resumed into NaN losses before
-    ("rank-0.pt", "missing"),  # the data restarted from its beginning ("the world size grew")
+    ("rank-0.pt", "missing"),  # the data restarted from its beginning (a warning, no fallback)
     ("__0_0.distcp", "emptied"),
     (".metadata", "cut_short"),
     ("train_state.json", "garbled"),
