@@ -162,6 +162,12 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 # The tensor- and context-parallel ranks of a data-parallel rank all read the same batch
 # (dims.same_batch = tp x cp of them), so a sum over the world counts what each of them holds
 # whole that many times, and a device trains on its share of the batch's tokens:
@@ -237,7 +243,11 @@ def train_step(model, micro, optimizer, scheduler, params, max_norm: float, same
             loss.backward()
         loss_sum += loss.detach()
     norm = grad_norm_and_clip(params, max_norm)
-    bad = ~(torch.isfinite(norm) & torch.isfinite(loss_sum))
+    # Every rank must decide alike: a rank skipping its update alone leaves its FSDP shards
+    # behind the others'. The norm is global, but a rank's loss (its part of the batch's) may be
+    # non-finite with finite gradients (a softmax gradient is bounded), so one more tiny
+    # all-reduce, no host sync.
+    bad = all_reduce_max((~(torch.isfinite(norm) & torch.isfinite(loss_sum))).float()) > 0
     if optimizer.defaults.get("fused"):
         optimizer.found_inf = bad.float()  # fused AdamW skips the update on the device
         optimizer.step()
@@ -403,10 +413,18 @@ class Validation:
 def nan_loss_at_test_steps(model: torch.nn.Module, scheduler) -> None:
     """Test-only fault injection (tests/test_train.py): FLCE_TEST_NAN_STEPS=2,5 makes the training
     loss NaN at those steps, as a bad batch would. Without it (always outside the tests) nothing is
-    installed. The step is the schedule's: scheduler.step() runs once a step, bad steps too."""
+    installed. The step is the schedule's: scheduler.step() runs once a step, bad steps too.
+    FLCE_TEST_NAN_RANK=r: only rank r's loss, and only its value (its gradients stay finite)."""
     steps = {int(s) for s in os.environ.get("FLCE_TEST_NAN_STEPS", "").split(",") if s.strip()}
-    if steps:
+    rank = os.environ.get("FLCE_TEST_NAN_RANK")
+    if not steps:
+        return
+    if rank is None:
         model.register_forward_hook(lambda module, args, loss: loss * float("nan") if (
+            module.training and scheduler.last_epoch + 1 in steps) else None)
+    elif dist.get_rank() == int(rank):
+        # + NaN: the value is NaN, the gradient (1 x upstream) is not
+        model.register_forward_hook(lambda module, args, loss: loss + float("nan") if (
             module.training and scheduler.last_epoch + 1 in steps) else None)
 
 

@@ -130,6 +130,27 @@ def test_non_finite_steps_between_log_steps(tmp_path, monkeypatch, policy, nan_s
         assert sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) == saved
 
 
+@pytest.mark.slow
+def test_ranks_skip_a_step_together(tmp_path):
+    """FSDP over 2 processes, rank 1's loss alone non-finite at step 2 with finite gradients:
+    every rank skips that update, as when every loss and gradient is NaN. Each rank decided
+    alone before: rank 0 stepped its shards while rank 1 did not, so the weights went on from a
+    half-updated state (step 3's loss differed), silently."""
+    def run_2(name: str, **env) -> list[dict]:
+        args = SMALL + ["--training.steps", "3", "--training.local_batch_size", "2",
+                        "--data.synthetic", "true", "--job.dump_folder", str(tmp_path / name)]
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", str(ROOT / "train.py"), *args], check=True,
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                      "FLCE_TEST_NAN_STEPS": "2", **env}, timeout=300)
+        return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    one_rank, every_rank = run_2("one_rank", FLCE_TEST_NAN_RANK="1"), run_2("every_rank")
+    assert [(r["step"], r["bad_steps"]) for r in one_rank] == [(1, 0), (2, 1), (3, 1)]
+    assert math.isfinite(one_rank[1]["grad_norm"])  # the gradients were finite
+    assert abs(one_rank[2]["loss"] - every_rank[2]["loss"]) <= 1e-6
+
+
 def test_logged_lr_is_the_lr_each_step_used(tmp_path):
     code, _, rows = run(tmp_path, "lr", "--training.steps", "6")
     assert code == 0
