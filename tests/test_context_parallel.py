@@ -154,9 +154,12 @@ LAYOUTS = {  # name: (processes, overrides); the global batch is 4 windows of 64
                                    "--parallelism.tensor_parallel_degree", "2",
                                    "--activation_checkpoint.mode", "selective",
                                    "--activation_checkpoint.selective_ac_option", "op"]),
-    "hsdp2_cp2_vocab_unfused": (4, ["--parallelism.context_parallel_degree", "2",
-                                    "--parallelism.data_parallel_replicate_degree", "2",
-                                    "--loss.impl", "unfused", "--loss.parallel", "vocab"]),
+    # (this was "hsdp2_cp2_vocab_unfused": with tp 1 the loss-parallel mode did nothing)
+    "hsdp2_cp2_unfused": (4, ["--parallelism.context_parallel_degree", "2",
+                              "--parallelism.data_parallel_replicate_degree", "2",
+                              "--loss.impl", "unfused"]),
+    "cp2_tp2_vocab": (4, ["--parallelism.context_parallel_degree", "2",
+                          "--parallelism.tensor_parallel_degree", "2", "--loss.parallel", "vocab"]),
 }
 
 

@@ -72,7 +72,8 @@ def single(tmp_path_factory):
 
 
 # Each launch costs ~10 s of CI: a layout whose parts another one already runs together is left
-# out (tp=2 with the sequence-parallel flce runs under full AC below, the vocab-parallel flce at
+# out (tp=2 with the sequence-parallel flce runs under every-other-block AC below, full AC under
+# context parallelism in test_context_parallel.py, the vocab-parallel flce at
 # dp_shard=2 x tp=2 under per-op selective AC, the unfused loss under FSDP at dp_shard=2 x tp=2).
 LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, AC mode[:option]])
     (2, 1, 1, "sequence", "flce"),  # FSDP: dp_shard=2 (the loss-parallel mode needs tp > 1)
@@ -80,7 +81,8 @@ LAYOUTS = [  # (processes, dp_replicate, tp, loss parallel, loss impl[, AC mode[
     (4, 1, 2, "sequence", "flce"),
     (4, 1, 2, "vocab", "unfused"),
     (4, 2, 1, "sequence", "flce"),  # HSDP: replicate 2 x shard 2
-    (2, 1, 2, "sequence", "flce", "full"),  # with activation checkpointing (TP plan before AC)
+    # every other block checkpointed (TP plan before AC), the others not
+    (2, 1, 2, "sequence", "flce", "selective:2"),
     (4, 1, 2, "vocab", "flce", "selective:op"),  # per-op: TP's reduce-scatters kept
 ]
 
@@ -107,6 +109,28 @@ def test_layout_matches_one_process(tmp_path, single, layout):
     # lr 3e-3; the styles themselves match float64 to 1e-9 (test_loss_parallel.py).
     w_ref, w_got = weights(single, 5, tmp_path), weights(dump, 5, tmp_path)
     assert w_ref.keys() == w_got.keys()
+    for name in w_ref:
+        torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=3e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_clipping_under_dp_and_tp_matches_one_process(tmp_path):
+    """The layouts above never clip (grad norms 0.45-0.73 under max_norm 1) and AdamW would hide a
+    wrong clip factor (it divides by sqrt(v)): here max_norm 0.3 clips every step and eps 1
+    makes the update follow the gradient's size, so the losses and weights show the factor that
+    grad_norm_and_clip applies across the DTensor groups of dp_shard=2 x tp=2."""
+    clip = ["--training.max_norm", "0.3", "--optimizer.eps", "1.0", "--optimizer.lr", "3.0"]
+    ref_dump, dump = tmp_path / "single", tmp_path / "run"
+    assert train.main(BASE + clip + ["--training.local_batch_size", str(GLOBAL_BATCH),
+                                     "--job.dump_folder", str(ref_dump)]) == 0
+    torchrun(4, dump, *clip, "--parallelism.tensor_parallel_degree", "2", "--loss.parallel",
+             "vocab", "--training.local_batch_size", str(GLOBAL_BATCH // 2))
+    ref, got = metrics(ref_dump), metrics(dump)
+    assert all(ref[s]["grad_norm"] > 0.3 for s in ref)  # clipped at every step
+    for step in got:
+        for key in ("loss", "grad_norm"):
+            assert abs(got[step][key] - ref[step][key]) <= 1e-5, (step, key)
+    w_ref, w_got = weights(ref_dump, 5, tmp_path), weights(dump, 5, tmp_path)
     for name in w_ref:
         torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=3e-5, msg=name)
 
