@@ -355,6 +355,9 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         check_metrics_backends(cfg.metrics)
         args = model_args(cfg, tokenizer.vocab_size, dims)
         TrainingLoss(cfg.loss)
+        if cfg.loss.memory_lean and cfg.loss.impl != "flce":
+            log(f"warning: [loss] memory_lean = true applies to impl = \"flce\" only; "
+                f"impl = {cfg.loss.impl!r} ignores it")
         check_ac_settings(cfg.activation_checkpoint.mode,
                           cfg.activation_checkpoint.selective_ac_option)
         check_sdpa_backend(cfg.model.sdpa_backend, device)

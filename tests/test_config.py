@@ -429,6 +429,15 @@ def test_values_out_of_range(argv, message):
         load_config(argv)
 
 
+def test_memory_lean_with_an_unfused_loss_warns(tmp_path, capsys):
+    import train
+    assert train.main(["--loss.impl", "unfused", "--loss.memory_lean", "true", "--training.steps",
+                       "1", "--job.dump_folder", str(tmp_path), "--job.print_config", "false",
+                       "--validation.enable", "false", "--training.seq_len", "32"]) == 0
+    assert ('warning: [loss] memory_lean = true applies to impl = "flce" only; impl = '
+            "'unfused' ignores it") in capsys.readouterr().out
+
+
 def test_a_key_and_its_older_name_in_one_table(tmp_path):
     """enable_checkpoint (torchtitan v0.1) beside enable: the later one won, silently."""
     (tmp_path / "c.toml").write_text("[checkpoint]\nenable = true\nenable_checkpoint = false\n")
