@@ -15,7 +15,10 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
     at least top_p (1: all) stay candidates."""
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits.float() / temperature
+    # shifted so that the largest is 0 before the division: at a tiny temperature the others go
+    # to -inf (greedy in the limit) instead of the largest to +inf (softmax NaN: 1e-38 failed)
+    logits = logits.float()
+    logits = (logits - logits.max()) / temperature
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -31,8 +34,8 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p:
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature}: expected >= 0 (0: greedy)")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature={temperature}: expected a finite number >= 0 (0: greedy)")
     if top_k < 0:
         raise ValueError(f"top_k={top_k}: expected >= 0 (0: no limit)")
     if not 0 < top_p <= 1:

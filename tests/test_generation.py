@@ -109,6 +109,11 @@ def test_sampling_follows_temperature_top_k_and_top_p():
     assert sample_next(logits, temperature=0) == 0
     assert sample_next(logits, top_k=1, generator=g) == 0
     assert sample_next(logits, top_p=1e-6, generator=g) == 0
+    # a tiny temperature is greedy in the limit: 1e-38 overflowed the largest logit to inf, and
+    # the softmax's NaN failed torch.multinomial; rows masked to -inf stay out
+    masked = torch.cat([logits * 100, torch.full((3,), float("-inf"))])
+    for temperature in (1e-38, 1e-45):
+        assert sample_next(masked, temperature=temperature, generator=g) == 0
 
 
 def test_generation_stops_at_eos_keeps_to_the_tokenizer_and_is_seeded(rng):
@@ -145,6 +150,8 @@ def test_generation_errors_name_the_problem():
         generate(model, [1], 1, top_p=0)
     with pytest.raises(ValueError, match="temperature=-1"):
         generate(model, [1], 1, temperature=-1)
+    with pytest.raises(ValueError, match="temperature=inf: expected a finite number"):
+        generate(model, [1], 1, temperature=float("inf"))
     with pytest.raises(ValueError, match="no tokens"):
         generate(model, [], 1)
 
