@@ -76,6 +76,7 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None):
         """path: the tokenizer.json, or a folder holding one (a Hugging Face model folder)."""
+        self._fingerprint: str | None = None
         self.path = Path(path).expanduser()
         if self.path.is_dir():
             if not (self.path / TOKENIZER_FILE).is_file():
@@ -176,10 +177,13 @@ class HFTokenizer:
 
     def fingerprint(self) -> str:
         """What the ids mean: every token's id, and the ids that frame documents. Not the file's
-        bytes, which another `tokenizers` version may serialise differently."""
-        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
-        return _sha256({"tokens": sorted((i, t) for t, i in vocab.items()), "bos_id": self.bos_id,
-                        "eos_id": self.eos_id})
+        bytes, which another `tokenizers` version may serialise differently. Computed once (a
+        resumed run asks twice; sorting a 128k vocabulary takes ~0.1 s)."""
+        if self._fingerprint is None:
+            vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+            self._fingerprint = _sha256({"tokens": sorted((i, t) for t, i in vocab.items()),
+                                         "bos_id": self.bos_id, "eos_id": self.eos_id})
+        return self._fingerprint
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)

@@ -14,7 +14,6 @@ checkpoint with no "model" entry, the top-level tensors (torchtitan's layout). R
 tokenizer paths in config.toml are read from the current directory, as the run did.
 """
 
-import json
 import os
 import sys
 import warnings
@@ -26,7 +25,7 @@ import torch
 from torch import Tensor
 
 from components import safe_dcp
-from components.checkpoint import list_checkpoints
+from components.checkpoint import list_checkpoints, saved_tokenizer
 from components.checkpoint_manifest import find_damage
 from components.config.schema import JobConfig
 from components.config.parse import load_config
@@ -217,11 +216,9 @@ def _trained_tokenizer(folder: Path, config: JobConfig | None) -> tuple[str, int
     """(fingerprint, vocab size, what) of the tokenizer the run trained with: recorded in the
     checkpoint's train_state.json, else (config given) the run's [tokenizer] when it is at hand;
     None when neither tells."""
-    try:
-        record = json.loads((folder / "train_state.json").read_text()).get("tokenizer")
-        return str(record["fingerprint"]), int(record["vocab_size"]), "the run's tokenizer"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+    record = saved_tokenizer(folder)
+    if record is not None:
+        return record["fingerprint"], record["vocab_size"], "the run's tokenizer"
     if config is None:
         return None
     try:
