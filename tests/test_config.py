@@ -438,6 +438,17 @@ def test_memory_lean_with_an_unfused_loss_warns(tmp_path, capsys):
             "'unfused' ignores it") in capsys.readouterr().out
 
 
+def test_a_vocab_parallel_loss_without_tensor_parallelism_warns(tmp_path, capsys):
+    """The setting did nothing, silently: the output layer is only sharded over TP ranks."""
+    import train
+    assert train.main(["--loss.parallel", "vocab", "--training.steps", "1", "--job.dump_folder",
+                       str(tmp_path), "--job.print_config", "false", "--validation.enable",
+                       "false", "--training.seq_len", "32"]) == 0
+    assert ('warning: [loss] parallel = "vocab" shards the output layer over the tensor-parallel '
+            "ranks; with [parallelism] tensor_parallel_degree = 1 it does nothing"
+            ) in capsys.readouterr().out
+
+
 def test_a_key_and_its_older_name_in_one_table(tmp_path):
     """enable_checkpoint (torchtitan v0.1) beside enable: the later one won, silently."""
     (tmp_path / "c.toml").write_text("[checkpoint]\nenable = true\nenable_checkpoint = false\n")
