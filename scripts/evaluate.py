@@ -48,6 +48,12 @@ def data_parallel_ranks(folder: Path, cfg: JobConfig) -> int:
     return max(world // same_batch, 1)
 
 
+def given(value: int | None, default: int) -> int:
+    """An option's value, or the run's when it was not given (0 stood for that once, so that
+    --steps 0 evaluated the run's 20 batches without a word)."""
+    return default if value is None else value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m scripts.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,18 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="validation",
                         help="validation (the run's held-out documents) or train, or a split "
                              "the source has")
-    parser.add_argument("--val-every", type=int, default=0,
+    parser.add_argument("--val-every", type=int, default=None,
                         help="every n-th document is held out (default: the run's [data] "
                              "val_every)")
     parser.add_argument("--cache-dir", default=None, help="default: the run's [data] cache_dir")
-    parser.add_argument("--steps", type=int, default=0,
+    parser.add_argument("--steps", type=int, default=None,
                         help="batches to evaluate (default: the run's [validation] steps, 20 for "
                              "a Hugging Face folder)")
-    parser.add_argument("--batch-size", type=int, default=0,
+    parser.add_argument("--batch-size", type=int, default=None,
                         help="windows per batch, one share of the data (default: the run's "
                              "[training] local_batch_size on each of its data-parallel ranks' "
                              "shares, 8 for a Hugging Face folder)")
-    parser.add_argument("--seq-len", type=int, default=0,
+    parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per window (default: the run's [training] seq_len, 2048 "
                              "for a Hugging Face folder)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -84,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
 
     try:
-        for name in ("steps", "batch_size", "seq_len", "val_every"):
-            if getattr(opts, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(opts, name)}: expected > 0")
+        for name, least in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("val_every", 2)):
+            value = getattr(opts, name)
+            if value is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: expected >= {least}")
         device = pick_device(opts.device)
         loaded = checkpoints.load_model(opts.checkpoint, device, pick_dtype(opts.dtype, device),
                                         tokenizer_path=opts.tokenizer)
@@ -94,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         if loaded.config is None and opts.source is None:
             raise ValueError(f"{loaded.folder} is a Hugging Face folder: pass --source")
         run = loaded.config is not None
-        seq_len = opts.seq_len or (cfg.training.seq_len if run
-                                   else min(2048, loaded.args.max_seq_len))
-        steps = opts.steps or (cfg.validation.steps if run else 20)
-        batch_size = opts.batch_size or (cfg.training.local_batch_size if run else 8)
+        seq_len = given(opts.seq_len, cfg.training.seq_len if run
+                        else min(2048, loaded.args.max_seq_len))
+        steps = given(opts.steps, cfg.validation.steps if run else 20)
+        batch_size = given(opts.batch_size, cfg.training.local_batch_size if run else 8)
         if seq_len > loaded.model.rope_cache.shape[0]:
             raise ValueError(f"--seq-len {seq_len} exceeds the model's {loaded.args.max_seq_len}")
         source = opts.source or cfg.data.source
@@ -106,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         scored = ",".join(f"{m.source}:{m.weight:g}" for m in mixture) or source
         data = dataclasses.replace(
             cfg.data, source=source, mixture=mixture,
-            synthetic=False, val_every=opts.val_every or cfg.data.val_every,
+            synthetic=False, val_every=given(opts.val_every, cfg.data.val_every),
             cache_dir=opts.cache_dir or cfg.data.cache_dir)
         # a run on several data-parallel ranks validated each rank's share of the documents
         # (components/data/): score every share, as many batches each, as the run did
-        dp = 1 if opts.batch_size or not run else data_parallel_ranks(loaded.folder, cfg)
+        dp = 1 if opts.batch_size is not None or not run else data_parallel_ranks(loaded.folder, cfg)
         windows = Training(seq_len=seq_len, local_batch_size=batch_size)  # validation ignores seed
         shares = [build_data(data, windows, split=opts.split, tokenizer=loaded.tokenizer,
                              dp_rank=r, dp_world=dp, max_token_id=loaded.args.vocab_size)

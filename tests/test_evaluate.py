@@ -167,6 +167,15 @@ def test_another_vocabulary_than_the_runs_is_refused(run, tmp_path, capsys):
                           "--prompt", "def", "--max-new-tokens", "2"]) == 0
 
 
+@pytest.mark.parametrize("option, value, least", [("--steps", "0", 1), ("--batch-size", "0", 1),
+                                                  ("--seq-len", "0", 1), ("--val-every", "1", 2)])
+def test_options_below_their_least_value_are_refused(run, capsys, option, value, least):
+    """--steps 0 (and the other sizes at 0) quietly meant the run's own value."""
+    assert load_script("evaluate").main(["--checkpoint", str(run["dump"] / "checkpoint"),
+                                         option, value]) == 1
+    assert f"{option} {value}: expected >= {least}" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_evaluate_reproduces_a_two_rank_runs_validation(tmp_path, capsys):
     """Each data-parallel rank validates its own share of the documents: evaluating rank 0's
