@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         folder = checkpoints.resolve(opts.checkpoint)
+        if hf.is_hf_folder(folder):
+            raise ValueError(f"{folder} is a Hugging Face folder already: export_hf converts a "
+                             "DCP checkpoint or a torch.save file")
         out = Path(opts.out).resolve()
         if out == folder.resolve() or out in folder.resolve().parents:
             # --overwrite would replace it: the run's checkpoints (or whole dump folder) gone

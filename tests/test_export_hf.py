@@ -358,6 +358,17 @@ def test_a_trainers_checkpoint_exports_from_its_path_alone(tmp_path):
     assert _max_logit_diff(ours, out) < 1e-4
 
 
+def test_a_hugging_face_folder_is_not_exported_again(tmp_path, capsys):
+    """It was read as a checkpoint without config.toml: "pass --flavor", which led nowhere."""
+    folder = _train(tmp_path / "run", "--model.vocab_size", "300")
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 0
+    assert export_hf.main(["--checkpoint", str(tmp_path / "hf"), "--out",
+                           str(tmp_path / "again")]) == 1
+    assert (f"{tmp_path / 'hf'} is a Hugging Face folder already: export_hf converts a DCP "
+            "checkpoint or a torch.save file") in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
+
+
 def test_a_runs_hf_tokenizer_is_copied_with_its_ids(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
