@@ -51,6 +51,11 @@ DTYPES = hf.DTYPES
 # Written into every exported folder: --overwrite replaces only folders holding it.
 MARKER = "export_hf.json"
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# Every name an export writes (weights as models/hf.py names them, the tokenizer's files, the
+# marker): --overwrite replaces a folder holding nothing else.
+_EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map"
+                       r"|export_hf)\.json|model(-\d{5,}-of-\d{5,})?\.safetensors"
+                       r"|model\.safetensors\.index\.json")
 
 
 # ------------------------------------------------------------------------------------ checking
@@ -234,11 +239,16 @@ def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
     if not overwrite:
         raise FileExistsError(f"output {str(out_dir)!r} already exists (pass overwrite=True / "
                               "--overwrite to replace it)")
-    if MARKER not in held:
-        shown = ", ".join(held[:8]) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
-        raise FileExistsError(f"output {str(out_dir)!r} holds {shown}, and no {MARKER}: not "
-                              "written by this tool, so --overwrite does not replace it; remove it "
-                              "yourself or pick another --out")
+    foreign = [name for name in held if not _EXPORTED.fullmatch(name)]
+    if MARKER not in held or foreign:
+        # a run's dump folder may be an earlier export that a run trained on (initial_load_path)
+        # and wrote its checkpoints, metrics and lock into: replacing it would delete them
+        listed = foreign if MARKER in held else held
+        shown = ", ".join(listed[:8]) + (f", ... ({len(listed)} in all)" if len(listed) > 8 else "")
+        why = f"besides an export ({MARKER})" if MARKER in held else f"and no {MARKER}"
+        raise FileExistsError(f"output {str(out_dir)!r} holds {shown}, {why}: not written by this "
+                              "tool alone, so --overwrite does not replace it; remove it yourself or "
+                              "pick another --out")
 
 
 def _full_cpu(value: Tensor, dtype: torch.dtype) -> Tensor:
@@ -316,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                              "exported model would give other logits")
         tokenizer = None
         if cfg is not None:
-            tokenizer = checkpoints.run_tokenizer(cfg, opts.tokenizer)
+            tokenizer = checkpoints.checked_run_tokenizer(folder, cfg, opts.tokenizer)
         elif opts.tokenizer:
             tokenizer = HFTokenizer(opts.tokenizer)
         else:

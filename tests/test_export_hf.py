@@ -321,6 +321,24 @@ def test_overwrite_replaces_only_an_earlier_export(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-run", "state.pt"]
 
 
+def test_overwrite_keeps_a_run_written_into_an_earlier_export(tmp_path, capsys):
+    """A run that trained from an export (initial_load_path) with that folder as its dump folder
+    wrote its checkpoints, metrics and lock beside export_hf.json: --overwrite deleted them."""
+    torch.save(_debug_state(), tmp_path / "state.pt")
+    export = ["--checkpoint", str(tmp_path / "state.pt"), "--flavor", "debug", "--out",
+              str(tmp_path / "hf"), "--overwrite"]
+    assert export_hf.main(export) == 0
+    assert export_hf.main(export) == 0  # an export alone is replaced
+    (tmp_path / "hf" / "checkpoint" / "step-2").mkdir(parents=True)
+    (tmp_path / "hf" / "metrics.jsonl").write_text("{}\n")
+    capsys.readouterr()
+    assert export_hf.main(export) == 1
+    assert (f"output {str(tmp_path / 'hf')!r} holds checkpoint, metrics.jsonl, besides an export "
+            "(export_hf.json): not written by this tool alone") in capsys.readouterr().err
+    assert (tmp_path / "hf" / "checkpoint" / "step-2").is_dir()
+    assert (tmp_path / "hf" / "metrics.jsonl").is_file()
+
+
 # ------------------------------------------------------------------------ a trainer's checkpoint
 
 RUN = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
@@ -367,6 +385,27 @@ def test_a_hugging_face_folder_is_not_exported_again(tmp_path, capsys):
     assert (f"{tmp_path / 'hf'} is a Hugging Face folder already: export_hf converts a DCP "
             "checkpoint or a torch.save file") in capsys.readouterr().err
     assert not (tmp_path / "again").exists()
+
+
+def test_a_replaced_tokenizer_file_is_refused(tmp_path, capsys):
+    """The run's [tokenizer] path (or --tokenizer) holding another vocabulary than the one
+    trained with was exported without a word: ids that mean other tokens. generate and evaluate
+    refused it already (train_state.json records the tokenizer's fingerprint)."""
+    path = _bpe_tokenizer(tmp_path / "tok").path
+    folder = _train(tmp_path / "run", "--tokenizer.name", "hf", "--tokenizer.path", str(path))
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # two tokens' ids swapped
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(spec))
+    for given in (["--tokenizer", str(other)], []):
+        if not given:
+            path.write_bytes(other.read_bytes())  # the run's own file replaced since
+        out = tmp_path / f"hf{len(given)}"
+        assert export_hf.main(["--checkpoint", str(folder), "--out", str(out), *given]) == 1
+        assert ("ids as the run's tokenizer had, but other tokens or bos/eos ids: the model's ids "
+                "would mean other tokens") in capsys.readouterr().err
+        assert not out.exists()
 
 
 def test_a_runs_hf_tokenizer_is_copied_with_its_ids(tmp_path):

@@ -242,6 +242,16 @@ def _check_vocabulary(tokenizer, path, fingerprint: str, vocab_size: int,
                      "tokenizer the model was trained with")
 
 
+def checked_run_tokenizer(folder: Path, config: JobConfig, path: str | None = None):
+    """The run's tokenizer (or the one at path), refused when it is not the one the checkpoint
+    in folder was trained with: the run's tokenizer file may have been replaced since."""
+    tokenizer = run_tokenizer(config, path)
+    trained = _trained_tokenizer(folder, config if path else None)
+    if trained is not None:
+        _check_vocabulary(tokenizer, path or config.tokenizer.path, *trained)
+    return tokenizer
+
+
 def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32,
                seq_len: int | None = None, tokenizer_path: str | None = None) -> LoadedModel:
     """A checkpoint (DCP, a folder of them, or a Hugging Face folder) as a Llama in eval mode,
@@ -266,10 +276,7 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
                                     "of this trainer): cannot tell the model and tokenizer")
         args = model_args(config)
         state = load_model_state(folder)
-        tokenizer = run_tokenizer(config, tokenizer_path)
-        trained = _trained_tokenizer(folder, config if tokenizer_path else None)
-        if trained is not None:
-            _check_vocabulary(tokenizer, tokenizer_path or config.tokenizer.path, *trained)
+        tokenizer = checked_run_tokenizer(folder, config, tokenizer_path)
         logit_scale, softcap = config.loss.logit_scale, config.loss.softcap or None
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(f"the tokenizer{f' {tokenizer_path}' if tokenizer_path else ''} has "
