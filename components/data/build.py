@@ -28,7 +28,7 @@ def build_data(data: Data, training: Training, *, split: str, tokenizer: Tokeniz
     if data.mixture or is_shard_folder(data.source):
         return Prefetched(build_shard_batches(data, training, split=split, tokenizer=tokenizer,
                                               dp_rank=dp_rank, dp_world=dp_world,
-                                              max_token_id=max_token_id))
+                                              max_token_id=max_token_id), note_epochs=split == "train")
     documents = load_documents(data.source, split, text_field=data.text_field, streaming=data.streaming,
                                val_every=data.val_every, cache_dir=data.cache_dir,
                                on_bad_document=data.on_bad_document)
@@ -36,4 +36,5 @@ def build_data(data: Data, training: Training, *, split: str, tokenizer: Tokeniz
                            max_token_id=max_token_id, text_field=data.text_field,
                            num_workers=data.num_workers if split == "train" else 0,
                            name=f"{data.source} ({split})", selection={"val_every": data.val_every})
-    return Prefetched(Batches(windows, local_batch_size))
+    # Validation's repeats are the trainer's warning: it reads the same batches at every evaluation.
+    return Prefetched(Batches(windows, local_batch_size), note_epochs=split == "train")

@@ -1,10 +1,11 @@
-"""Local .jsonl/.json/.txt files read once, document by document, before `datasets` loads them.
+"""Local .jsonl/.json/.txt/.parquet files read once, document by document, before `datasets` loads them.
 
 What `datasets` does with a bad document otherwise: pyarrow's JSON reader stores a string that is not
 UTF-8 as it is, and the run dies with a bare UnicodeDecodeError when that row is turned into Python
 (mid-run, and again after every resume; streaming fails a whole batch of rows at once); a malformed
 JSON line fails the whole file, an empty file is a bare StopIteration, and a .txt file that is not
-UTF-8 is a DatasetGenerationError. Here each bad document is named by file and line; with
+UTF-8 is a DatasetGenerationError; a null text (parquet) is a TypeError naming no file, mid-run; an
+empty text trains on bos/eos alone, silently. Here each bad document is named by file and line; with
 `[data] on_bad_document = "skip"` the file is replaced by a copy without them (skipping is then
 deterministic, so resuming finds the same documents). What a file holds is cached under cache_dir by
 its path, size and modification time, so unchanged files are read once, not every run.
@@ -28,9 +29,9 @@ from components.config.schema import OnBadDocument
 logger = logging.getLogger(__name__)
 
 ON_BAD_DOCUMENT = typing.get_args(OnBadDocument)
-CHECKED_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text"}
+CHECKED_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 NAMED = 10  # bad documents named one by one (per file in the cache, per source in warnings)
-_CHECK_VERSION = 2  # part of the cache key: bump when what counts as bad changes
+_CHECK_VERSION = 3  # part of the cache key: bump when what counts as bad changes
 _BOM = b"\xef\xbb\xbf"
 _warned: set[str] = set()  # files whose skipped documents this process has already reported
 
@@ -73,9 +74,6 @@ def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_
         raise ValueError(f"[data] on_bad_document = {on_bad_document!r}: expected one of {ON_BAD_DOCUMENT}")
     checked, skipped, named = [], [], []
     for path in files:
-        if path.suffix not in CHECKED_SUFFIXES:  # parquet: typed columns, checked by pyarrow
-            checked.append(path)
-            continue
         key = _cache_key(path, text_field)
         report = _report(path, text_field, cache_dir / "checked" / key)
         if report.without_field and report.without_field == report.bad and not report.documents:
@@ -114,6 +112,8 @@ def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_
 def _why_empty(path: Path, report: FileReport) -> str:
     if report.bad:
         return f" (all {report.bad} were bad and skipped)"
+    if path.suffix == ".parquet":
+        return " (no rows)"
     if path.stat().st_size == 0:
         return " (the file is empty)"
     with open(path, "rb") as f:
@@ -162,10 +162,13 @@ def _write_atomically(path: Path, write) -> None:
 def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileReport:
     """Count (and name) the good and bad documents; write the good ones to `out` if given, in a
     form that `datasets` reads back as the same documents."""
+    if path.suffix == ".parquet":
+        return _scan_parquet(path, text_field, out)
     report = FileReport()
     text = CHECKED_SUFFIXES[path.suffix] == "text"
     with open(path, "rb") as f:
-        for raw, where, problem in (_paragraphs(f) if text else _json_documents(f, path, text_field)):
+        for raw, where, problem in (_paragraphs(f) if text else
+                                    _json_documents(f, path, text_field, empty_is_bad=True)):
             if problem is None:
                 if out is not None:
                     out.write(b"\n\n" + raw if text and report.documents else raw)
@@ -177,6 +180,46 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
             if isinstance(problem, _NoField):
                 report.without_field += 1
                 report.fields = report.fields or problem.fields
+    return report
+
+
+def _scan_parquet(path: Path, text_field: str, out: BinaryIO | None = None) -> FileReport:
+    """_scan for a parquet file: its column is typed, so only a null or empty text is bad
+    (found by pyarrow over whole batches, not row by row in Python)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    report, writer, row = FileReport(), None, 0
+    try:
+        parquet = pq.ParquetFile(path)
+        if text_field not in parquet.schema_arrow.names:
+            raise MissingTextField(f"{path}: the documents have no field {text_field!r} (their fields: "
+                                   f"{', '.join(parquet.schema_arrow.names)}); set [data] text_field")
+        kind = parquet.schema_arrow.field(text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise BadDocumentError(f"{path}: column {text_field!r} holds {kind}, not text; set [data] "
+                                   "text_field to the column of the documents' text")
+        if out is not None:  # the copy keeps every column: a dataset may use the others
+            writer = pq.ParquetWriter(out, parquet.schema_arrow)
+        for batch in parquet.iter_batches(columns=None if out else [text_field]):
+            texts = batch.column(text_field)
+            # A text of only whitespace is tokenized to nothing much more than bos/eos either.
+            bad = pc.fill_null(pc.or_(pc.equal(pc.binary_length(texts), 0), pc.utf8_is_space(texts)), True)
+            rows = np.flatnonzero(bad.to_numpy(zero_copy_only=False))
+            for i in rows[:max(0, NAMED - len(report.named))].tolist():
+                report.named.append(f"row {row + i}: " + _empty_problem(texts[i].as_py(), text_field, "null"))
+            report.bad += rows.size
+            report.documents += len(batch) - rows.size
+            row += len(batch)
+            if writer is not None:
+                writer.write_batch(batch.filter(pc.invert(bad)))
+    except pa.ArrowException as e:
+        raise BadDocumentError(f"{path}: not a readable parquet file ({e})") from None
+    finally:
+        if writer is not None:
+            writer.close()
     return report
 
 
@@ -214,32 +257,32 @@ def _json_line_range(f: BinaryIO, text_field: str, start: int, stop: int | None)
             yield line, where, _line_problem(line, text_field)
 
 
-def _line_problem(line: bytes, text_field: str) -> str | None:
+def _line_problem(line: bytes, text_field: str, empty_is_bad: bool = False) -> str | None:
     try:
-        return _document_problem(json.loads(line.rstrip(b"\r\n").decode("utf-8")), text_field)
+        return _document_problem(json.loads(line.rstrip(b"\r\n").decode("utf-8")), text_field, empty_is_bad)
     except UnicodeDecodeError as e:
         return _not_utf8(line, e)
     except json.JSONDecodeError as e:
         return _invalid_json(e)
 
 
-def _json_documents(f: BinaryIO, path: Path, text_field: str) -> Iterator[Document]:
+def _json_documents(f: BinaryIO, path: Path, text_field: str, empty_is_bad: bool = False) -> Iterator[Document]:
     """JSON lines, as pyarrow reads them (blank lines are not documents), or, for a .json file
     that starts with '[', one JSON array of documents (which `datasets` also reads)."""
     head = f.read(4096).lstrip(_BOM).lstrip()
     f.seek(0)
     if path.suffix == ".json" and head.startswith(b"["):
-        yield from _json_array(f.read(), path, text_field)
+        yield from _json_array(f.read(), path, text_field, empty_is_bad)
         return
     for number, line in enumerate(f, 1):
         if number == 1:
             line = line.removeprefix(_BOM)
         if not line.strip():
             continue
-        yield line if line.endswith(b"\n") else line + b"\n", f"line {number}", _line_problem(line, text_field)
+        yield line if line.endswith(b"\n") else line + b"\n", f"line {number}", _line_problem(line, text_field, empty_is_bad)
 
 
-def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:
+def _json_array(data: bytes, path: Path, text_field: str, empty_is_bad: bool) -> Iterator[Document]:
     """A JSON array is parsed whole: an error in its syntax or encoding cannot be skipped."""
     data = data.removeprefix(_BOM)
     try:
@@ -252,13 +295,15 @@ def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:
         for i, document in enumerate(documents):
             # surrogatepass: a lone surrogate is a bad document, named below, not an encoding error here
             line = (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
-            yield line, f"element [{i}] of the array", _document_problem(document, text_field)
+            yield line, f"element [{i}] of the array", _document_problem(document, text_field, empty_is_bad)
         return
     raise BadDocumentError(f"{path}: {where}: {why}; a JSON array is read as one piece, so nothing "
                            f"in it can be skipped: fix the file or write it as JSON lines (.jsonl)")
 
 
-def _document_problem(document, text_field: str) -> str | None:
+def _document_problem(document, text_field: str, empty_is_bad: bool = False) -> str | None:
+    """empty_is_bad: the trainer's check (read_documents, for scripts.prepare_data, passes
+    empty texts on)."""
     if not isinstance(document, dict):
         return f"a JSON {_json_type(document)}, not an object"
     if text_field not in document:
@@ -272,7 +317,15 @@ def _document_problem(document, text_field: str) -> str | None:
     except UnicodeEncodeError as e:
         return (f"field {text_field!r} holds a lone surrogate (\\u{ord(e.object[e.start]):04x} at "
                 f"character {e.start}), not UTF-8 text")
+    if empty_is_bad and (not document[text_field] or document[text_field].isspace()):
+        return _empty_problem(document[text_field], text_field)
     return None
+
+
+def _empty_problem(text: str | None, text_field: str, null: str = "a JSON null") -> str:
+    if text is None:
+        return f"field {text_field!r} holds {null}, not text"
+    return f"field {text_field!r} is {'empty' if not text else 'only whitespace'} (no text to train on)"
 
 
 def _json_type(value) -> str:

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
+from components import lock
 from components.data.checks import MissingTextField
 
 Framed = tuple[np.ndarray, np.ndarray]  # the documents' tokens concatenated (int32), their lengths
@@ -53,7 +54,11 @@ def frame_texts(tokenizer, texts: list, first_document: int = 0, max_token_id: i
 _worker: dict = {}
 
 
-def _start_worker(tokenizer, documents, text_field: str, max_token_id: int | None) -> None:
+def _start_worker(parent: int, tokenizer, documents, text_field: str, max_token_id: int | None) -> None:
+    # A forked worker shares the trainer's run.lock (an flock belongs to the open file): one left
+    # alive by a trainer killed with kill -9 would keep the dump folder locked, and the resume out.
+    lock.close_inherited()
+    _die_with(parent)
     # The trainer decides when to stop (Ctrl-C, SLURM's USR1 warning) and ends its workers then;
     # a forked worker would otherwise run the trainer's own handlers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -62,6 +67,19 @@ def _start_worker(tokenizer, documents, text_field: str, max_token_id: int | Non
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; the workers are the parallelism
     _worker.update(tokenizer=tokenizer, documents=documents, text_field=text_field,
                    max_token_id=max_token_id)
+
+
+def _die_with(parent: int) -> None:
+    """Idle workers of a killed trainer would wait on their task queue for ever under PID 1 (they
+    hold its write end too): on Linux the kernel kills them with the process that forked them
+    (the thread, in fact: TokenizerPool forks from the thread that makes it, which lives as long)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before prctl
+        os._exit(1)
 
 
 def texts_of_rows(documents, rows: list[int], text_field: str, first_document: int) -> list:
@@ -105,7 +123,7 @@ class TokenizerPool:
     def __init__(self, tokenizer, num_workers: int, documents=None, text_field: str = "text",
                  max_token_id: int | None = None, ahead: int | None = None):
         self._executor = ProcessPoolExecutor(num_workers, mp_context=worker_context(), initializer=_start_worker,
-                                             initargs=(tokenizer, documents, text_field, max_token_id))
+                                             initargs=(os.getpid(), tokenizer, documents, text_field, max_token_id))
         with inherited_objects_frozen():
             self._executor.submit(int).result()  # the workers start now, from this thread
         self.ahead = ahead or 4 * num_workers

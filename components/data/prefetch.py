@@ -3,8 +3,13 @@
 The copies that build a batch run in numpy and torch without the GIL, and so does the Hugging
 Face tokenizer: the thread works while the training thread launches kernels or waits for the
 GPU. The state is the one after the last batch the loop took, so a checkpoint resumes where
-training is, not where the thread has got to."""
+training is, not where the thread has got to.
 
+With note_epochs, a source read to its end (the training data repeats) is noted on rank 0 when
+the loop takes the batch that starts its next epoch: the thread reads ahead, and the trainer
+configures no logging, so a log record from there would show nowhere, or too early."""
+
+import os
 import queue
 import threading
 import weakref
@@ -13,13 +18,21 @@ _DONE = object()  # what the thread sends instead of a batch when it failed: (_D
 
 
 class Prefetched:
-    def __init__(self, batches, depth: int = 2):
+    def __init__(self, batches, depth: int = 2, note_epochs: bool = False):
         self.batches = batches
         self.depth = depth
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._queue: queue.Queue | None = None
-        self._state = batches.state_dict()
+        self._note_epochs = note_epochs and int(os.environ.get("RANK", "0")) == 0
+        self._set_state(batches.state_dict())
+
+    def _set_state(self, state: dict) -> None:
+        """The state of the last batch taken, and the epochs it is in (a resumed run notes only
+        the epochs it starts)."""
+        self._state = state
+        if self._note_epochs:
+            self._epochs = self.batches.epochs(state)
 
     def __iter__(self) -> "Prefetched":
         return self
@@ -31,8 +44,25 @@ class Prefetched:
         if batch is _DONE:
             self._thread = None
             raise state
+        if self._note_epochs:
+            self._note_new_epochs(state)
         self._state = state
         return batch
+
+    def _note_new_epochs(self, state: dict) -> None:
+        for source, epoch in self.batches.epochs(state).items():
+            before = self._epochs.get(source)
+            if before is None or epoch == before:  # None: a source smaller than a batch, noted
+                continue
+            if epoch > before + 1:  # a note a batch would flood the log
+                print(f"note: data: {source} is read to its end several times a batch (epoch {epoch} "
+                      "starts): the training data repeats within every batch; a larger source "
+                      "would not (no more notes of its epochs)", flush=True)
+                self._epochs[source] = None
+            else:
+                print(f"note: data: {source} is read to its end; epoch {epoch} starts: the training "
+                      "data repeats (a larger source or fewer [training] steps would not)", flush=True)
+                self._epochs[source] = epoch
 
     def _start(self) -> None:
         self._stop = threading.Event()
@@ -62,12 +92,12 @@ class Prefetched:
     def load_state_dict(self, state: dict) -> None:
         self._halt()
         self.batches.load_state_dict(state)
-        self._state = self.batches.state_dict()
+        self._set_state(self.batches.state_dict())
 
     def resume_at_batch(self, n_batches: int) -> None:
         self._halt()
         self.batches.resume_at_batch(n_batches)
-        self._state = self.batches.state_dict()
+        self._set_state(self.batches.state_dict())
 
     def read_more_than_once(self) -> list[str]:
         """The sources read more than once up to the last batch taken (not the thread's)."""

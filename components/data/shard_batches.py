@@ -15,7 +15,6 @@ own, so no window repeats within an epoch and every epoch is shuffled anew.
 """
 
 import hashlib
-import logging
 import warnings
 
 import numpy as np
@@ -24,8 +23,6 @@ import torch
 from components.config.schema import Data, Training
 from components.data.shards import (ShardFormatError, TokenShards, check_tokenizer, is_shard_folder,
                                     read_index)
-
-logger = logging.getLogger(__name__)
 
 MIXTURE_BLOCK = 4096  # mixture weights are met exactly in every block of this many windows
 PERMUTED_BLOCK = 4096  # a source's permutation is evaluated (and kept) this many windows at a time
@@ -175,7 +172,7 @@ class ShardBatches:
     def __iter__(self) -> "ShardBatches":
         return self
 
-    def _starts(self, g: np.ndarray, announce: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def _starts(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The sources of global windows g and where in them (token index) each window starts."""
         source, number = self.mixture.locate(g)
         start = np.empty_like(number)
@@ -187,9 +184,6 @@ class ShardBatches:
             for epoch in np.unique(epochs):
                 same = epochs == epoch
                 picked[same] = self._permute(int(s), int(epoch), within[same])
-                if announce and int(epoch) > 0 and (within[same] == 0).any():
-                    logger.info("data: %s (%s) starts epoch %d", self.sources[s].folder,
-                                self.sources[s].split, epoch)
             start[here] = picked * self.seq_len
         return source, start
 
@@ -215,7 +209,7 @@ class ShardBatches:
         return first + self.dp_rank * self.local_batch_size + np.arange(self.local_batch_size)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        source, start = self._starts(self._rank_windows(self._global), announce=True)
+        source, start = self._starts(self._rank_windows(self._global))
         windows = np.empty((self.local_batch_size, self.seq_len + 1), dtype=np.int64)
         for j in range(self.local_batch_size):
             self.sources[source[j]].read(int(start[j]), int(start[j]) + self.seq_len + 1, windows[j])
@@ -256,6 +250,12 @@ class ShardBatches:
         read = self.mixture.counts(int(state["global_windows"]))
         return [f"{s.folder} ({s.split})" for s, n, w in zip(self.sources, read, self.windows_per_epoch)
                 if n > w]
+
+    def epochs(self, state: dict) -> dict[str, int]:
+        """{"folder (split)": the epoch of its last window read, by all ranks, up to the state}."""
+        read = self.mixture.counts(int(state["global_windows"]))
+        return {f"{s.folder} ({s.split})": max(0, int(n) - 1) // w
+                for s, n, w in zip(self.sources, read, self.windows_per_epoch)}
 
     def resume_at_batch(self, n_batches: int) -> None:
         """After n_batches micro-batches of this layout (a rank without a state of its own)."""

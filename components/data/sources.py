@@ -92,8 +92,8 @@ def load_documents(source: str, split: str, text_field: str = "text", streaming:
     """source: "stdlib", a local .txt/.jsonl/.json/.parquet file or a directory of them, or a Hugging Face
     Hub dataset name (needs network access). A .txt file gives one document per paragraph (blank-line
     separated). split: "train" or "validation", or another split the source really has.
-    on_bad_document: what a document of a local .jsonl/.json/.txt file that is not UTF-8, not JSON or
-    without the text field does: "error" names it, "skip" leaves it out with a warning."""
+    on_bad_document: what a document of a local .jsonl/.json/.txt/.parquet file that is not UTF-8,
+    not JSON or without text does: "error" names it, "skip" leaves it out with a warning."""
     if val_every < 2:
         raise ValueError(f"val_every={val_every}: must be >= 2 (1 would hold out every document)")
     cache_dir = Path(cache_dir).expanduser()
@@ -130,6 +130,7 @@ def _data_files(path: Path) -> list[Path]:
     if path.is_file():
         files = [path]
     else:
+        _refuse_saved_dataset(path)
         # Hidden directories hold caches and VCS data, not documents.
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDER_BY_SUFFIX
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
@@ -142,6 +143,18 @@ def _data_files(path: Path) -> list[Path]:
     if len({BUILDER_BY_SUFFIX[s] for s in suffixes}) > 1:
         raise ValueError(f"{path}: mixes file types {', '.join(suffixes)}; one directory must hold one kind")
     return files
+
+
+def _refuse_saved_dataset(path: Path) -> None:
+    """A save_to_disk folder holds Arrow files and JSON metadata: read as a folder of data files,
+    its dataset_info.json was the first "document", and invalid."""
+    saved = (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file() and (
+        (path / "state.json").is_file() or any(path.glob("data-*.arrow")))
+    if saved:
+        raise ValueError(f"{path}: a dataset saved with datasets' save_to_disk, not a folder of "
+                         f"{'/'.join(BUILDER_BY_SUFFIX)} files; tokenize it into token shards with "
+                         f"`python3 -m scripts.prepare_data --hf-dataset {path} --tokenizer TOKENIZER "
+                         "--out SHARDS` and set [data] source = SHARDS")
 
 
 def _load_local(files: list[Path], streaming: bool, cache_dir: Path):

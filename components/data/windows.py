@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
-import logging
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 import numpy as np
@@ -24,8 +23,6 @@ from components.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from components.data.sources import Documents
-
-logger = logging.getLogger(__name__)
 
 DOCUMENTS_PER_TASK = 32  # documents tokenized together (one task of a worker)
 
@@ -186,7 +183,6 @@ class TokenWindows:
                     raise ValueError(f"data-parallel rank {self.dp_rank} of {self.dp_world} gets no "
                                      f"documents from the stream")
             epoch, document = epoch + 1, 0
-            logger.info("data: rank %d read all its documents; epoch %d starts", self.dp_rank, epoch)
 
     def _text_of(self, example: dict, document: int):
         if self.text_field not in example:
@@ -207,6 +203,10 @@ class TokenWindows:
     def read_more_than_once(self, state: dict) -> list[str]:
         """[the source's name] when this rank had begun reading its documents again at the state."""
         return [self.name] if state["epoch"] > 0 else []
+
+    def epochs(self, state: dict) -> dict[str, int]:
+        """{the source's name: the epoch this rank reads at the state}."""
+        return {self.name: state["epoch"]}
 
     def load_state_dict(self, state: dict) -> None:
         if not {"epoch", "document", "token_offset", "dp_rank", "dp_world"} <= set(state):
@@ -319,6 +319,10 @@ class Batches:
         if isinstance(self.windows, TokenWindows):
             return self.windows.read_more_than_once(state)
         return []
+
+    def epochs(self, state: dict) -> dict[str, int]:
+        """{source: the epoch read at the state} (none for synthetic tokens)."""
+        return self.windows.epochs(state) if isinstance(self.windows, TokenWindows) else {}
 
     def resume_at_batch(self, n_batches: int) -> None:
         """Position a synthetic stream after n_batches of this rank, whatever layout saved the
