@@ -110,6 +110,15 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _remove(path: Path) -> None:
+    """A step folder linked in from elsewhere loses its link only: what it points at is not this
+    run's to delete (rmtree refuses a link, which crashed every later save)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
 def _interrupted(error: BaseException | None) -> bool:
     """A Ctrl-C inside torch.save surfaces as the writer's RuntimeError("unexpected pos") with the
     KeyboardInterrupt only in its context; DCP wraps per-rank failures in CheckpointException."""
@@ -403,7 +412,7 @@ class Checkpointer:
         """Keep the keep_latest_k latest checkpoints, newest (just written) among them. Only this
         timeline's checkpoints are here: load() set later ones aside."""
         for leftover in self.folder.glob("step-*.pruned"):  # a prune killed mid-way
-            shutil.rmtree(leftover)
+            _remove(leftover)
         if self.cfg.keep_latest_k <= 0:
             return
         older = sorted(s for s in list_checkpoints(self.folder) if s < newest)
@@ -411,7 +420,7 @@ class Checkpointer:
             doomed = self.folder / f"step-{step}.pruned"
             os.replace(self.folder / f"step-{step}", doomed)  # never half-deleted under its name
             _fault_point("mid_prune", newest)
-            shutil.rmtree(doomed)
+            _remove(doomed)
 
     def load(self, resume: ResumePoint) -> Optional[TrainState]:
         """Resume from the resume point (find_resume_point: load_step, -1 the latest) if it has
@@ -451,12 +460,8 @@ class Checkpointer:
         """step, or when a file of it is damaged or missing (its checksums.json says) the latest
         intact earlier checkpoint, with a warning naming the file; an error naming it when
         load_step asked for that checkpoint or none is intact. The ranks agree."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
         damaged = []
-        # config.toml only lists the config changes since the checkpoint: train.py warns if it
-        # cannot be read, and resumes.
-        while (damage := find_damage(found[step], self.rank, world,
-                                     ignore=("config.toml",))) is not None:
+        while (damage := self._damage(found[step])) is not None:
             earlier = sorted(s for s in found if s < step)
             if step == self.cfg.load_step:
                 raise ValueError(f"[checkpoint] load_step = {step}: {damage}; set load_step to "
@@ -472,6 +477,26 @@ class Checkpointer:
                               f"back to step-{earlier[-1]}")
             step = earlier[-1]
         return step
+
+    def _damage(self, path: Path) -> Optional[str]:
+        """find_damage over the ranks. config.toml only lists the config changes since the
+        checkpoint: train.py warns if it cannot be read, and resumes."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return find_damage(path, self.rank, world, ignore=("config.toml",))
+
+    def _latest_intact(self, folder: Path, steps: dict[int, Path]) -> Path:
+        """The latest step folder of initial_load_path's checkpoint folder whose files are intact;
+        a damaged later one is named in a warning, as a resume falls back past it."""
+        damaged = []
+        for step in sorted(steps, reverse=True):
+            if (damage := self._damage(steps[step])) is None:
+                return steps[step]
+            damaged.append(damage)
+            if self.rank == 0:
+                warnings.warn(f"[checkpoint] initial_load_path: not loading {steps[step]}: "
+                              f"{damage}; falling back to an earlier step")
+        raise ValueError(f"[checkpoint] initial_load_path = {folder} holds no intact checkpoint: "
+                         f"{'; '.join(damaged)}")
 
     def _set_aside_after(self, step: int) -> None:
         """Step folders after the one this run starts from belong to another timeline (a rollback
@@ -563,13 +588,16 @@ class Checkpointer:
                 and self.read_hf_folder is not None:
             self._load_hf_folder(path)
             return "a Hugging Face folder"
-        steps = {} if (path / ".metadata").is_file() else list_checkpoints(path, resumable=False)
-        if steps:  # a run's checkpoint folder, as generate, evaluate and export_hf take it
-            path = steps[max(steps)]
+        if (path / ".metadata").is_file():
+            if (damage := self._damage(path)) is not None:
+                raise ValueError(f"[checkpoint] initial_load_path = {path}: {damage}")
+        elif steps := list_checkpoints(path, resumable=False):
+            # a run's checkpoint folder, as generate, evaluate and export_hf take it
+            path = self._latest_intact(path, steps)
             if self.rank == 0:
                 print(f"checkpoint: [checkpoint] initial_load_path holds step folders: loading "
-                      f"the latest complete one, {path}", flush=True)
-        if not (path / ".metadata").is_file():
+                      f"the latest complete and intact one, {path}", flush=True)
+        else:
             raise FileNotFoundError(f"[checkpoint] initial_load_path = {path}: neither a DCP "
                                     "checkpoint folder (no .metadata) nor a Hugging Face model "
                                     "folder (no config.json), nor a folder of step-<N> checkpoints")

@@ -105,8 +105,9 @@ def find_damage(folder: Path, rank: int = 0, world: int = 1,
                 names: Optional[Iterable[str]] = None, ignore: Iterable[str] = ()) -> Optional[str]:
     """What is wrong with a checkpoint folder, naming the file, or None when every file listed
     in its checksums.json (or those of `names`, less those of `ignore`) is there, of its size
-    and hash. A folder without one (written before checksums were) passes. With world > 1 every
-    rank calls it: each hashes a share of the files and they agree (one all_gather_object)."""
+    and hash. A folder without one passes if it was written before checksums were. With
+    world > 1 every rank calls it: each hashes a share of the files and they agree (one
+    all_gather_object)."""
     problems = _problems(Path(folder), rank, world, names, set(ignore))
     if world > 1 and dist.is_initialized():
         everyone = [None] * world
@@ -115,11 +116,22 @@ def find_damage(folder: Path, rank: int = 0, world: int = 1,
     return problems[0] if problems else None
 
 
+def _checksummed(folder: Path) -> bool:
+    """Whether the save wrote checksums.json: the tokenizer record in train_state.json came with
+    them (the same release), so without it a lost manifest would pass as an older checkpoint."""
+    try:
+        state = json.loads((folder / "train_state.json").read_text())
+    except (OSError, ValueError):
+        return False  # none (another trainer's weights), or damaged: the load names it
+    return isinstance(state, dict) and "tokenizer" in state
+
+
 def _problems(folder: Path, rank: int, world: int, names: Optional[Iterable[str]],
               ignore: set[str]) -> list[str]:
     path = folder / MANIFEST
     if not path.is_file():
-        return []
+        return [f"{path} is missing (the save wrote one: its train_state.json records the "
+                "tokenizer, as only saves since checksums do)"] if _checksummed(folder) else []
     try:
         manifest = json.loads(path.read_text())
         listed = {name: (int(size), str(digest))

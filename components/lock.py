@@ -1,4 +1,5 @@
-"""One run per dump folder: rank 0 holds an exclusive lock on <dump_folder>/run.lock.
+"""One run per dump folder: rank 0 holds an exclusive lock on <dump_folder>/run.lock, and on
+<checkpoint folder>/run.lock when [checkpoint] folder leads out of the dump folder.
 
 Two runs in one folder would trip over each other's `step-<N>.tmp`, interleave metrics.jsonl,
 or the second would resume from the first's checkpoints. So rank 0 takes the lock before
@@ -36,6 +37,10 @@ class DumpFolderInUse(RuntimeError):
     user_error = True  # one line and exit status 2 from train.py, no traceback
 
 
+class FolderNotWritable(RuntimeError):
+    user_error = True
+
+
 def _holder(fd: int) -> str:
     text = os.pread(fd, 4096, 0).decode(errors="replace")
     try:
@@ -45,14 +50,20 @@ def _holder(fd: int) -> str:
         return "a process that has not written its pid yet" if not text else repr(text[:200])
 
 
-def acquire(folder: Path) -> Optional[int]:
-    """Lock `folder` for this process; returns the lock's file descriptor (None where the
-    filesystem cannot lock). Raises DumpFolderInUse when another process holds it."""
-    folder.mkdir(parents=True, exist_ok=True)
+def acquire(folder: Path, what: str = "dump folder", key: str = "--job.dump_folder"
+            ) -> Optional[int]:
+    """Lock `folder` (the run's `what`, set by `key`) for this process; returns the lock's file
+    descriptor (None where the filesystem cannot lock). Raises DumpFolderInUse when another
+    process holds it, FolderNotWritable when it cannot be created or written (read-only)."""
     path = folder / LOCK_FILE
-    return lock_file(path, lambda holder: DumpFolderInUse(
-        f"dump folder {folder} is in use by another run ({holder}; lock file {path}): wait for "
-        "it to end or set another --job.dump_folder"))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return lock_file(path, lambda holder: DumpFolderInUse(
+            f"{what} {folder} is in use by another run ({holder}; lock file {path}): wait for "
+            f"it to end or set another {key}"))
+    except OSError as e:
+        raise FolderNotWritable(f"{what} {folder} cannot be written ({e.strerror}: {path}): a "
+                                f"run writes there; set another {key}") from None
 
 
 def lock_file(path: Path, in_use: Callable[[str], Exception]) -> Optional[int]:
@@ -106,13 +117,23 @@ def release(fd: Optional[int]) -> None:
 
 
 @contextmanager
-def dump_folder_lock(folder: str | Path, rank: int) -> Iterator[None]:
+def dump_folder_lock(folder: str | Path, rank: int, checkpoint_folder: str | Path | None = None
+                     ) -> Iterator[None]:
     """Held by rank 0 for the body; every rank raises if rank 0 could not take it (one
-    broadcast, so no rank is left waiting in a collective)."""
-    fd, error = None, None
+    broadcast, so no rank is left waiting in a collective). checkpoint_folder ([checkpoint]
+    folder; None: the run saves none) is locked too where it resolves outside the dump folder
+    (another filesystem): two runs with their own dump folders would otherwise commit into
+    one and move each other's steps aside."""
+    locks = {Path(folder): ("dump folder", "--job.dump_folder")}
+    if checkpoint_folder is not None:
+        checkpoints = Path(folder) / checkpoint_folder
+        if not checkpoints.resolve().is_relative_to(Path(folder).resolve()):
+            locks[checkpoints] = ("checkpoint folder", "--checkpoint.folder")
+    fds, error = [], None
     if rank == 0:
         try:
-            fd = acquire(Path(folder))
+            for path, (what, key) in locks.items():
+                fds.append(acquire(path, what, key))
         except Exception as e:  # in use, or the folder cannot be created
             error = e
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -120,9 +141,10 @@ def dump_folder_lock(folder: str | Path, rank: int) -> Iterator[None]:
         dist.broadcast_object_list(message, src=0)
         if message[0] and error is None:
             raise DumpFolderInUse(message[0])
-    if error is not None:
-        raise error
     try:
+        if error is not None:
+            raise error
         yield
     finally:
-        release(fd)
+        for fd in fds:
+            release(fd)

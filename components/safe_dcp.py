@@ -17,7 +17,7 @@ import inspect
 import io
 import pickle
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -81,6 +81,15 @@ def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
                                      f"{e or 'cut short'}): not a DCP metadata file") from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise DamagedCheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata")
+    # DCP joins these to the folder as they are: an absolute or ../ path reads any file
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    for info in storage.values():
+        where = getattr(info, "relative_path", None)
+        if not isinstance(where, str) or PurePosixPath(where).is_absolute() \
+                or ".." in PurePosixPath(where).parts:
+            raise UnsafeCheckpointError(
+                f"{file} points tensor reads at {where!r}, outside {Path(path)}: not loading it "
+                "(DCP writes only names of files in the checkpoint folder)")
     return metadata
 
 
@@ -99,9 +108,12 @@ class SafeReader(dcp.FileSystemReader):
 
 def names_a_global(error: BaseException) -> bool:
     """Whether torch.load(weights_only=True) refused a pickle for what it names (a planted
-    object), rather than for being damaged (cut short, garbled)."""
+    object), rather than for being damaged (cut short, garbled). torch 2.11-2.13 word it as
+    "Unsupported global: GLOBAL x", "unsupported GLOBAL x whose module m is blocked" (os,
+    subprocess, ...) or "... allowlisted via `add_safe_globals`"."""
     return isinstance(error, pickle.UnpicklingError) and bool(re.search(
-        r"Unsupported (global|class)|not an allowed global|unrecognized function", str(error)))
+        r"unsupported (global|class)|not an allowed global|unrecognized function|allowlisted",
+        str(error), re.IGNORECASE))
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -124,6 +136,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def load(state: dict, path: str | Path, no_dist: bool, planner=None) -> None:
     """dcp.load of `state` from the checkpoint folder `path`, running no code from it. DCP's
     errors (a CheckpointException of many lines per rank) become one naming what is wrong."""
+    read_metadata(path)  # its refusals keep their type: DCP turns them into an AssertionError
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)), planner=planner or SafeLoadPlanner(),
                  no_dist=no_dist)

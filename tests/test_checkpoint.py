@@ -86,8 +86,8 @@ def test_a_missing_rank_file_without_checksums_is_named(tmp_path):
     dump = tmp_path / "run"
     assert train.main(BASE + ["--training.steps", "2", "--checkpoint.interval", "2",
                               "--job.dump_folder", str(dump)]) == 0
-    for name in ("checksums.json", "rank-0.pt"):
-        (dump / "checkpoint" / "step-2" / name).unlink()
+    (dump / "checkpoint" / "step-2" / "rank-0.pt").unlink()
+    as_before_checksums(dump / "checkpoint" / "step-2")
     with pytest.warns(UserWarning, match=r"data iterator not restored \(no data state for this "
                                          r"rank: rank-0.pt is not in the checkpoint \(0 rank "
                                          r"files; 1 ranks now\)\)"):
@@ -393,6 +393,15 @@ def test_a_planted_pickle_in_dcp_files_is_not_run(tmp_path):
     (step / ".metadata").write_bytes(genuine)
     _rewrite_manifest(step)
     assert train.main(resume) == 0 and max(losses(dump)) == 6
+
+
+def as_before_checksums(step: Path) -> None:
+    """A step folder as saved before checksums.json existed: without it, and without the
+    tokenizer record that came with it (a current save without checksums.json is damaged)."""
+    (step / "checksums.json").unlink()
+    state = json.loads((step / "train_state.json").read_text())
+    del state["tokenizer"]
+    (step / "train_state.json").write_text(json.dumps(state))
 
 
 def _rewrite_manifest(step: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 import train
 from components.checkpoint import list_checkpoints
+from test_checkpoint import as_before_checksums
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast subset
 
@@ -171,7 +172,7 @@ def test_a_damaged_file_of_a_checkpoint_without_checksums_is_named(tmp_path, str
     dump = tmp_path / "run"
     for step in (2, 4):
         shutil.copytree(straight / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
-        (dump / "checkpoint" / f"step-{step}" / "checksums.json").unlink()
+        as_before_checksums(dump / "checkpoint" / f"step-{step}")
     DAMAGE[damage][0](dump / "checkpoint" / "step-4" / file)
     with pytest.raises(ValueError, match=rf"{dump}/checkpoint/step-4.*{named}.*Resume from an "
                                          r"earlier checkpoint: \[checkpoint\] load_step = one of "

@@ -1,0 +1,166 @@
+"""Checkpoint folders as found on disk: a damaged or unchecked initial_load_path, a lost
+checksums.json, a `.metadata` pointing outside its folder, a symlinked step folder under
+keep_latest_k, a checkpoint folder shared by two dump folders, a read-only dump folder, a planted
+pickle as torch words its refusal."""
+
+import errno
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from components import lock, safe_dcp
+from components.checkpoint_manifest import find_damage
+from components.config.parse import refusal_line
+from test_checkpoint import BASE, losses
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A run's checkpoint folder (step-2, step-4), copied by each test before it changes it."""
+    dump = tmp_path_factory.mktemp("run")
+    assert train.main(BASE + ["--training.steps", "4", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    return dump / "checkpoint"
+
+
+def _overwrite_middle(file: Path) -> None:
+    with open(file, "r+b") as f:
+        f.seek(file.stat().st_size // 2)
+        f.write(b"\x7f" * 64)
+
+
+def _weights_only(tmp_path: Path, name: str, initial: Path) -> list:
+    return BASE + ["--training.steps", "1", "--checkpoint.enable", "false",
+                   "--checkpoint.initial_load_path", str(initial),
+                   "--job.dump_folder", str(tmp_path / name)]
+
+
+def test_initial_load_path_checks_the_checksums(tmp_path, run):
+    """A damaged step folder given directly is refused naming the file; in a folder of step
+    folders the latest intact one is loaded, with a warning (both loaded it: a NaN loss)."""
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(run, folder)
+    _overwrite_middle(folder / "step-4" / "__0_0.distcp")
+    with pytest.raises(ValueError, match=rf"initial_load_path = {folder}/step-4: {folder}/step-4/"
+                                         r"__0_0\.distcp does not match its checksum"):
+        train.main(_weights_only(tmp_path, "direct", folder / "step-4"))
+    with pytest.warns(UserWarning, match=rf"initial_load_path: not loading {folder}/step-4: "
+                                         r".*__0_0\.distcp does not match its checksum"):
+        assert train.main(_weights_only(tmp_path, "latest", folder)) == 0
+    assert train.main(_weights_only(tmp_path, "step-2", run / "step-2")) == 0
+    assert losses(tmp_path / "latest") == pytest.approx(losses(tmp_path / "step-2"), abs=1e-6)
+    _overwrite_middle(folder / "step-2" / "__0_0.distcp")
+    with pytest.raises(ValueError, match=rf"initial_load_path = {folder} holds no intact "
+                                         r"checkpoint: .*step-4.*; .*step-2"):
+        train.main(_weights_only(tmp_path, "none", folder))
+
+
+def test_a_lost_checksums_json_of_a_current_checkpoint_is_damage(tmp_path, run):
+    """train_state.json's tokenizer record came with checksums.json: without its manifest such a
+    checkpoint is not taken for an older one and loaded unchecked; the resume falls back."""
+    dump = tmp_path / "run"
+    shutil.copytree(run, dump / "checkpoint")
+    step_4 = dump / "checkpoint" / "step-4"
+    (step_4 / "checksums.json").unlink()
+    _overwrite_middle(step_4 / "__0_0.distcp")
+    with pytest.warns(UserWarning, match=rf"not resuming from {step_4}: {step_4}/checksums\.json "
+                                         r"is missing .*; falling back to step-2"):
+        assert train.main(BASE + ["--training.steps", "4", "--job.dump_folder", str(dump)]) == 0
+    assert sorted(losses(dump)) == [3, 4]
+    older = tmp_path / "older"  # before checksums: no tokenizer record either; loads unchecked
+    shutil.copytree(run / "step-2", older)
+    (older / "checksums.json").unlink()
+    (older / "train_state.json").write_text('{"step": 2, "tokens_seen": 0, "scheduler": {}}')
+    assert find_damage(older) is None
+
+
+@pytest.mark.parametrize("where", ["/etc/passwd", "../step-4/__0_0.distcp"])
+def test_metadata_pointing_outside_its_folder_is_refused(tmp_path, run, where):
+    """DCP joins storage paths to the folder as they are: .metadata could read any file."""
+    step = tmp_path / "step-2"
+    shutil.copytree(run / "step-2", step)
+    metadata = safe_dcp.read_metadata(step)
+    for info in metadata.storage_data.values():
+        info.relative_path = where
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    refused = rf"{step}/\.metadata points tensor reads at '{where}', outside {step}: not loading"
+    with pytest.raises(safe_dcp.UnsafeCheckpointError, match=refused):
+        safe_dcp.read_metadata(step)
+    with pytest.raises(safe_dcp.UnsafeCheckpointError, match=refused):
+        safe_dcp.load({"model": {}}, step, no_dist=True)
+
+
+def test_keep_latest_k_unlinks_a_symlinked_step_folder(tmp_path, run):
+    """rmtree refuses a link (every later save crashed); what it points at is not the run's."""
+    dump, kept = tmp_path / "run", tmp_path / "kept"
+    shutil.copytree(run, dump / "checkpoint")
+    shutil.move(dump / "checkpoint" / "step-2", kept / "step-2")
+    (dump / "checkpoint" / "step-2").symlink_to(kept / "step-2")
+    (dump / "checkpoint" / "step-1.pruned").symlink_to(kept)  # a prune killed mid-way
+    assert train.main(BASE + ["--training.steps", "6", "--checkpoint.interval", "2",
+                              "--checkpoint.keep_latest_k", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-4", "step-6"]
+    assert (kept / "step-2" / ".metadata").is_file()
+
+
+def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path):
+    """Two dump folders, one absolute [checkpoint] folder: the second run is refused (both ran,
+    moving each other's committed steps aside). Inside the dump folder its lock suffices."""
+    shared = tmp_path / "shared"
+    with lock.dump_folder_lock(tmp_path / "a", 0, shared):
+        with pytest.raises(lock.DumpFolderInUse, match=rf"checkpoint folder {shared} is in use by "
+                                                       r"another run \(pid .*--checkpoint.folder$"):
+            with lock.dump_folder_lock(tmp_path / "b", 0, shared):
+                pass
+        assert (tmp_path / "b" / lock.LOCK_FILE).read_text() == ""  # released on the refusal
+    with lock.dump_folder_lock(tmp_path / "b", 0, "../shared"):
+        pass
+    with lock.dump_folder_lock(tmp_path / "c", 0, "checkpoint"):
+        assert not (tmp_path / "c" / "checkpoint").exists()
+
+
+def test_a_dump_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(lock.FolderNotWritable) as refused:
+        lock.acquire(tmp_path / "file" / "run")
+    assert refusal_line(refused.value).startswith(f"error: dump folder {tmp_path}/file/run cannot "
+                                                  "be written (Not a directory")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(lock.os, "open", read_only)
+    with pytest.raises(lock.FolderNotWritable, match=rf"dump folder {tmp_path} cannot be written "
+                                                     r"\(Read-only file system: .*set another "
+                                                     r"--job\.dump_folder$"):
+        with lock.dump_folder_lock(tmp_path, 0):
+            pass
+
+
+class _Runs:
+    def __init__(self, func, arg):
+        self.func, self.arg = func, arg
+
+    def __reduce__(self):
+        return self.func, (self.arg,)
+
+
+@pytest.mark.parametrize("func", [os.system, Path.touch, print])
+def test_torch_naming_a_global_is_told_from_damage(tmp_path, func):
+    """torch 2.13 refuses os.system as "unsupported GLOBAL posix.system whose module posix is
+    blocked": it was reported as a damaged file."""
+    file = tmp_path / "planted.pt"
+    torch.save({"data": _Runs(func, str(tmp_path / "ran"))}, file)
+    with pytest.raises(pickle.UnpicklingError) as refused:
+        torch.load(file, weights_only=True)
+    assert safe_dcp.names_a_global(refused.value)
+    assert not (tmp_path / "ran").exists()
+    file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(Exception) as cut:
+        torch.load(file, weights_only=True)
+    assert not safe_dcp.names_a_global(cut.value)
