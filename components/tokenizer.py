@@ -85,6 +85,10 @@ class HFTokenizer:
         elif not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {self.path}")
         self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        # A document's text is text: "<s>" or "<|endoftext|>" written in it (HTML, code about
+        # tokenizers) is encoded as its characters, not as the special id that frames documents,
+        # as ByteTokenizer and torchtitan's tiktoken do. Added tokens that are not special match.
+        self._tokenizer.encode_special_tokens = True
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         config, framing = self._config_specials(), self._framing_specials()
         self.found: dict[str, str] = {}
@@ -282,8 +286,8 @@ def byte_tokenizer_json() -> str:
     """The byte tokenizer as a tokenizer.json (for an exported Hugging Face folder): the same ids
     for any text, bos/eos/pad at 256/257/258 under Llama 3's names (so HFTokenizer finds them),
     and training's framing (with_training_framing). Byte-level BPE without merges: each byte is
-    its own token. (A text that holds one of those names literally gets its special id, as
-    Hugging Face tokenizers do; ByteTokenizer encodes it as bytes.)"""
+    its own token. (A text that holds one of those names literally is encoded as bytes, as
+    ByteTokenizer does, where the folder's tokenizer_config.json sets split_special_tokens.)"""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
     vocab = {c: b for b, c in _bytes_to_unicode().items()}

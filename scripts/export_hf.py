@@ -140,19 +140,23 @@ def tokenizer_files(tokenizer, max_len: int) -> dict[str, bytes]:
             names["eos_token"]).encode()
         for name in _TOKENIZER_SIDE_FILES:
             if (tokenizer.path.parent / name).is_file():
-                files[name] = _with_specials((tokenizer.path.parent / name).read_bytes(), names)
+                files[name] = _with_specials((tokenizer.path.parent / name).read_bytes(), names,
+                                             tokenizer_config=name == "tokenizer_config.json")
     if "tokenizer_config.json" not in files:
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **names,
-                  "model_max_length": max_len, "clean_up_tokenization_spaces": False}
+                  "model_max_length": max_len, "clean_up_tokenization_spaces": False,
+                  "split_special_tokens": True}
         files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     return files
 
 
-def _with_specials(content: bytes, names: dict[str, str]) -> bytes:
+def _with_specials(content: bytes, names: dict[str, str], tokenizer_config: bool = False) -> bytes:
     """A tokenizer_config.json / special_tokens_map.json naming training's bos and eos, and
     without add_bos_token / add_eos_token: with either set, transformers 5 rebuilds the
     post-processor from them (no separator between a pair's texts, and no bos unless
-    add_bos_token is true) instead of using tokenizer.json's. Unparsable files are copied."""
+    add_bos_token is true) instead of using tokenizer.json's. A tokenizer_config.json gets
+    split_special_tokens: special tokens' names in a text are text, as in training (HFTokenizer).
+    Unparsable files are copied."""
     try:
         values = json.loads(content)
     except ValueError:
@@ -165,6 +169,8 @@ def _with_specials(content: bytes, names: dict[str, str]) -> bytes:
             values[key] = {**value, "content": token} if isinstance(value, dict) else token
     for key in ("add_bos_token", "add_eos_token"):
         values.pop(key, None)
+    if tokenizer_config:
+        values["split_special_tokens"] = True
     return (json.dumps(values, indent=2, ensure_ascii=False) + "\n").encode()
 
 

@@ -227,6 +227,29 @@ def test_byte_level_bpe_byte_lengths_add_up_to_the_decoded_bytes(tmp_path, rng):
     assert partial  # some tokens held part of a multi-byte character
 
 
+def test_special_tokens_written_in_a_text_are_text(tmp_path, rng):
+    """"<s>" in a document (HTML strikethrough, text about tokenizers) became the bos id that
+    frames documents, and its bytes went uncounted in bits per byte. Special tokens' names are
+    now encoded as characters, as ByteTokenizer (and torchtitan's tiktoken) do; an added token
+    that is not special still matches."""
+    trained = train_byte_level_bpe(rng, ["<s>", "</s>"])
+    trained.add_tokens(["<|tool|>"])
+    trained.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    tool = tokenizer._tokenizer.token_to_id("<|tool|>")
+    for text in ["price <s>10</s> 8", "</s><s>", "a <|tool|> b <s>"]:
+        ids = tokenizer.encode(text)
+        assert tokenizer.bos_id not in ids and tokenizer.eos_id not in ids, (text, ids)
+        assert (tool in ids) == ("<|tool|>" in text)
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.encode_batch([text]) == [ids]
+        assert byte_sum(tokenizer, [tokenizer.bos_id, *ids, tokenizer.eos_id]) == len(text.encode())
+    path = tmp_path / "byte.json"  # export_hf's byte tokenizer, loaded by this class
+    path.write_text(byte_tokenizer_json())
+    text = "<|begin_of_text|> <|end_of_text|>"
+    assert HFTokenizer(path).encode(text) == ByteTokenizer().encode(text)
+
+
 @pytest.mark.parametrize("decoder", ["metaspace", "llama2_sequence"])
 def test_sentencepiece_style_byte_lengths_count_the_leading_space(tmp_path, rng, decoder):
     """Metaspace ("▁") pieces with <0xNN> byte fallback, as Llama 2's tokenizer.json: exact but
