@@ -116,6 +116,30 @@ def release(fd: Optional[int]) -> None:
         os.close(fd)
 
 
+def _refuse_a_live_runs_folder(checkpoints: Path) -> None:
+    """A checkpoint folder inside another run's dump folder (its default <dump>/checkpoint, say)
+    is that run's, whose lock covers its dump folder only: while it runs, this one would commit
+    into its folder. Probed with a shared lock, which writes nothing (a finished run's folder
+    may be read, e.g. to resume its checkpoints from a new dump folder)."""
+    import fcntl
+
+    for parent in checkpoints.resolve().parents:
+        try:
+            fd = os.open(parent / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DumpFolderInUse(f"checkpoint folder {checkpoints} lies in the dump folder "
+                                  f"{parent} of a run in progress ({_holder(fd)}): wait for it to "
+                                  "end or set another --checkpoint.folder") from None
+        except OSError:
+            pass  # a filesystem without flock: acquire() warns about it
+        finally:
+            os.close(fd)
+
+
 @contextmanager
 def dump_folder_lock(folder: str | Path, rank: int, checkpoint_folder: str | Path | None = None
                      ) -> Iterator[None]:
@@ -125,13 +149,17 @@ def dump_folder_lock(folder: str | Path, rank: int, checkpoint_folder: str | Pat
     (another filesystem): two runs with their own dump folders would otherwise commit into
     one and move each other's steps aside."""
     locks = {Path(folder): ("dump folder", "--job.dump_folder")}
+    outside = None
     if checkpoint_folder is not None:
         checkpoints = Path(folder) / checkpoint_folder
         if not checkpoints.resolve().is_relative_to(Path(folder).resolve()):
             locks[checkpoints] = ("checkpoint folder", "--checkpoint.folder")
+            outside = checkpoints
     fds, error = [], None
     if rank == 0:
         try:
+            if outside is not None:
+                _refuse_a_live_runs_folder(outside)
             for path, (what, key) in locks.items():
                 fds.append(acquire(path, what, key))
         except Exception as e:  # in use, or the folder cannot be created

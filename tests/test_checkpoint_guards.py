@@ -125,6 +125,21 @@ def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path):
         assert not (tmp_path / "c" / "checkpoint").exists()
 
 
+def test_a_checkpoint_folder_in_a_live_runs_dump_folder_is_refused(tmp_path):
+    """[checkpoint] folder naming another run's <dump>/checkpoint: that run locks its dump
+    folder only, and this one would commit into its checkpoints while it runs. Once it ended,
+    its checkpoints may be resumed from a new dump folder."""
+    theirs = tmp_path / "a" / "checkpoint"
+    with lock.dump_folder_lock(tmp_path / "a", 0, "checkpoint"):
+        with pytest.raises(lock.DumpFolderInUse, match=rf"checkpoint folder {theirs} lies in the "
+                                                       rf"dump folder {tmp_path / 'a'} of a run in "
+                                                       r"progress \(pid \d+.*--checkpoint.folder$"):
+            with lock.dump_folder_lock(tmp_path / "b", 0, theirs):
+                pass
+    with lock.dump_folder_lock(tmp_path / "b", 0, theirs):
+        assert (tmp_path / "a" / lock.LOCK_FILE).read_text() == ""  # probed, not written
+
+
 def test_a_dump_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(lock.FolderNotWritable) as refused:
