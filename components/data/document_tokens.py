@@ -55,10 +55,7 @@ _worker: dict = {}
 
 
 def _start_worker(parent: int, tokenizer, documents, text_field: str, max_token_id: int | None) -> None:
-    # A forked worker shares the trainer's run.lock (an flock belongs to the open file): one left
-    # alive by a trainer killed with kill -9 would keep the dump folder locked, and the resume out.
-    lock.close_inherited()
-    _die_with(parent)
+    bind_to_parent(parent)  # else, after kill -9, it kept run.lock held and the resume out
     # The trainer decides when to stop (Ctrl-C, SLURM's USR1 warning) and ends its workers then;
     # a forked worker would otherwise run the trainer's own handlers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -69,10 +66,13 @@ def _start_worker(parent: int, tokenizer, documents, text_field: str, max_token_
                    max_token_id=max_token_id)
 
 
-def _die_with(parent: int) -> None:
-    """Idle workers of a killed trainer would wait on their task queue for ever under PID 1 (they
-    hold its write end too): on Linux the kernel kills them with the process that forked them
-    (the thread, in fact: TokenizerPool forks from the thread that makes it, which lives as long)."""
+def bind_to_parent(parent: int) -> None:
+    """In a forked worker (the trainer's tokenizers, prepare_data's): close the inherited lock
+    descriptors and die with the parent. A worker of a parent killed with kill -9 would otherwise
+    live on under PID 1, idle on its task queue or still writing, and keep the parent's lock held.
+    On Linux the kernel kills it with the process that forked it (the thread, in fact: pools fork
+    from the thread that makes them, which lives as long)."""
+    lock.close_inherited()
     if sys.platform == "linux":
         import ctypes
 

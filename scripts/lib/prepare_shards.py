@@ -28,7 +28,8 @@ import numpy as np
 
 from components import lock
 from components.data.checks import NAMED, BadDocumentError, MissingTextField, read_documents
-from components.data.document_tokens import frame_texts, inherited_objects_frozen, worker_context
+from components.data.document_tokens import (bind_to_parent, frame_texts, inherited_objects_frozen,
+                                             worker_context)
 from components.data import SPLITS
 from components.data.shards import (FORMAT, INDEX, PLAN, VERSION, ShardFormatError, ShardWriter,
                                     token_dtype)
@@ -150,22 +151,8 @@ _job: dict = {}
 
 
 def _start_job(job: dict) -> None:
-    lock.close_inherited()  # a forked worker must not hold prepare.lock
-    _die_with(job["parent"])
+    bind_to_parent(job["parent"])  # prepare_unit also checks between batches
     _job.update(job)
-
-
-def _die_with(parent: int) -> None:
-    """A worker ends when the main process does, even killed with kill -9 (else it would tokenize
-    on, writing into the folder, under PID 1): on Linux the kernel sends SIGKILL when the parent
-    dies; prepare_unit also checks between batches."""
-    if sys.platform == "linux":
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before prctl
-        os._exit(1)
 
 
 def usable_cpus() -> int:
