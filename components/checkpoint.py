@@ -112,8 +112,9 @@ def _sync_dir(path: Path) -> None:
 
 def _remove(path: Path) -> None:
     """A step folder linked in from elsewhere loses its link only: what it points at is not this
-    run's to delete (rmtree refuses a link, which crashed every later save)."""
-    if path.is_symlink():
+    run's to delete (rmtree refuses a link, which crashed every later save); a stray file in a step
+    folder's place goes too (rmtree refuses a file)."""
+    if path.is_symlink() or path.is_file():
         path.unlink()
     else:
         shutil.rmtree(path)
@@ -309,7 +310,8 @@ class Checkpointer:
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that was never committed
+            if tmp.is_symlink() or tmp.exists():  # a save of this step that was never committed
+                _remove(tmp)
             tmp.mkdir(parents=True)
         _barrier()
         rank_state = io.BytesIO()

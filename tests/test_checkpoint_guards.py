@@ -109,6 +109,23 @@ def test_keep_latest_k_unlinks_a_symlinked_step_folder(tmp_path, run):
     assert (kept / "step-2" / ".metadata").is_file()
 
 
+@pytest.mark.parametrize("leftover", ["link", "file"])
+def test_a_save_clears_a_linked_or_file_leftover_tmp(tmp_path, run, leftover):
+    """rmtree(ignore_errors) left a symlinked or file step-<N>.tmp in place and the save failed;
+    a link's target is not the run's to delete."""
+    dump, outside = tmp_path / "run", tmp_path / "outside"
+    shutil.copytree(run, dump / "checkpoint")
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the run's")
+    tmp = dump / "checkpoint" / "step-6.tmp"
+    tmp.symlink_to(outside) if leftover == "link" else tmp.write_text("stray")
+    assert train.main(BASE + ["--training.steps", "6", "--checkpoint.interval", "2",
+                              "--job.dump_folder", str(dump)]) == 0
+    assert (dump / "checkpoint" / "step-6" / ".metadata").is_file()
+    assert not tmp.exists() and not tmp.is_symlink()
+    assert (outside / "keep.txt").read_text() == "not the run's"
+
+
 def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path):
     """Two dump folders, one absolute [checkpoint] folder: the second run is refused (both ran,
     moving each other's committed steps aside). Inside the dump folder its lock suffices."""
