@@ -31,7 +31,7 @@ from components.checkpoint import (Checkpointer, ResumePoint, check_resumed_toke
                                    find_resume_point, list_checkpoints)
 from components.config.docs import help_text
 from components.config.parse import (config_changes, config_checks, load_config, refusal_line,
-                                     to_toml, wants_help)
+                                     resolve_global_batch, to_toml, wants_help)
 from components.config.schema import ConfigError, JobConfig
 from components.data.build import build_data
 from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, check_fp8_device,
@@ -340,6 +340,7 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
                                     cfg.parallelism.data_parallel_shard_degree,
                                     cfg.parallelism.tensor_parallel_degree, world,
                                     cfg.parallelism.context_parallel_degree)
+        resolve_global_batch(cfg, dims.dp)
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     with config_checks():  # before config.toml records the settings
         take_settings_from_initial_load(cfg, log)

@@ -78,33 +78,37 @@ def build_optimizer(model: torch.nn.Module, cfg: Optimizer) -> torch.optim.AdamW
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, decay_type: str = "cosine",
-                  min_lr_ratio: float = 0.1, decay_ratio: float | None = None) -> float:
+                  min_lr_factor: float = 0.1, decay_ratio: float | None = None) -> float:
     """The factor on the peak lr for training step `step`, counted from 1.
 
     Step 1 is the first optimizer.step() and gets 1/warmup_steps (step 0, before training, is 0:
-    the ramp starts from zero). Warmup ends at the full lr on step warmup_steps; the decay then
-    reaches min_lr_ratio exactly on step total_steps and stays there after it.
-      cosine: half a cosine from 1 down to min_lr_ratio over steps warmup_steps..total_steps.
-      linear: a straight line over the same steps.
-      wsd:    1 (stable) until the last `decay_ratio` fraction of total_steps, then linear.
+    the ramp starts from zero). Warmup ends at the full lr on step warmup_steps; the lr then
+    stays there until the decay's first step (the last `decay_ratio` share of total_steps; with
+    decay_ratio None, right after warmup), and the decay reaches min_lr_factor exactly on step
+    total_steps and stays there after it. Its shape over that span, progress p from 0 to 1:
+      cosine: 0.5 (1 + cos(pi p)); linear: 1 - p; sqrt: 1 - sqrt(p) (torchtitan's three);
+      wsd:    linear, over the last decay_ratio (None: 0.1) of the steps.
     Arguments are checked by build_lr_schedule, not here (this runs every step).
     """
     if warmup_steps > 0 and step <= warmup_steps:
         return max(step, 0) / warmup_steps
-    if decay_type == "wsd":
-        decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
-        decay_start = total_steps - decay_steps
-        if step <= decay_start:
-            return 1.0
-        progress = min((step - decay_start) / decay_steps, 1.0)
-        return 1.0 - (1.0 - min_lr_ratio) * progress
-    progress = min((step - warmup_steps) / (total_steps - warmup_steps), 1.0)
+    decay_start = total_steps - _decay_steps(total_steps, warmup_steps, decay_type, decay_ratio)
+    if step <= decay_start:
+        return 1.0
+    progress = min((step - decay_start) / (total_steps - decay_start), 1.0)
     if decay_type == "cosine":
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0 - (1.0 - min_lr_ratio) * progress
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    else:
+        shape = 1.0 - progress
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def _wsd_decay_steps(total_steps: int, decay_ratio: float | None) -> int:
+def _decay_steps(total_steps: int, warmup_steps: int, decay_type: str,
+                 decay_ratio: float | None) -> int:
+    if decay_ratio is None and decay_type != "wsd":
+        return total_steps - warmup_steps
     ratio = DEFAULT_WSD_DECAY_RATIO if decay_ratio is None else decay_ratio
     # At least one step, so that the last step always lands on the minimum.
     return max(1, round(ratio * total_steps))
@@ -116,59 +120,65 @@ def _lambda_for_scheduler(last_epoch: int, **schedule) -> float:
     return lr_multiplier(last_epoch + 1, **schedule)
 
 
-def _check_schedule(cfg: LRScheduler, total_steps: int) -> None:
+def _schedule_steps(cfg: LRScheduler, training_steps: int) -> tuple[int, str]:
+    """The steps the schedule spans and the key that set them."""
+    if cfg.total_steps is None:
+        return training_steps, "[training] steps"
+    return cfg.total_steps, "[lr_scheduler] total_steps"
+
+
+def _check_schedule(cfg: LRScheduler, training_steps: int) -> None:
     """The schedule's settings, each on its own (whether they fit together is checked apart)."""
     warmup_steps, decay_type, decay_ratio = cfg.warmup_steps, cfg.decay_type, cfg.decay_ratio
     if decay_type not in DECAY_TYPES:
         raise ValueError(f"[lr_scheduler] decay_type={decay_type!r}: expected one of "
                          f"{', '.join(DECAY_TYPES)}")
-    for name, value in (("[training] steps", total_steps),
+    total_steps, total_key = _schedule_steps(cfg, training_steps)
+    for name, value in (("[training] steps", training_steps), (total_key, total_steps),
                         ("[lr_scheduler] warmup_steps", warmup_steps)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}={value!r}: must be an int")
-    if total_steps < 1:
-        raise ValueError(f"[training] steps={total_steps}: must be >= 1")
+    for name, value in (("[training] steps", training_steps), (total_key, total_steps)):
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1")
     if warmup_steps < 0:
         raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps}: must be >= 0")
-    _check_range("[lr_scheduler] min_lr_ratio", cfg.min_lr_ratio, 0.0, 1.0)
-    if decay_type == "wsd":
-        if decay_ratio is not None:
-            _check_range("[lr_scheduler] decay_ratio", decay_ratio, 0.0, 1.0, low_open=True)
-    elif decay_ratio is not None:
-        raise ValueError(f"[lr_scheduler] decay_ratio={decay_ratio} is only used with "
-                         f"decay_type='wsd', not {decay_type!r}: leave it unset")
+    _check_range("[lr_scheduler] min_lr_factor", cfg.min_lr_factor, 0.0, 1.0)
+    if decay_ratio is not None:
+        _check_range("[lr_scheduler] decay_ratio", decay_ratio, 0.0, 1.0, low_open=True)
 
 
-def fit_lr_schedule(cfg: LRScheduler, total_steps: int) -> tuple[LRScheduler, str | None]:
-    """Fit the warmup (and wsd's decay) into a run too short for them, e.g. a smoke run of
-    `--training.steps 20` under a config with 20 warmup steps: ([lr_scheduler] with the fitted
-    warmup_steps and decay_ratio, a one-line warning or None when they already fit), for
+def fit_lr_schedule(cfg: LRScheduler, training_steps: int) -> tuple[LRScheduler, str | None]:
+    """Fit the warmup (and a decay_ratio's decay) into a schedule too short for them, e.g. a smoke
+    run of `--training.steps 20` under a config with 20 warmup steps: ([lr_scheduler] with the
+    fitted warmup_steps and decay_ratio, a one-line warning or None when they already fit), for
     build_lr_schedule.
 
-    As torchtitan 0.2 does, the warmup is clamped and then wsd's decay shortened to the steps
-    left; unlike it, the warmup ends one step before the run does (torchtitan's can take the
-    whole run), so the last step still lands on min_lr_ratio, as in every schedule here.
+    As torchtitan 0.2 does, the warmup is clamped and then the decay shortened to the steps
+    left; unlike it, the warmup ends one step before the schedule does (torchtitan's can take
+    the whole run), so the last step still lands on min_lr_factor, as in every schedule here.
     Settings that are wrong in themselves raise, naming the key."""
-    _check_schedule(cfg, total_steps)
+    _check_schedule(cfg, training_steps)
+    total_steps, total_key = _schedule_steps(cfg, training_steps)
     warmup_steps, decay_ratio = cfg.warmup_steps, cfg.decay_ratio
     notes = []
     if warmup_steps >= total_steps:
-        notes.append(f"[lr_scheduler] warmup_steps = {warmup_steps} does not fit in [training] "
-                     f"steps = {total_steps}: warming up over {total_steps - 1} step(s)")
+        notes.append(f"[lr_scheduler] warmup_steps = {warmup_steps} does not fit in {total_key} "
+                     f"= {total_steps}: warming up over {total_steps - 1} step(s)")
         warmup_steps = total_steps - 1
-    if cfg.decay_type == "wsd":
-        decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
+    if decay_ratio is not None or cfg.decay_type == "wsd":
+        decay_steps = _decay_steps(total_steps, warmup_steps, cfg.decay_type, decay_ratio)
         if warmup_steps + decay_steps > total_steps:
             decay_steps = total_steps - warmup_steps
             ratio = DEFAULT_WSD_DECAY_RATIO if decay_ratio is None else decay_ratio
-            notes.append(f"the wsd decay ([lr_scheduler] decay_ratio = {ratio}) takes the last "
+            notes.append(f"the decay ([lr_scheduler] decay_ratio = {ratio}) takes the last "
                          f"{decay_steps} step(s)")
             decay_ratio = decay_steps / total_steps
     fitted = dataclasses.replace(cfg, warmup_steps=warmup_steps, decay_ratio=decay_ratio)
     return fitted, ("warning: " + "; ".join(notes) + " (a short run)" if notes else None)
 
 
-def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int
+def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: LRScheduler, training_steps: int
                       ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR following lr_multiplier; call scheduler.step() once after each optimizer.step().
 
@@ -176,25 +186,24 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_
     state_dict() holds the step count and the base lrs, not the multiplier (a functools.partial,
     which LambdaLR does not save): after loading a checkpoint, restore_hyperparameters() puts the
     resumed config's base lrs back, so a resumed run follows the schedule of its own config.
-    decay_ratio applies to "wsd" only (None there means 0.1); giving it for another decay type is
-    an error rather than being silently ignored. A warmup (and decay) that does not fit in
-    total_steps is an error here: fit_lr_schedule() fits them first.
+    The schedule spans [lr_scheduler] total_steps, or training_steps when that is unset. A warmup
+    (and decay) that does not fit in it is an error here: fit_lr_schedule() fits them first.
     """
-    _check_schedule(cfg, total_steps)
+    _check_schedule(cfg, training_steps)
+    total_steps, total_key = _schedule_steps(cfg, training_steps)
     warmup_steps, decay_ratio = cfg.warmup_steps, cfg.decay_ratio
     if warmup_steps >= total_steps:
         raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps} must be smaller than "
-                         f"[training] steps={total_steps}, to leave at least one step of decay")
-    if cfg.decay_type == "wsd":
-        decay_steps = _wsd_decay_steps(total_steps, decay_ratio)
-        if warmup_steps + decay_steps > total_steps:
-            raise ValueError(
-                f"[lr_scheduler] warmup_steps={warmup_steps} plus the wsd decay "
-                f"({decay_steps} steps from [lr_scheduler] decay_ratio={decay_ratio}) exceed "
-                f"[training] steps={total_steps}: lower one of them")
+                         f"{total_key}={total_steps}, to leave at least one step of decay")
+    decay_steps = _decay_steps(total_steps, warmup_steps, cfg.decay_type, decay_ratio)
+    if warmup_steps + decay_steps > total_steps:
+        raise ValueError(
+            f"[lr_scheduler] warmup_steps={warmup_steps} plus the decay ({decay_steps} steps "
+            f"from [lr_scheduler] decay_ratio={decay_ratio}) exceed {total_key}={total_steps}: "
+            "lower one of them")
     schedule = functools.partial(_lambda_for_scheduler, warmup_steps=warmup_steps,
                                  total_steps=total_steps, decay_type=cfg.decay_type,
-                                 min_lr_ratio=cfg.min_lr_ratio, decay_ratio=decay_ratio)
+                                 min_lr_factor=cfg.min_lr_factor, decay_ratio=decay_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 

@@ -167,6 +167,42 @@ def test_checkpoint_enable_takes_torchtitan_v01s_name_too(tmp_path):
     assert config_changes(saved, cfg) == []
 
 
+def test_lr_scheduler_min_lr_factor_takes_this_repos_old_name_too(tmp_path):
+    """torchtitan names it min_lr_factor; configs and checkpoints written as min_lr_ratio load."""
+    path = tmp_path / "old.toml"
+    path.write_text("[lr_scheduler]\nmin_lr_ratio = 0.25\n")
+    assert load_config(["--config", str(path)]).lr_scheduler.min_lr_factor == 0.25
+    assert load_config(["--lr_scheduler.min_lr_ratio", "0.5"]).lr_scheduler.min_lr_factor == 0.5
+    cfg = load_config(["--lr_scheduler.min_lr_factor", "0.25"])
+    saved = to_toml(cfg).replace("min_lr_factor = 0.25", "min_lr_ratio = 0.25")
+    assert "min_lr_ratio" in saved and config_changes(saved, cfg) == []
+
+
+@pytest.mark.parametrize("local,dp,accumulation,wanted,expect", [
+    (4, 2, 1, -1, 1), (4, 2, 1, 32, 4), (2, 3, 1, 6, 1), (4, 2, 4, 32, 4),
+    (4, 2, 1, 12, r"global_batch_size = 12 is not a multiple of local_batch_size x the "
+                  r"data-parallel degree = 4 x 2"),
+    (4, 2, 3, 16, r"makes 2 micro-batch\(es\) a step .* gradient_accumulation_steps = 3: set "
+                  r"only one"),
+])
+def test_global_batch_size_resolves_the_accumulation(local, dp, accumulation, wanted, expect):
+    from components.config.parse import resolve_global_batch
+    cfg = load_config(["--training.local_batch_size", str(local), "--training.global_batch_size",
+                       str(wanted), "--training.gradient_accumulation_steps", str(accumulation)])
+    if isinstance(expect, str):
+        with pytest.raises(ConfigError, match=expect):
+            resolve_global_batch(cfg, dp)
+    else:
+        resolve_global_batch(cfg, dp)
+        assert cfg.training.gradient_accumulation_steps == expect
+
+
+@pytest.mark.parametrize("wanted", ["0", "-2"])
+def test_global_batch_size_must_be_positive_or_minus_one(wanted):
+    with pytest.raises(ConfigError, match=rf"\[training\] global_batch_size = {wanted}: must be"):
+        load_config(["--training.global_batch_size", wanted])
+
+
 def test_choices_come_from_the_literal_types():
     """A key with a Literal type accepts exactly its values; a bad one is named with all of them."""
     import dataclasses

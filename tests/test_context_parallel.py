@@ -164,6 +164,21 @@ LAYOUTS = {  # name: (processes, overrides); the global batch is 4 windows of 64
 
 
 @pytest.mark.slow
+def test_global_batch_size_sets_the_accumulation_on_any_number_of_ranks(tmp_path, single):
+    """torchtitan's [training] global_batch_size: 4 windows a step on 2 ranks of local batch 1 are
+    2 micro-batches each, the same step as one process's batch of 4 (the key was unknown)."""
+    dump = tmp_path / "run"
+    torchrun(2, dump, *VALIDATE, "--training.global_batch_size", str(GLOBAL_BATCH),
+             "--training.local_batch_size", "1")
+    assert "gradient_accumulation_steps = 2" in (dump / "config.toml").read_text()
+    ref, got = metrics(single), metrics(dump)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in got:
+        for key in ("loss", "grad_norm"):
+            assert abs(got[step][key] - ref[step][key]) <= 1e-5, (step, key)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cp_layout_trains_like_one_process(tmp_path, single, layout):
     nproc, overrides = LAYOUTS[layout]

@@ -194,7 +194,7 @@ def test_warmup_starts_near_zero_and_reaches_lr(decay_type):
 
 def test_cosine_values():
     warmup, total, min_ratio = 10, 110, 0.1
-    lrs = _lrs_seen_by_steps(warmup, total, decay_type="cosine", min_lr_ratio=min_ratio)
+    lrs = _lrs_seen_by_steps(warmup, total, decay_type="cosine", min_lr_factor=min_ratio)
     for step in (1, 5, warmup, 35, 60, 85, total):
         expected = step / warmup if step <= warmup else _cosine((step - warmup) / 100, min_ratio)
         assert lrs[step - 1] == pytest.approx(LR * expected), step
@@ -205,7 +205,7 @@ def test_cosine_values():
 
 def test_linear_values():
     warmup, total, min_ratio = 10, 110, 0.0
-    lrs = _lrs_seen_by_steps(warmup, total, decay_type="linear", min_lr_ratio=min_ratio)
+    lrs = _lrs_seen_by_steps(warmup, total, decay_type="linear", min_lr_factor=min_ratio)
     for step in (11, 35, 60, 85, total):
         assert lrs[step - 1] == pytest.approx(LR * (1 - (step - warmup) / 100)), step
     assert lrs[-1] == pytest.approx(0.0, abs=1e-15)
@@ -213,7 +213,7 @@ def test_linear_values():
 
 def test_wsd_values():
     warmup, total, min_ratio, decay_ratio = 10, 100, 0.2, 0.2  # decays over steps 81..100
-    lrs = _lrs_seen_by_steps(warmup, total, decay_type="wsd", min_lr_ratio=min_ratio,
+    lrs = _lrs_seen_by_steps(warmup, total, decay_type="wsd", min_lr_factor=min_ratio,
                              decay_ratio=decay_ratio)
     assert lrs[warmup - 1:80] == [LR] * (80 - warmup + 1)  # stable: exactly flat
     for step in (81, 90, 95, total):
@@ -222,36 +222,89 @@ def test_wsd_values():
 
 
 def test_wsd_default_decay_ratio_is_a_tenth():
-    lrs = _lrs_seen_by_steps(5, 50, decay_type="wsd", min_lr_ratio=0.0)
+    lrs = _lrs_seen_by_steps(5, 50, decay_type="wsd", min_lr_factor=0.0)
     assert lrs[44] == LR and lrs[45] < LR  # steps 46..50 decay
     assert lrs[-1] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_sqrt_values():
+    warmup, total, factor = 10, 110, 0.1
+    lrs = _lrs_seen_by_steps(warmup, total, decay_type="sqrt", min_lr_factor=factor)
+    for step in (11, 35, 60, 85, total):
+        shape = 1 - math.sqrt((step - warmup) / 100)
+        assert lrs[step - 1] == pytest.approx(LR * (factor + (1 - factor) * shape)), step
+
+
+@pytest.mark.parametrize("decay_type,shape", [
+    ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+    ("sqrt", lambda p: 1 - math.sqrt(p)), ("linear", lambda p: 1 - p)])
+def test_decay_ratio_makes_any_decay_warmup_stable_decay(decay_type, shape):
+    """torchtitan's decay_ratio: a stable lr, then the decay type's shape over the last share
+    (refused with every type but "wsd" before: a torchtitan config did not load)."""
+    warmup, total, factor = 7, 60, 0.2  # decay_ratio 0.25: steps 46..60
+    lrs = _lrs_seen_by_steps(warmup, total, decay_type=decay_type, min_lr_factor=factor,
+                             decay_ratio=0.25)
+    assert lrs[warmup - 1:45] == [LR] * (45 - warmup + 1)
+    for step in range(46, total + 1):
+        expected = factor + (1 - factor) * shape((step - 45) / 15)
+        assert lrs[step - 1] == pytest.approx(LR * expected), step
+
+
+def test_total_steps_spans_the_schedule_apart_from_the_run():
+    """[lr_scheduler] total_steps: a 10-step run follows the first 10 steps of a 40-step cosine;
+    a 30-step run of a 20-step schedule holds min_lr_factor after step 20."""
+    long = _lrs_seen_by_steps(4, 40, decay_type="cosine", min_lr_factor=0.1)
+    optimizer = adamw(TinyModel())
+    scheduler = build_lr_schedule(optimizer, LRScheduler(4, "cosine", 0.1, total_steps=40), 10)
+    seen = []
+    for _ in range(10):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx(long[:10])
+    optimizer = adamw(TinyModel())
+    scheduler = build_lr_schedule(optimizer, LRScheduler(4, "linear", 0.3, total_steps=20), 30)
+    for _ in range(30):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.3 * LR)
+    fitted, warning = fit_lr_schedule(LRScheduler(25, "cosine", total_steps=20), 100)
+    assert fitted.warmup_steps == 19 and "in [lr_scheduler] total_steps = 20" in warning
 
 
 def test_min_lr_holds_after_total_steps_and_without_warmup():
     assert lr_multiplier(150, 10, 100, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_multiplier(150, 10, 100, "wsd", 0.1) == pytest.approx(0.1)
-    lrs = _lrs_seen_by_steps(0, 4, decay_type="linear", min_lr_ratio=0.0)
+    lrs = _lrs_seen_by_steps(0, 4, decay_type="linear", min_lr_factor=0.0)
     assert lrs == pytest.approx([0.75 * LR, 0.5 * LR, 0.25 * LR, 0.0])
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(decay_type="step"), ValueError,
-     r"\[lr_scheduler\] decay_type='step'.*cosine, linear, wsd"),
+     r"\[lr_scheduler\] decay_type='step'.*cosine, linear, sqrt, wsd"),
     (dict(warmup_steps=20), ValueError, r"\[lr_scheduler\] warmup_steps=20 must be smaller"),
     (dict(warmup_steps=10), ValueError, r"\[lr_scheduler\] warmup_steps=10 must be smaller"),
     (dict(warmup_steps=-1), ValueError, r"\[lr_scheduler\] warmup_steps=-1"),
     (dict(warmup_steps=2.5), TypeError, r"\[lr_scheduler\] warmup_steps=2.5: must be an int"),
     (dict(total_steps=0, warmup_steps=0), ValueError, r"\[training\] steps=0"),
-    (dict(min_lr_ratio=1.5), ValueError, r"\[lr_scheduler\] min_lr_ratio"),
-    (dict(decay_ratio=0.2), ValueError, r"decay_ratio=0.2 is only used with decay_type='wsd'"),
+    (dict(min_lr_factor=1.5), ValueError, r"\[lr_scheduler\] min_lr_factor"),
+    (dict(decay_ratio=1.5), ValueError, r"\[lr_scheduler\] decay_ratio=1.5"),
+    (dict(decay_type="cosine", decay_ratio=0.9), ValueError, "exceed"),
+    (dict(total_steps=10, schedule_steps=0), ValueError, r"\[lr_scheduler\] total_steps=0"),
+    (dict(total_steps=10, schedule_steps=5, warmup_steps=5), ValueError,
+     r"warmup_steps=5 must be smaller than \[lr_scheduler\] total_steps=5"),
     (dict(decay_type="wsd", decay_ratio=0.0), ValueError, r"\[lr_scheduler\] decay_ratio"),
     (dict(decay_type="wsd", decay_ratio=0.5, warmup_steps=6), ValueError, "exceed"),
 ])
 def test_schedule_errors(kwargs, error, match):
     arguments = dict(warmup_steps=2, total_steps=10) | kwargs
+    if "schedule_steps" in arguments:  # [lr_scheduler] total_steps, apart from [training] steps
+        arguments["total_steps"], training_steps = arguments.pop("schedule_steps"), arguments["total_steps"]
+    else:
+        training_steps = arguments.pop("total_steps")
     optimizer = adamw(TinyModel())
     with pytest.raises(error, match=match):
-        schedule(optimizer, **arguments)
+        build_lr_schedule(optimizer, LRScheduler(**arguments), training_steps)
 
 
 @pytest.mark.parametrize("decay_type", ["cosine", "linear", "wsd"])
@@ -278,9 +331,9 @@ def test_wsd_decay_is_shortened_to_the_steps_left():
     fitted, warning = fit_lr_schedule(LRScheduler(6, "wsd", 0.0, decay_ratio=0.5), 10)
     warmup, decay_ratio = fitted.warmup_steps, fitted.decay_ratio
     assert (warmup, decay_ratio) == (6, 0.4)
-    assert warning.endswith("the wsd decay ([lr_scheduler] decay_ratio = 0.5) takes the last "
+    assert warning.endswith("the decay ([lr_scheduler] decay_ratio = 0.5) takes the last "
                             "4 step(s) (a short run)")
-    lrs = _lrs_seen_by_steps(warmup, 10, decay_type="wsd", min_lr_ratio=0.0,
+    lrs = _lrs_seen_by_steps(warmup, 10, decay_type="wsd", min_lr_factor=0.0,
                              decay_ratio=decay_ratio)
     assert lrs == pytest.approx([LR * m for m in (1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1,
                                                   0.75, 0.5, 0.25, 0.0)])
@@ -289,8 +342,8 @@ def test_wsd_decay_is_shortened_to_the_steps_left():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(warmup_steps=-1), r"\[lr_scheduler\] warmup_steps=-1"),
     (dict(total_steps=0), r"\[training\] steps=0"),
-    (dict(decay_type="cosine", decay_ratio=0.5), r"decay_ratio=0.5 is only used with"),
-    (dict(min_lr_ratio=-0.1), r"\[lr_scheduler\] min_lr_ratio"),
+    (dict(decay_type="cosine", decay_ratio=0.0), r"\[lr_scheduler\] decay_ratio=0.0"),
+    (dict(min_lr_factor=-0.1), r"\[lr_scheduler\] min_lr_factor"),
 ])
 def test_fitting_still_rejects_wrong_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):

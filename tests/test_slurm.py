@@ -44,10 +44,10 @@ pytestmark = [pytest.mark.skipif(
     if MISSING else "starting SLURM's daemons needs root"),
     pytest.mark.slow]  # a cluster and multi-process runs: not in the fast subset
 
-# A constant learning rate after warmup (min_lr_ratio 1): the schedule does not depend on
+# A constant learning rate after warmup (min_lr_factor 1): the schedule does not depend on
 # --training.steps, so a run stopped at step m is comparable with one of m steps.
 TRAIN = ["--training.device", "cpu", "--training.seq_len", "32", "--training.local_batch_size",
-         "2", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_ratio", "1.0",
+         "2", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
          "--metrics.log_freq", "1", "--job.print_config", "false", "--validation.enable",
          "false", "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "100000"]
 

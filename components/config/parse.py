@@ -153,7 +153,8 @@ def _coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
 
 
 # Keys also accepted under an older name: (section, old name) -> the name.
-ALIASES = {("checkpoint", "enable_checkpoint"): "enable"}  # torchtitan v0.1's name
+ALIASES = {("checkpoint", "enable_checkpoint"): "enable",  # torchtitan v0.1's name
+           ("lr_scheduler", "min_lr_ratio"): "min_lr_factor"}  # this repo's name before torchtitan's
 
 
 def _set(section, where: str, key: str, value: Any, from_text: bool) -> None:
@@ -203,6 +204,9 @@ def check_values(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
             raise ConfigError(f"[{section}] {key} = {value}: must be >= 1")
+    if cfg.training.global_batch_size < 1 and cfg.training.global_batch_size != -1:
+        raise ConfigError(f"[training] global_batch_size = {cfg.training.global_batch_size}: must be "
+                          ">= 1, or -1 for local_batch_size x the data-parallel degree")
     if cfg.model.max_seq_len < 0:
         raise ConfigError(f"[model] max_seq_len = {cfg.model.max_seq_len}: must be >= 1, or 0 for "
                           "the flavor's")
@@ -246,6 +250,26 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp needs "
                           "enable_fsdp_float8_all_gather = true (it precomputes that all-gather's "
                           "scales)")
+
+
+def resolve_global_batch(cfg: JobConfig, dp_degree: int) -> None:
+    """[training] global_batch_size (torchtitan's key) as gradient_accumulation_steps, once the
+    data-parallel degree is known: the optimizer step keeps its size on any number of GPUs."""
+    training = cfg.training
+    wanted, local = training.global_batch_size, training.local_batch_size
+    if wanted == -1:
+        return
+    per_micro_step = local * dp_degree
+    if wanted % per_micro_step:
+        raise ConfigError(f"[training] global_batch_size = {wanted} is not a multiple of "
+                          f"local_batch_size x the data-parallel degree = {local} x {dp_degree}")
+    steps = wanted // per_micro_step
+    if training.gradient_accumulation_steps not in (1, steps):
+        raise ConfigError(f"[training] global_batch_size = {wanted} makes {steps} micro-batch(es) "
+                          f"a step at local_batch_size {local} on {dp_degree} data-parallel "
+                          f"rank(s), but gradient_accumulation_steps = "
+                          f"{training.gradient_accumulation_steps}: set only one of them")
+    training.gradient_accumulation_steps = steps
 
 
 def _check_types(section, where: str) -> None:

@@ -22,7 +22,7 @@ SdpaBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]
 Converter = Literal["quantize.linear.float8"]
 OptimizerName = Literal["AdamW"]
 OptimizerImplementation = Literal["auto", "fused", "foreach", "for-loop"]
-DecayType = Literal["cosine", "linear", "wsd"]
+DecayType = Literal["cosine", "linear", "sqrt", "wsd"]
 OnBadDocument = Literal["error", "skip"]
 TokenizerName = Literal["byte", "hf"]
 LossImpl = Literal["flce", "unfused", "torch_chunked"]
@@ -98,8 +98,15 @@ class Training:
     """Tokens per sequence (at most [model] max_seq_len, by default the flavor's)."""
     steps: int = 100
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks; -1: local_batch_size x the
+    data-parallel degree x gradient_accumulation_steps.
+
+    Set, it fixes gradient_accumulation_steps at global_batch_size / (local_batch_size x the
+    data-parallel degree), which must divide it: the step stays the same under another number
+    of GPUs."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches per optimizer step (from global_batch_size when that is set)."""
     max_norm: float = 1.0
     """Gradient clipping: the total gradient norm's limit; 0 or less: no clipping."""
     mixed_precision_param: ParamDtype = "bfloat16"
@@ -141,15 +148,18 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    """Linear warmup, then a decay to min_lr_ratio x lr at the last step."""
+    """Linear warmup, a stable lr, then a decay to min_lr_factor x lr at the schedule's last step."""
     warmup_steps: int = 10
     """Steps of linear warmup (a run too short for them warms up over all but its last step)."""
     decay_type: DecayType = "cosine"
-    """The decay after warmup; "wsd": constant, then a linear decay over the last decay_ratio."""
-    min_lr_ratio: float = 0.1
-    """The learning rate at the last step, as a fraction of lr."""
+    """The decay's shape: "cosine", "linear" or "sqrt" (1 - sqrt of the progress); "wsd" is
+    "linear" with decay_ratio 0.1 when that is unset."""
+    min_lr_factor: float = 0.1
+    """The learning rate at the schedule's last step, as a fraction of lr (was min_lr_ratio)."""
     decay_ratio: Optional[float] = None
-    """wsd only: the fraction of the steps spent decaying; unset: 0.1."""
+    """The share of total_steps spent decaying, after a stable lr; unset: all after warmup."""
+    total_steps: Optional[int] = None
+    """The steps the schedule spans; unset: [training] steps (a run may stop before or after it)."""
 
 
 @dataclass
