@@ -13,7 +13,7 @@ import torch
 import train
 from components.tokenizer import ByteTokenizer
 from models import FLAVORS, KVCache, Llama
-from models.generation import generate, sample_next
+from models.generation import generate, generate_batch, row_generators, sample_next
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = FLAVORS["debug"]
@@ -47,14 +47,21 @@ def test_cached_greedy_generation_is_full_recompute_token_for_token(variant, rng
     recomputed = generate(model, prompt, 40, temperature=0, use_cache=False)
     assert len(cached) == len(recomputed) == 40
     assert len(set(cached)) > 5  # not one token repeated: the comparison says something
-    split = next((i for i, (a, b) in enumerate(zip(cached, recomputed)) if a != b), None)
-    # They may part only where the two best logits tie to within fp32 rounding: the paths' logits
-    # differ by up to 4e-5, and a step's two best came within 1e-4 in one run of ~150.
-    if split is not None:
-        with torch.no_grad():
-            logits = model.logits(model(torch.tensor([prompt + cached[:split]]))[0, -1])
-        gap = (logits[cached[split]] - logits[recomputed[split]]).abs().item()
-        assert gap < 3e-4, f"token {split}: {cached[split]} cached, {recomputed[split]} recomputed"
+    assert_same_or_parted_at_a_tie(model, prompt, cached, recomputed)
+
+
+def assert_same_or_parted_at_a_tie(model, prompt, a, b):
+    """Two greedy generations are equal token for token, or part only where the two best logits
+    tie to within fp32 rounding: paths with other shapes (cached or not, batch of 1 or more) differ
+    by up to 4e-5 in the logits, and a step's two best came within 1e-4 in one run of ~150."""
+    split = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if split is None:
+        assert len(a) == len(b)
+        return
+    with torch.no_grad():
+        logits = model.logits(model(torch.tensor([prompt + a[:split]]))[0, -1])
+    gap = (logits[a[split]] - logits[b[split]]).abs().item()
+    assert gap < 3e-4, f"token {split}: {a[split]} and {b[split]}"
 
 
 def test_prefill_in_pieces_gives_the_full_forward(rng):
@@ -156,6 +163,60 @@ def test_generation_errors_name_the_problem():
         generate(model, [], 1)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_batched_greedy_rows_are_the_one_row_generation(variant, rng):
+    """Every row of a greedy batch is the one-row generation, cached (the prompt's cache copied
+    into each row) and recomputed."""
+    model = model_for(VARIANTS[variant], seed=rng.randrange(1000))
+    prompt = [rng.randrange(DEBUG.vocab_size) for _ in range(rng.randint(1, 12))]
+    one = generate(model, prompt, 40, temperature=0)
+    assert len(set(one)) > 5  # not one token repeated: the comparison says something
+    rows = generate_batch(model, prompt, 40, 5, temperature=0)
+    recomputed = generate_batch(model, prompt, 40, 3, temperature=0, use_cache=False)
+    assert len(rows) == 5 and len(recomputed) == 3
+    for row in rows + recomputed:
+        assert_same_or_parted_at_a_tie(model, prompt, one, row)
+
+
+def test_batched_sampling_rows_differ_are_seeded_and_stop_at_their_own_eos():
+    model = model_for(DEBUG)
+    prompt = [256, 100, 101]
+    kwargs = dict(temperature=2.0, top_k=6, top_p=0.95, vocab_limit=8)
+
+    def sample(count=6, first=0, **more):
+        return generate_batch(model, prompt, 30, count, **kwargs, **more,
+                              generators=row_generators(7, 6)[first:first + count])
+
+    rows = sample()
+    assert len({tuple(row) for row in rows}) == 6 and all(len(row) == 30 for row in rows)
+    assert sample() == rows
+    # a row draws from its own generator: the same samples in batches of 2 and 4 or 1 by 1
+    assert sample(2) + sample(4, first=2) == rows
+    assert [generate(model, prompt, 30, **kwargs, generator=row_generators(7, 6)[i])
+            for i in range(6)] == rows
+    assert generate_batch(model, prompt, 30, 6, **kwargs,
+                          generators=row_generators(8, 6)) != rows
+    # each row ends at its own first eos; the others go on as without one
+    stopped = sample(eos_id=3)
+    assert stopped == [row[:row.index(3)] if 3 in row else row for row in rows]
+    assert len({len(row) for row in stopped}) > 2
+
+
+def test_batched_decoding_ends_when_every_row_has_stopped():
+    model = model_for(DEBUG)
+    prompt = [256, 100, 101]
+    greedy = generate(model, prompt, 10, temperature=0)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    assert generate_batch(model, prompt, 10, 4, temperature=0, eos_id=greedy[3]) == [greedy[:3]] * 4
+    assert len(forwards) == 4  # the prompt, then the 3 tokens before eos
+    assert generate_batch(model, prompt, 0, 2) == [[], []]
+    with pytest.raises(ValueError, match="num_samples=0: expected >= 1"):
+        generate_batch(model, prompt, 1, 0)
+    with pytest.raises(ValueError, match="2 generators for 3 samples"):
+        generate_batch(model, prompt, 1, 3, generators=row_generators(0, 2))
+
+
 # ---------------------------------------------------------------------------------- the script
 
 @pytest.fixture(scope="module")
@@ -185,9 +246,25 @@ def test_generate_script_samples_from_a_checkpoint(checkpoint, capsys):
     assert text == "def f(" + ByteTokenizer().decode(expected) + "\n"
     assert generate_script.main(argv + ["--no-cache"]) == 0
     assert capsys.readouterr().out == text
-    assert generate_script.main(argv[:4] + ["--num-samples", "2", "--top-k", "5", "--top-p",
-                                            "0.9", "--max-new-tokens", "5", "--seed", "3"]) == 0
-    assert capsys.readouterr().out.count("--- sample") == 2
+    # greedy samples in one batch, cached or recomputed: each the one-row generation above
+    assert generate_script.main(argv + ["--num-samples", "3"]) == 0
+    assert capsys.readouterr().out == "".join(f"--- sample {i}\n{text}" for i in (1, 2, 3))
+    assert generate_script.main(argv + ["--num-samples", "3", "--no-cache"]) == 0
+    assert capsys.readouterr().out == "".join(f"--- sample {i}\n{text}" for i in (1, 2, 3))
+    sampling = argv[:4] + ["--num-samples", "5", "--top-k", "5", "--top-p", "0.9",
+                           "--max-new-tokens", "8", "--seed", "3"]
+    assert generate_script.main(sampling) == 0
+    out, err = capsys.readouterr()
+    samples = out.split("--- sample ")[1:]
+    assert [s.split("\n")[0] for s in samples] == ["1", "2", "3", "4", "5"]
+    assert len(set(s.split("\n", 1)[1] for s in samples)) == 5
+    assert err.count(" tokens, ") == 5 and err.count("(batch of 5: ") == 1
+    # sample i depends on the seed and i only, not on how the samples are batched
+    assert generate_script.main(sampling + ["--batch-size", "2"]) == 0
+    out_2, err = capsys.readouterr()
+    assert out_2 == out and err.count("(batch of 2: ") == 2 and err.count("(batch of 1: ") == 1
+    assert generate_script.main(sampling + ["--seed", "4"]) == 0
+    assert capsys.readouterr().out != out
 
 
 def test_generate_script_reads_an_exported_folder_and_names_bad_input(checkpoint, tmp_path,
@@ -211,3 +288,5 @@ def test_generate_script_reads_an_exported_folder_and_names_bad_input(checkpoint
     assert "does not exist" in capsys.readouterr().err
     assert generate_script.main(["--checkpoint", str(checkpoint), "--top-p", "1.5"]) == 1
     assert "top_p=1.5" in capsys.readouterr().err
+    assert generate_script.main(["--checkpoint", str(checkpoint), "--batch-size", "0"]) == 1
+    assert capsys.readouterr().err == "generate: error: --batch-size 0: expected >= 1\n"
