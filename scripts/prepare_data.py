@@ -54,8 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--val-every", type=int, default=100,
                         help="hold out 1 in this many documents for validation; 0: none (default: 100)")
     parser.add_argument("--on-bad-document", choices=ON_BAD_DOCUMENT, default="error",
-                        help="a document that is not UTF-8, not JSON or has no text: stop, naming it, "
-                             "or skip it, counting it (default: error)")
+                        help="a document that is not UTF-8, not JSON or has no text (none, or an empty "
+                             "or whitespace-only one, as the trainer's [data] on_bad_document): stop, "
+                             "naming it, or skip it, counting it (default: error)")
     parser.add_argument("--workers", type=int, default=usable_cpus(),
                         help="tokenizer processes (default: this machine's CPUs)")
     parser.add_argument("--unit-mb", type=float, default=256,

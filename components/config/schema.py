@@ -212,15 +212,18 @@ class Data:
     0 is fine for the byte tokenizer; a 32k BPE tokenizes ~0.6M tokens/s per core
     (benchmarks/data_loader_cpu.md)."""
     cache_dir: str = "~/.cache/flce-recipes"
-    """Where hub datasets are cached; also the embedded stdlib corpus, and local files' Arrow copies and check reports.
+    """The embedded stdlib corpus, local files' Arrow copies and check reports (Hub datasets stay in
+    Hugging Face's cache, HF_DATASETS_CACHE).
 
     The reports say what each local .jsonl/.json/.txt file holds (by path, size and mtime), so
     an unchanged file is checked once; with on_bad_document = "skip", the cleaned copies too."""
     on_bad_document: OnBadDocument = "error"
-    """A local document that is not UTF-8, not a JSON object or has no text: stop ("error") or "skip" it.
+    """A document that is not UTF-8, not a JSON object or has no text (null, empty, only whitespace):
+    stop ("error") or "skip" it.
 
-    "error" stops before training and names it (file, line); "skip" leaves it out, with a
-    warning naming it and a count."""
+    "error" stops before training and names it (file and line, or dataset, split and row; a
+    streamed Hub dataset's rows when they are read); "skip" leaves it out, with a warning naming
+    it and a count."""
 
 
 @dataclass

@@ -9,6 +9,10 @@ empty text trains on bos/eos alone, silently. Here each bad document is named by
 `[data] on_bad_document = "skip"` the file is replaced by a copy without them (skipping is then
 deterministic, so resuming finds the same documents). What a file holds is cached under cache_dir by
 its path, size and modification time, so unchanged files are read once, not every run.
+
+A dataset that `datasets` loads by name (check_dataset) and scripts.prepare_data's documents
+(read_documents, text_problem) count the same documents bad: a null, non-text, empty or
+whitespace-only text.
 """
 
 import hashlib
@@ -70,8 +74,7 @@ class FileReport:
 def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_dir: Path) -> list[Path]:
     """The files to hand to `datasets`: each checked file as it is, or its copy without the bad
     documents; files without any document are left out, and none at all is an error."""
-    if on_bad_document not in ON_BAD_DOCUMENT:
-        raise ValueError(f"[data] on_bad_document = {on_bad_document!r}: expected one of {ON_BAD_DOCUMENT}")
+    _check_choice(on_bad_document)
     checked, skipped, named = [], [], []
     for path in files:
         key = _cache_key(path, text_field)
@@ -96,17 +99,111 @@ def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_
         elif len(files) > 1:
             logger.warning("data: %s holds no documents%s", path, _why_empty(path, report))
     if skipped:
-        for what in named[:NAMED]:
-            logger.warning("data: skipped a bad document: %s", what)
-        more = sum(skipped) - min(len(named), NAMED)
-        logger.warning("data: skipped %d bad document(s) in %d file(s) ([data] on_bad_document = "
-                       "\"skip\")%s", sum(skipped), len(skipped),
-                       f"; {more} more not named above" if more > 0 else "")
+        _warn_skipped(sum(skipped), named, f"{len(skipped)} file(s)")
     if not checked:
         if len(files) == 1:
             raise ValueError(f"no documents in {files[0]}{_why_empty(files[0], report)}")
         raise ValueError(f"no documents in any of the {len(files)} files {files[0]} ... {files[-1]}")
     return checked
+
+
+def _check_choice(on_bad_document: str) -> None:
+    if on_bad_document not in ON_BAD_DOCUMENT:
+        raise ValueError(f"[data] on_bad_document = {on_bad_document!r}: expected one of {ON_BAD_DOCUMENT}")
+
+
+def _warn_skipped(count: int, named: list[str], place: str) -> None:
+    for what in named[:NAMED]:
+        logger.warning("data: skipped a bad document: %s", what)
+    more = count - min(len(named), NAMED)
+    logger.warning("data: skipped %d bad document(s) in %s ([data] on_bad_document = \"skip\")%s",
+                   count, place, f"; {more} more not named above" if more > 0 else "")
+
+
+def check_dataset(documents, where: str, text_field: str, on_bad_document: str):
+    """A split of a dataset that `datasets` loaded by name (a Hub dataset, or one in its cache),
+    with its bad documents (text_problem) named (error) or left out (skip); rows are numbered as
+    the split numbers them. Unchecked, a null text stopped the run mid-way with a TypeError naming
+    neither dataset nor row, and an empty one trained on bos/eos alone. A map-style split is
+    checked whole here, by pyarrow over its memory-mapped column, before training starts; a stream
+    cannot be read ahead, so its rows are checked as they are read. where: "NAME, split 'train'"."""
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+
+    _check_choice(on_bad_document)
+    if isinstance(documents, datasets.IterableDataset):
+        check = _stream_checks.setdefault((where, text_field, on_bad_document),
+                                          _StreamCheck(where, text_field, on_bad_document))
+        return documents.filter(check, with_indices=True)
+    if text_field not in documents.column_names:
+        return documents  # load_documents names the missing field
+    texts = documents.with_format("arrow")[text_field]
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+        raise BadDocumentError(f"{where}: column {text_field!r} holds {texts.type}, not text; set [data] "
+                               "text_field to the column of the documents' text")
+    bad = np.asarray(_no_text(texts))
+    rows = np.flatnonzero(bad)
+    if not rows.size:
+        return documents
+    named = [f"{where}: row {i}: {text_problem(texts[i].as_py(), text_field)}" for i in rows[:NAMED].tolist()]
+    if on_bad_document == "error":
+        raise BadDocumentError(f"{named[0]}; {rows.size} bad document(s) in this split. Set [data] "
+                               f"on_bad_document = \"skip\" to skip them (each is then named in a warning)")
+    if rows.size == bad.size:
+        raise ValueError(f"no documents in {where} (all {rows.size} were bad and skipped)")
+    if where not in _warned:  # the train split is loaded for training and for validation
+        _warned.add(where)
+        _warn_skipped(int(rows.size), named, where)
+    return documents.select(np.flatnonzero(~bad))
+
+
+class _StreamCheck:
+    """check_dataset's filter for a stream. Every epoch (and the validation split, held out of the
+    same stream) reads the rows again: a skipped row is counted (and the first NAMED named) once,
+    when the stream is first read past it."""
+
+    def __init__(self, where: str, text_field: str, on_bad_document: str):
+        self.where, self.text_field, self.on_bad_document = where, text_field, on_bad_document
+        self.skipped, self.last = 0, -1
+
+    def __call__(self, example: dict, row: int) -> bool:
+        if self.text_field not in example:
+            return True  # TokenWindows names the missing field
+        problem = text_problem(example[self.text_field], self.text_field)
+        if problem is None:
+            return True
+        if self.on_bad_document == "error":
+            raise BadDocumentError(f"{self.where}: row {row}: {problem}. Set [data] on_bad_document = "
+                                   "\"skip\" to skip such documents (each is then counted in a warning)")
+        if row > self.last:
+            self.last, self.skipped = row, self.skipped + 1
+            if self.skipped <= NAMED or str(self.skipped).rstrip("0") == "1":  # 1..10, 100, 1000, ...
+                logger.warning("data: skipped a bad document: %s: row %d: %s (%d skipped so far, "
+                               "[data] on_bad_document = \"skip\")", self.where, row, problem, self.skipped)
+        return False
+
+
+_stream_checks: dict[tuple, _StreamCheck] = {}
+
+
+def _no_text(texts):
+    """For each text of an Arrow string array: whether text_problem finds it bad (null, empty or
+    only whitespace; pyarrow's utf8_is_space and str.isspace agree on every code point)."""
+    import pyarrow.compute as pc
+    return pc.fill_null(pc.or_(pc.equal(pc.binary_length(texts), 0), pc.utf8_is_space(texts)), True)
+
+
+def text_problem(text, text_field: str) -> str | None:
+    """Why a document's text is none to train on (None: it is text): a null, another type, an
+    empty text or one of only whitespace (tokenized to little more than bos/eos)."""
+    if text is None:
+        return f"field {text_field!r} holds null, not text"
+    if not isinstance(text, str):
+        return f"field {text_field!r} holds {type(text).__name__}, not text"
+    if not text or text.isspace():
+        return f"field {text_field!r} is {'empty' if not text else 'only whitespace'} (no text to train on)"
+    return None
 
 
 def _why_empty(path: Path, report: FileReport) -> str:
@@ -168,7 +265,7 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
     text = CHECKED_SUFFIXES[path.suffix] == "text"
     with open(path, "rb") as f:
         for raw, where, problem in (_paragraphs(f) if text else
-                                    _json_documents(f, path, text_field, empty_is_bad=True)):
+                                    _json_documents(f, path, text_field)):
             if problem is None:
                 if out is not None:
                     out.write(b"\n\n" + raw if text and report.documents else raw)
@@ -205,11 +302,10 @@ def _scan_parquet(path: Path, text_field: str, out: BinaryIO | None = None) -> F
             writer = pq.ParquetWriter(out, parquet.schema_arrow)
         for batch in parquet.iter_batches(columns=None if out else [text_field]):
             texts = batch.column(text_field)
-            # A text of only whitespace is tokenized to nothing much more than bos/eos either.
-            bad = pc.fill_null(pc.or_(pc.equal(pc.binary_length(texts), 0), pc.utf8_is_space(texts)), True)
+            bad = _no_text(texts)
             rows = np.flatnonzero(bad.to_numpy(zero_copy_only=False))
             for i in rows[:max(0, NAMED - len(report.named))].tolist():
-                report.named.append(f"row {row + i}: " + _empty_problem(texts[i].as_py(), text_field, "null"))
+                report.named.append(f"row {row + i}: " + text_problem(texts[i].as_py(), text_field))
             report.bad += rows.size
             report.documents += len(batch) - rows.size
             row += len(batch)
@@ -257,32 +353,32 @@ def _json_line_range(f: BinaryIO, text_field: str, start: int, stop: int | None)
             yield line, where, _line_problem(line, text_field)
 
 
-def _line_problem(line: bytes, text_field: str, empty_is_bad: bool = False) -> str | None:
+def _line_problem(line: bytes, text_field: str) -> str | None:
     try:
-        return _document_problem(json.loads(line.rstrip(b"\r\n").decode("utf-8")), text_field, empty_is_bad)
+        return _document_problem(json.loads(line.rstrip(b"\r\n").decode("utf-8")), text_field)
     except UnicodeDecodeError as e:
         return _not_utf8(line, e)
     except json.JSONDecodeError as e:
         return _invalid_json(e)
 
 
-def _json_documents(f: BinaryIO, path: Path, text_field: str, empty_is_bad: bool = False) -> Iterator[Document]:
+def _json_documents(f: BinaryIO, path: Path, text_field: str) -> Iterator[Document]:
     """JSON lines, as pyarrow reads them (blank lines are not documents), or, for a .json file
     that starts with '[', one JSON array of documents (which `datasets` also reads)."""
     head = f.read(4096).lstrip(_BOM).lstrip()
     f.seek(0)
     if path.suffix == ".json" and head.startswith(b"["):
-        yield from _json_array(f.read(), path, text_field, empty_is_bad)
+        yield from _json_array(f.read(), path, text_field)
         return
     for number, line in enumerate(f, 1):
         if number == 1:
             line = line.removeprefix(_BOM)
         if not line.strip():
             continue
-        yield line if line.endswith(b"\n") else line + b"\n", f"line {number}", _line_problem(line, text_field, empty_is_bad)
+        yield line if line.endswith(b"\n") else line + b"\n", f"line {number}", _line_problem(line, text_field)
 
 
-def _json_array(data: bytes, path: Path, text_field: str, empty_is_bad: bool) -> Iterator[Document]:
+def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:
     """A JSON array is parsed whole: an error in its syntax or encoding cannot be skipped."""
     data = data.removeprefix(_BOM)
     try:
@@ -295,15 +391,13 @@ def _json_array(data: bytes, path: Path, text_field: str, empty_is_bad: bool) ->
         for i, document in enumerate(documents):
             # surrogatepass: a lone surrogate is a bad document, named below, not an encoding error here
             line = (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
-            yield line, f"element [{i}] of the array", _document_problem(document, text_field, empty_is_bad)
+            yield line, f"element [{i}] of the array", _document_problem(document, text_field)
         return
     raise BadDocumentError(f"{path}: {where}: {why}; a JSON array is read as one piece, so nothing "
                            f"in it can be skipped: fix the file or write it as JSON lines (.jsonl)")
 
 
-def _document_problem(document, text_field: str, empty_is_bad: bool = False) -> str | None:
-    """empty_is_bad: the trainer's check (read_documents, for scripts.prepare_data, passes
-    empty texts on)."""
+def _document_problem(document, text_field: str) -> str | None:
     if not isinstance(document, dict):
         return f"a JSON {_json_type(document)}, not an object"
     if text_field not in document:
@@ -317,15 +411,7 @@ def _document_problem(document, text_field: str, empty_is_bad: bool = False) -> 
     except UnicodeEncodeError as e:
         return (f"field {text_field!r} holds a lone surrogate (\\u{ord(e.object[e.start]):04x} at "
                 f"character {e.start}), not UTF-8 text")
-    if empty_is_bad and (not document[text_field] or document[text_field].isspace()):
-        return _empty_problem(document[text_field], text_field)
-    return None
-
-
-def _empty_problem(text: str | None, text_field: str, null: str = "a JSON null") -> str:
-    if text is None:
-        return f"field {text_field!r} holds {null}, not text"
-    return f"field {text_field!r} is {'empty' if not text else 'only whitespace'} (no text to train on)"
+    return text_problem(document[text_field], text_field)  # an empty text
 
 
 def _json_type(value) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from components.data import SPLITS
-from components.data.checks import MissingTextField, check_files
+from components.data.checks import MissingTextField, check_dataset, check_files
 
 DEFAULT_CACHE_DIR = "~/.cache/flce-recipes"
 BUILDER_BY_SUFFIX = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -93,12 +93,21 @@ def load_documents(source: str, split: str, text_field: str = "text", streaming:
     Hub dataset name (needs network access). A .txt file gives one document per paragraph (blank-line
     separated). split: "train" or "validation", or another split the source really has.
     on_bad_document: what a document of a local .jsonl/.json/.txt/.parquet file that is not UTF-8,
-    not JSON or without text does: "error" names it, "skip" leaves it out with a warning."""
+    not JSON or without text, or a row of a Hub dataset without text, does: "error" names it,
+    "skip" leaves it out with a warning."""
     if val_every < 2:
         raise ValueError(f"val_every={val_every}: must be >= 2 (1 would hold out every document)")
     cache_dir = Path(cache_dir).expanduser()
-    splits = _load_splits(source, streaming, cache_dir, text_field, on_bad_document)
-    documents = _pick_split(splits, split, val_every, source)
+    splits, by_name = _load_splits(source, streaming, cache_dir, text_field, on_bad_document)
+
+    def pick(name: str) -> Documents:
+        # Local files were checked by check_files; a dataset loaded by name is checked here, the
+        # split it has (validation is held out after), so that rows are named as it numbers them.
+        if not by_name:
+            return splits[name]
+        return check_dataset(splits[name], f"{source}, split {name!r}", text_field, on_bad_document)
+
+    documents = _pick_split(splits, split, val_every, source, pick)
     columns = documents.column_names  # None for some streams; then TokenWindows checks the first document
     if columns is not None and text_field not in columns:
         raise MissingTextField(f"{source}: the documents have no field {text_field!r} (their fields: "
@@ -107,17 +116,18 @@ def load_documents(source: str, split: str, text_field: str = "text", streaming:
 
 
 def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str, on_bad_document: str):
+    """The source's splits, and whether `datasets` loaded it by name (unchecked so far)."""
     if source == "stdlib":
-        return _load_local([embedded_corpus(cache_dir)], streaming, cache_dir)
+        return _load_local([embedded_corpus(cache_dir)], streaming, cache_dir), False
     path = Path(source).expanduser()
     if path.exists():
         files = check_files(_data_files(path), text_field, on_bad_document, cache_dir)
-        return _load_local(files, streaming, cache_dir)
+        return _load_local(files, streaming, cache_dir), False
     if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
         raise FileNotFoundError(f"data source not found: {path}")
     import datasets
     try:
-        return datasets.load_dataset(source, streaming=streaming)
+        return datasets.load_dataset(source, streaming=streaming), True
     except Exception as err:
         raise ValueError(
             f"could not load data source {source!r}: it is not a local path, and loading it as a Hugging "
@@ -183,16 +193,17 @@ def _no_progress_bars():
             datasets.enable_progress_bars()
 
 
-def _pick_split(splits, split: str, val_every: int, source: str) -> Documents:
+def _pick_split(splits, split: str, val_every: int, source: str, pick) -> Documents:
+    """pick(name): the split of that name, checked."""
     if split in splits and (split != "train" or "validation" in splits):
-        return splits[split]
+        return pick(split)
     if split not in SPLITS:
         raise ValueError(f"{source}: no split {split!r} (it has {', '.join(splits)}); use one of "
                          f"{', '.join(SPLITS)}")
     if "train" not in splits:
         raise ValueError(f"{source}: no 'train' split to hold validation documents out of "
                          f"(it has {', '.join(splits)})")
-    documents = _hold_out(splits["train"], val_every, validation=(split == "validation"))
+    documents = _hold_out(pick("train"), val_every, validation=(split == "validation"))
     if split == "train" and not is_stream(documents) and not len(documents):
         raise ValueError(f"{source}: no training documents: it has one, and document 0 always goes to "
                          f"the held-out validation split (so does every [data] val_every-th)")

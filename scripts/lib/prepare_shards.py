@@ -27,7 +27,7 @@ from typing import Iterator
 import numpy as np
 
 from components import lock
-from components.data.checks import NAMED, BadDocumentError, MissingTextField, read_documents
+from components.data.checks import NAMED, BadDocumentError, MissingTextField, read_documents, text_problem
 from components.data.document_tokens import (bind_to_parent, frame_texts, inherited_objects_frozen,
                                              worker_context)
 from components.data import SPLITS
@@ -189,9 +189,10 @@ def _check_field(fields: list[str], text_field: str, where: str) -> None:
 
 
 def _checked(text, where: str, text_field: str) -> tuple[str | None, str, int, str | None]:
-    if isinstance(text, str):
-        return text, where, len(text), None
-    return None, where, 0, f"field {text_field!r} holds {type(text).__name__}, not text"
+    """A text of a typed column (parquet, a Hugging Face dataset), checked as the trainer checks it:
+    a null, empty or whitespace-only text is a bad document (it was framed as bos/eos alone)."""
+    problem = text_problem(text, text_field)
+    return (None, where, 0, problem) if problem else (text, where, len(text), None)
 
 
 def _parquet_documents(path: Path, text_field: str, first_group: int, stop_group: int):

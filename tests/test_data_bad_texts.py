@@ -1,0 +1,177 @@
+"""Documents without text (null, empty, only whitespace) are bad documents everywhere the trainer
+reads text: scripts.prepare_data named none of the empty ones (each became a bos/eos-only document
+in the shards), and a dataset `datasets` loads by name was not checked at all (a null text stopped
+the run mid-way with a TypeError naming no dataset or row; an empty one trained silently)."""
+
+import json
+import logging
+import re
+
+import datasets
+import huggingface_hub.constants
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from components.data.checks import BadDocumentError
+from components.data.shards import read_index
+from components.data.sources import load_documents
+from components.data.windows import TokenWindows
+from components.tokenizer import ByteTokenizer
+from shard_cases import framed, shard_documents
+
+from scripts import prepare_data
+
+BYTE = ByteTokenizer()
+TEXTS = ["one", "", "two", " \n\t", "three"]  # rows 1 and 3 are bad
+WHERE = {".jsonl": ("line 2", "line 4"), ".json": ("element [1] of the array", "element [3] of the array"),
+         ".parquet": ("row 1", "row 3")}
+
+
+def _write(path, texts):
+    if path.suffix == ".parquet":
+        pq.write_table(pa.table({"text": texts}), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps([{"text": t} for t in texts]))
+    else:
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def _prepare(*args) -> int:
+    return prepare_data.main([str(a) for a in (*args, "--tokenizer", "byte", "--workers", 1,
+                                               "--val-every", 0, "--no-progress")])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_prepare_data_names_an_empty_text_or_skips_it_as_the_trainer_does(tmp_path, capsys, suffix):
+    path = _write(tmp_path / f"docs{suffix}", TEXTS)
+    assert _prepare("--source", path, "--out", tmp_path / "stop") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"prepare_data.py: error: {path}: {WHERE[suffix][0]}: field 'text' is empty (no text to train on). "
+        "Pass --on-bad-document skip"), err
+
+    assert _prepare("--source", path, "--out", tmp_path / "skip", "--on-bad-document", "skip") == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 bad document(s), the first: " in out and "is only whitespace" in out
+    assert read_index(tmp_path / "skip")["skipped_documents"] == 2
+    assert shard_documents(tmp_path / "skip", "train") == [framed(BYTE, t) for t in ("one", "two", "three")]
+    # The documents the trainer reads from the same file under "skip" (document 0 held out).
+    trainer = load_documents(str(path), "train", val_every=2, cache_dir=tmp_path / "cache", on_bad_document="skip")
+    assert list(trainer["text"]) == ["two"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_prepare_data_checks_hugging_face_rows_as_the_trainer_does(tmp_path, capsys, streaming):
+    saved = tmp_path / "folder"  # --hf-dataset FOLDER of data files; --hf-streaming reads them file by file
+    saved.mkdir()
+    datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(str(saved / "train-00000.parquet"))
+    args = ["--hf-dataset", saved, *(["--hf-streaming"] if streaming else [])]
+    assert _prepare(*args, "--out", tmp_path / "stop") == 1
+    where = "shard 0, row 1" if streaming else "row 1"
+    assert f"{where}: field 'text' is empty (no text to train on)" in capsys.readouterr().err
+    assert _prepare(*args, "--out", tmp_path / "skip", "--on-bad-document", "skip") == 0
+    assert shard_documents(tmp_path / "skip", "train") == [framed(BYTE, t) for t in ("one", "two", "three")]
+
+
+# ---------------------------------------------------------------------------- [data] source = a Hub name
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """Offline, `datasets.load_dataset("owner/name")` loads the copy in its cache (as after a
+    download): the trainer's Hub path, with no network. Returns a function that puts datasets
+    (built here with Dataset.from_dict) in that cache under a name."""
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def cache_as_hub_dataset(repo_id: str, splits: dict[str, dict]) -> str:
+        owner, name = repo_id.split("/")
+        folder = cache / f"{owner}___{name}" / "default" / "0.0.0" / "0123456789abcdef"
+        folder.mkdir(parents=True)
+        info = datasets.DatasetInfo(config_name="default", dataset_name=name)
+        info.splits = datasets.SplitDict()
+        for split, columns in splits.items():
+            dataset = datasets.Dataset.from_dict(columns)
+            info.features = dataset.features
+            info.splits.add(datasets.SplitInfo(split, num_examples=len(dataset), dataset_name=name))
+            with pa.OSFile(str(folder / f"{name}-{split}.arrow"), "wb") as f, \
+                    pa.ipc.new_stream(f, dataset.data.schema) as writer:
+                writer.write_table(dataset.data.table)
+        info.write_to_directory(str(folder))
+        return repo_id
+
+    return cache_as_hub_dataset
+
+
+def _texts_with_bad_rows(count: int = 60) -> list:
+    texts = [f"document {i} " + "word " * (i % 7) for i in range(count)]
+    texts[7], texts[12], texts[30] = None, "", " \n"
+    return texts
+
+
+def _windows(documents, count: int = 40) -> list[list[int]]:
+    windows = TokenWindows(documents, BYTE, seq_len=16)
+    return [next(windows)[0].tolist() for _ in range(count)]  # past the bad rows, into epoch 2
+
+
+def test_a_hub_dataset_row_without_text_is_named_before_training(hub_cache, tmp_path):
+    source = hub_cache("tester/nulls", {"train": {"text": _texts_with_bad_rows()}})
+    with pytest.raises(BadDocumentError) as error:
+        load_documents(source, "train", val_every=1000, cache_dir=tmp_path / "cache")
+    assert str(error.value) == (
+        "tester/nulls, split 'train': row 7: field 'text' holds null, not text; 3 bad document(s) in this "
+        "split. Set [data] on_bad_document = \"skip\" to skip them (each is then named in a warning)")
+    source = hub_cache("tester/own-validation", {"train": {"text": ["a", "b"]},
+                                                 "validation": {"text": ["c", "", "d"]}})
+    load_documents(source, "train", cache_dir=tmp_path / "cache")
+    with pytest.raises(BadDocumentError, match=r"^tester/own-validation, split 'validation': row 1: field "
+                                               r"'text' is empty \(no text to train on\); 1 bad"):
+        load_documents(source, "validation", cache_dir=tmp_path / "cache")
+    source = hub_cache("tester/numbers", {"train": {"text": [1, 2, 3]}})
+    with pytest.raises(BadDocumentError, match=r"^tester/numbers, split 'train': column 'text' holds int64, not text"):
+        load_documents(source, "train", cache_dir=tmp_path / "cache", on_bad_document="skip")
+
+
+def test_a_hub_dataset_row_without_text_is_skipped_and_counted(hub_cache, tmp_path, caplog):
+    texts = _texts_with_bad_rows()
+    source = hub_cache("tester/skips", {"train": {"text": texts, "id": list(range(len(texts)))}})
+    with caplog.at_level(logging.WARNING):
+        train = load_documents(source, "train", val_every=5, cache_dir=tmp_path / "cache", on_bad_document="skip")
+        validation = load_documents(source, "validation", val_every=5, cache_dir=tmp_path / "cache",
+                                    on_bad_document="skip")
+    good = [t for t in texts if t and t.strip()]
+    assert list(validation["text"]) == good[::5]  # held out of the documents left
+    assert list(train["text"]) == [t for i, t in enumerate(good) if i % 5] and 7 not in train["id"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "components.data.checks"]
+    assert "data: skipped a bad document: tester/skips, split 'train': row 30: field 'text' is only " \
+           "whitespace (no text to train on)" in warnings
+    assert warnings[-1] == "data: skipped 3 bad document(s) in tester/skips, split 'train' " \
+                           "([data] on_bad_document = \"skip\")"  # once, not again for validation
+    assert len(warnings) == 4
+    expected = np.concatenate([framed(BYTE, t) for t in list(train["text"]) * 2])
+    assert _windows(train, 10) == [expected[17 * i:17 * i + 16].tolist() for i in range(10)]
+
+
+def test_a_streamed_hub_dataset_names_the_row_when_read_or_skips_it(hub_cache, tmp_path, caplog):
+    """A stream is not read ahead: its rows are checked as training reads them."""
+    texts = _texts_with_bad_rows()
+    source = hub_cache("tester/stream", {"train": {"text": texts}})
+    load = lambda **kwargs: load_documents(source, "train", val_every=5, streaming=True,  # noqa: E731
+                                           cache_dir=tmp_path / "cache", **kwargs)
+    with pytest.raises(BadDocumentError, match=re.escape(
+            "tester/stream, split 'train': row 7: field 'text' holds null, not text. Set [data] "
+            "on_bad_document = \"skip\" to skip such documents")):
+        _windows(load())
+    with caplog.at_level(logging.WARNING):
+        streamed = _windows(load(on_bad_document="skip"))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "components.data.checks"]
+    assert streamed == _windows(load_documents(source, "train", val_every=5, cache_dir=tmp_path / "cache",
+                                               on_bad_document="skip"))
+    assert len(warnings) == 3, warnings  # each counted once, though read again in epoch 2
+    assert warnings[-1] == ("data: skipped a bad document: tester/stream, split 'train': row 30: field 'text' "
+                            "is only whitespace (no text to train on) (3 skipped so far, [data] "
+                            "on_bad_document = \"skip\")")
