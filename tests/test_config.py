@@ -1,5 +1,6 @@
 """Config parsing: TOML, overrides in both spellings, types, and errors that name the key."""
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -201,6 +202,22 @@ def test_global_batch_size_resolves_the_accumulation(local, dp, accumulation, wa
 def test_global_batch_size_must_be_positive_or_minus_one(wanted):
     with pytest.raises(ConfigError, match=rf"\[training\] global_batch_size = {wanted}: must be"):
         load_config(["--training.global_batch_size", wanted])
+
+
+@pytest.mark.parametrize("section,key,here", [
+    ("debug", "seed", "[training] seed"), ("training", "dataset", "[data] source"),
+    ("model", "hf_assets_path", "[tokenizer] path"), ("training", "batch_size",
+                                                      "[training] local_batch_size")])
+def test_torchtitans_keys_that_live_elsewhere_here_are_named(tmp_path, section, key, here):
+    """A torchtitan key under another name here: the error says which (the close-match suggestion
+    looks in the same section only, and [debug] is no section here)."""
+    message = rf"^unknown config key \[{section}\] {key}: torchtitan's \[{section}\] {key} is " \
+              + re.escape(here) + " here$"
+    with pytest.raises(ConfigError, match=message):
+        load_config([f"--{section}.{key}", "1"])
+    (tmp_path / "titan.toml").write_text(f"[{section}]\n{key} = 1\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--config", str(tmp_path / "titan.toml")])
 
 
 def test_choices_come_from_the_literal_types():

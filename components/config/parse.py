@@ -157,8 +157,28 @@ ALIASES = {("checkpoint", "enable_checkpoint"): "enable",  # torchtitan v0.1's n
            ("lr_scheduler", "min_lr_ratio"): "min_lr_factor"}  # this repo's name before torchtitan's
 
 
+# torchtitan's keys whose setting lives under another name here: named in the error, since the
+# close-match suggestion cannot find a key in another section.
+TORCHTITAN_ELSEWHERE = {
+    ("training", "dataset"): "[data] source", ("training", "dataset_path"): "[data] source",
+    ("training", "batch_size"): "[training] local_batch_size",  # v0.1
+    ("training", "compile"): "[compile] enable",  # v0.1
+    ("debug", "seed"): "[training] seed", ("debug", "deterministic"): "[training] deterministic",
+    ("model", "hf_assets_path"): "[tokenizer] path", ("model", "tokenizer_path"): "[tokenizer] path",
+    ("parallelism", "disable_loss_parallel"): "[loss] parallel",
+}
+
+
+def _torchtitan_hint(where: str, key: str) -> None:
+    here = TORCHTITAN_ELSEWHERE.get((where, key))
+    if here is not None:
+        raise ConfigError(f"unknown config key [{where}] {key}: torchtitan's [{where}] {key} is "
+                          f"{here} here")
+
+
 def _set(section, where: str, key: str, value: Any, from_text: bool) -> None:
     key = ALIASES.get((where, key), key)
+    _torchtitan_hint(where, key)
     if key not in _keys(section):
         if key in _subsections(section):
             example, path = getattr(section, key), f"{where}.{key}"
@@ -174,6 +194,8 @@ def _set(section, where: str, key: str, value: Any, from_text: bool) -> None:
 
 def _set_table(cfg: "JobConfig", where: str, table: dict) -> None:
     """A TOML table's keys; nested tables are subsections ([quantize.linear.float8])."""
+    for key in table:
+        _torchtitan_hint(where, key)
     section = _section(cfg, where)
     for (aliased, old), key in ALIASES.items():
         if aliased == where and old in table and key in table:  # else the later one won, silently
@@ -379,6 +401,7 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
         section, dot, key = name.rpartition(".")  # the section may be nested: a.b.c.key
         if not dot:
             raise ConfigError(f"--{name}: expected --section.key" + _suggest(name, ["config"]))
+        _torchtitan_hint(section, key)
         _set(_section(cfg, section), section, key, value, from_text=True)
     check_values(cfg)
     _expand_home(cfg)
