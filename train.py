@@ -340,7 +340,7 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
                                     cfg.parallelism.data_parallel_shard_degree,
                                     cfg.parallelism.tensor_parallel_degree, world,
                                     cfg.parallelism.context_parallel_degree)
-        resolve_global_batch(cfg, dims.dp)
+        batch_note = resolve_global_batch(cfg, dims.dp)
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     with config_checks():  # before config.toml records the settings
         take_settings_from_initial_load(cfg, log)
@@ -373,8 +373,9 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         (dump / "config.toml").write_text(to_toml(cfg))
         if cfg.job.print_config:
             print(to_toml(cfg), flush=True)
-    if schedule_note:
-        log(schedule_note)
+    for note in (batch_note, schedule_note):
+        if note:
+            log(note)
     return dims, tokenizer, args, schedule, resume
 
 

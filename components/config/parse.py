@@ -274,24 +274,26 @@ def check_values(cfg: JobConfig) -> None:
                           "scales)")
 
 
-def resolve_global_batch(cfg: JobConfig, dp_degree: int) -> None:
+def resolve_global_batch(cfg: JobConfig, dp_degree: int) -> Optional[str]:
     """[training] global_batch_size (torchtitan's key) as gradient_accumulation_steps, once the
-    data-parallel degree is known: the optimizer step keeps its size on any number of GPUs."""
+    data-parallel degree is known: the optimizer step keeps its size on any number of GPUs. Set,
+    it wins over a gradient_accumulation_steps that disagrees (a run's config.toml records the
+    accumulation it resolved, and may be launched again on other GPUs): a warning line says so."""
     training = cfg.training
     wanted, local = training.global_batch_size, training.local_batch_size
     if wanted == -1:
-        return
+        return None
     per_micro_step = local * dp_degree
     if wanted % per_micro_step:
         raise ConfigError(f"[training] global_batch_size = {wanted} is not a multiple of "
                           f"local_batch_size x the data-parallel degree = {local} x {dp_degree}")
-    steps = wanted // per_micro_step
-    if training.gradient_accumulation_steps not in (1, steps):
-        raise ConfigError(f"[training] global_batch_size = {wanted} makes {steps} micro-batch(es) "
-                          f"a step at local_batch_size {local} on {dp_degree} data-parallel "
-                          f"rank(s), but gradient_accumulation_steps = "
-                          f"{training.gradient_accumulation_steps}: set only one of them")
+    steps, given = wanted // per_micro_step, training.gradient_accumulation_steps
     training.gradient_accumulation_steps = steps
+    if given in (1, steps):
+        return None
+    return (f"warning: [training] global_batch_size = {wanted} makes {steps} micro-batch(es) a "
+            f"step at local_batch_size {local} on {dp_degree} data-parallel rank(s): "
+            f"gradient_accumulation_steps = {given} is replaced by {steps}")
 
 
 def _check_types(section, where: str) -> None:
