@@ -166,14 +166,13 @@ def fit_lr_schedule(cfg: LRScheduler, training_steps: int) -> tuple[LRScheduler,
         notes.append(f"[lr_scheduler] warmup_steps = {warmup_steps} does not fit in {total_key} "
                      f"= {total_steps}: warming up over {total_steps - 1} step(s)")
         warmup_steps = total_steps - 1
-    if decay_ratio is not None or cfg.decay_type == "wsd":
-        decay_steps = _decay_steps(total_steps, warmup_steps, cfg.decay_type, decay_ratio)
-        if warmup_steps + decay_steps > total_steps:
-            decay_steps = total_steps - warmup_steps
-            ratio = DEFAULT_WSD_DECAY_RATIO if decay_ratio is None else decay_ratio
-            notes.append(f"the decay ([lr_scheduler] decay_ratio = {ratio}) takes the last "
-                         f"{decay_steps} step(s)")
-            decay_ratio = decay_steps / total_steps
+    decay_steps = _decay_steps(total_steps, warmup_steps, cfg.decay_type, decay_ratio)
+    if warmup_steps + decay_steps > total_steps:  # only a decay_ratio's (or wsd's) decay can
+        decay_steps = total_steps - warmup_steps
+        ratio = DEFAULT_WSD_DECAY_RATIO if decay_ratio is None else decay_ratio
+        notes.append(f"the decay ([lr_scheduler] decay_ratio = {ratio}) takes the last "
+                     f"{decay_steps} step(s)")
+        decay_ratio = decay_steps / total_steps
     fitted = dataclasses.replace(cfg, warmup_steps=warmup_steps, decay_ratio=decay_ratio)
     return fitted, ("warning: " + "; ".join(notes) + " (a short run)" if notes else None)
 

@@ -170,6 +170,7 @@ TORCHTITAN_ELSEWHERE = {
 
 
 def _torchtitan_hint(where: str, key: str) -> None:
+    """Called before the section is looked up: [debug] is no section here."""
     here = TORCHTITAN_ELSEWHERE.get((where, key))
     if here is not None:
         raise ConfigError(f"unknown config key [{where}] {key}: torchtitan's [{where}] {key} is "
@@ -178,7 +179,6 @@ def _torchtitan_hint(where: str, key: str) -> None:
 
 def _set(section, where: str, key: str, value: Any, from_text: bool) -> None:
     key = ALIASES.get((where, key), key)
-    _torchtitan_hint(where, key)
     if key not in _keys(section):
         if key in _subsections(section):
             example, path = getattr(section, key), f"{where}.{key}"
