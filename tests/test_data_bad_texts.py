@@ -175,3 +175,67 @@ def test_a_streamed_hub_dataset_names_the_row_when_read_or_skips_it(hub_cache, t
     assert warnings[-1] == ("data: skipped a bad document: tester/stream, split 'train': row 30: field 'text' "
                             "is only whitespace (no text to train on) (3 skipped so far, [data] "
                             "on_bad_document = \"skip\")")
+
+
+# ------------------------------------------------------------- .txt: paragraphs of only whitespace
+
+# Paragraphs laid out with whitespace: a byte-order mark on a line of its own, spaces and tabs between
+# blank lines, odd runs of blank lines (one leaves a "\n" paragraph at the end), a no-break space,
+# CRLF. `datasets`' text builder made a document of each of the 7 whitespace pieces (bos, whitespace,
+# eos); they are layout, as a blank line of a .jsonl file is, so they are left out without a word.
+LAID_OUT = ("\ufeff\r\n\r\none\r\n\r\n  \t \r\n\r\ntwo\n  lines \n\n\n\n\n"
+            "three\n\n\t\n  \n\n \n\n\nfour\n\n\u00a0\n\nfive \n\n   \n\n\n")
+# The paragraphs as the builder gives them: leading and trailing whitespace is the text's own.
+PARAGRAPHS = ["one", "two\n  lines ", "\nthree", "\nfour", "five "]
+
+
+def _laid_out(path, raw=LAID_OUT.encode()):
+    path.write_bytes(raw)
+    return path
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_text_file_paragraph_of_only_whitespace_is_not_a_document(tmp_path, caplog, streaming):
+    path = _laid_out(tmp_path / "notes.txt")
+    load = lambda split, **kwargs: load_documents(str(path), split, streaming=streaming,  # noqa: E731
+                                                  val_every=2, cache_dir=tmp_path / "cache", **kwargs)
+    with caplog.at_level(logging.WARNING):
+        validation, train = load("validation"), load("train")  # on_bad_document = "error"
+        # Held out by their number among the documents, whitespace not counted.
+        assert [d["text"] for d in validation] == PARAGRAPHS[::2]
+        assert [d["text"] for d in train] == PARAGRAPHS[1::2]
+        tokens = []
+        windows = TokenWindows(train, BYTE, seq_len=8)
+        while len(tokens) < 60:
+            inputs, labels = next(windows)
+            tokens += inputs.tolist() + labels[-1:].tolist()
+    expected = np.concatenate([framed(BYTE, t) for t in PARAGRAPHS[1::2] * 3]).tolist()
+    assert tokens == expected[:len(tokens)]
+    assert not [r for r in caplog.records if r.name == "components.data.checks"]  # not bad documents
+
+    # A bad paragraph among them is counted alone.
+    bad = _laid_out(tmp_path / "bad.txt", LAID_OUT.encode().replace(b"\nfour", b"\nf\xffur"))
+    with pytest.raises(BadDocumentError, match=r"bad\.txt: line 21 \(in the paragraph from line 20\): "
+                                               r"not UTF-8 \(byte 0xff at column 2\); 1 bad document\(s\)"):
+        load_documents(str(bad), "train", streaming=streaming, cache_dir=tmp_path / "cache")
+    with caplog.at_level(logging.WARNING):
+        documents = load_documents(str(bad), "train", streaming=streaming, val_every=1000,
+                                   cache_dir=tmp_path / "cache", on_bad_document="skip")
+        assert [d["text"] for d in documents] == ["two\n  lines ", "\nthree", "five "]
+    assert caplog.messages[-1] == "data: skipped 1 bad document(s) in 1 file(s) ([data] on_bad_document = \"skip\")"
+
+    # A file of nothing but whitespace holds no documents (it was one document of spaces).
+    empty = _laid_out(tmp_path / "blank.txt", b" \n\n\t \r\n  \n\n\n")
+    with pytest.raises(ValueError, match=rf"^no documents in {re.escape(str(empty))} \(only blank lines\)$"):
+        load_documents(str(empty), "train", streaming=streaming, cache_dir=tmp_path / "cache")
+
+
+def test_prepare_data_leaves_out_a_text_file_paragraph_of_only_whitespace(tmp_path, capsys):
+    path = _laid_out(tmp_path / "notes.txt")
+    assert _prepare("--source", path, "--out", tmp_path / "shards") == 0  # --on-bad-document error
+    assert "skipped" not in capsys.readouterr().out
+    assert read_index(tmp_path / "shards")["skipped_documents"] == 0
+    assert shard_documents(tmp_path / "shards", "train") == [framed(BYTE, t) for t in PARAGRAPHS]
+    # The documents the trainer reads from the same file (document 0 held out).
+    trainer = load_documents(str(path), "train", val_every=10**9, cache_dir=tmp_path / "cache")
+    assert list(trainer["text"]) == PARAGRAPHS[1:]

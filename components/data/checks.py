@@ -10,6 +10,12 @@ empty text trains on bos/eos alone, silently. Here each bad document is named by
 deterministic, so resuming finds the same documents). What a file holds is cached under cache_dir by
 its path, size and modification time, so unchanged files are read once, not every run.
 
+A paragraph of a .txt file that is only whitespace (spaces or tabs between blank lines, an odd run
+of blank lines, whitespace at the end of the file; at the file's start, its byte-order mark too) is
+layout, as a blank line of a .jsonl file is: not a document, and not a bad one either. `datasets`'
+text builder makes one of each (trained on as bos, whitespace, eos), so a file with any is loaded
+from a copy without them, whatever on_bad_document says, and read_documents leaves them out.
+
 A dataset that `datasets` loads by name (check_dataset) and scripts.prepare_data's documents
 (read_documents, text_problem) count the same documents bad: a null, non-text, empty or
 whitespace-only text.
@@ -35,7 +41,7 @@ logger = logging.getLogger(__name__)
 ON_BAD_DOCUMENT = typing.get_args(OnBadDocument)
 CHECKED_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 NAMED = 10  # bad documents named one by one (per file in the cache, per source in warnings)
-_CHECK_VERSION = 3  # part of the cache key: bump when what counts as bad changes
+_CHECK_VERSION = 4  # part of the cache key: bump when what counts as bad (or as a document) changes
 _BOM = b"\xef\xbb\xbf"
 _warned: set[str] = set()  # files whose skipped documents this process has already reported
 
@@ -68,6 +74,7 @@ class FileReport:
     bad: int = 0
     named: list[str] = field(default_factory=list)  # the first NAMED bad ones: "line 18: not UTF-8 ..."
     without_field: int = 0  # bad because they lack the text field
+    blank: int = 0  # .txt paragraphs of only whitespace: layout, left out, neither documents nor bad
     fields: list[str] = field(default_factory=list)  # the fields of the first of those
 
 
@@ -86,9 +93,9 @@ def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_
             raise BadDocumentError(
                 f"{path}: {report.named[0]}; {report.bad} bad document(s) in this file. Set [data] "
                 f"on_bad_document = \"skip\" to skip them (each is then named in a warning)")
-        if report.bad:
+        if report.bad or report.blank:  # the copy leaves out blank paragraphs silently
             path_to_load = _cleaned_copy(path, text_field, cache_dir / "checked" / key)
-            if key not in _warned:
+            if report.bad and key not in _warned:
                 _warned.add(key)
                 skipped.append(report.bad)
                 named += [f"{path}: {what}" for what in report.named]
@@ -266,6 +273,9 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
     with open(path, "rb") as f:
         for raw, where, problem in (_paragraphs(f) if text else
                                     _json_documents(f, path, text_field)):
+            if problem is _BLANK:
+                report.blank += 1
+                continue
             if problem is None:
                 if out is not None:
                     out.write(b"\n\n" + raw if text and report.documents else raw)
@@ -327,7 +337,8 @@ def read_documents(path: Path, text_field: str, start: int = 0,
     with open(path, "rb") as f:
         if path.suffix == ".txt":
             for raw, where, problem in _paragraphs(f):
-                yield (None if problem else raw.decode("utf-8")), where, len(raw), problem
+                if problem is not _BLANK:
+                    yield (None if problem else raw.decode("utf-8")), where, len(raw), problem
             return
         if start == 0 and stop is None:
             documents = _json_documents(f, path, text_field)
@@ -433,10 +444,16 @@ def _not_utf8(data: bytes, error: UnicodeDecodeError) -> str:
     return f"not UTF-8 (byte 0x{data[error.start]:02x} at column {column})"
 
 
+# The "problem" of a .txt paragraph of only whitespace: layout, neither a document nor a bad one.
+_BLANK = "only whitespace (layout, not a document)"
+
+
 def _paragraphs(f: BinaryIO, chunk_chars: int = 1 << 20) -> Iterator[Document]:
     """Paragraphs split as `datasets`' text builder splits them (sample_by="paragraph": universal
     newlines, split on a blank line, empty pieces dropped), as raw bytes. Latin-1 maps each byte
-    to one character, so the bytes come back exactly and a paragraph can be checked for UTF-8."""
+    to one character, so the bytes come back exactly and a paragraph can be checked for UTF-8.
+    The builder keeps a paragraph of only whitespace (spaces, tabs, the newline that an odd run of
+    blank lines leaves at the end): its problem is _BLANK."""
     text = io.TextIOWrapper(f, encoding="latin-1", newline=None)
     line, carry = 1, ""
     while block := text.read(chunk_chars):
@@ -453,8 +470,12 @@ def _paragraphs(f: BinaryIO, chunk_chars: int = 1 << 20) -> Iterator[Document]:
 def _paragraph(piece: str, line: int) -> Document:
     raw = piece.encode("latin-1")
     try:
-        raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         where = f"line {line + _line_of(raw, e.start) - 1} (in the paragraph from line {line})"
         return raw, where, _not_utf8(raw, e)
+    if line == 1:
+        text = text.removeprefix("\ufeff")  # the file's byte-order mark, which `datasets` keeps
+    if not text.strip():  # str.strip and text_problem's str.isspace agree on what is whitespace
+        return raw, f"the paragraph from line {line}", _BLANK
     return raw, f"the paragraph from line {line}", None

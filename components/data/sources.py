@@ -91,7 +91,8 @@ def load_documents(source: str, split: str, text_field: str = "text", streaming:
                    on_bad_document: str = "error") -> Documents:
     """source: "stdlib", a local .txt/.jsonl/.json/.parquet file or a directory of them, or a Hugging Face
     Hub dataset name (needs network access). A .txt file gives one document per paragraph (blank-line
-    separated). split: "train" or "validation", or another split the source really has.
+    separated, as it is); a paragraph of only whitespace is layout, not a document (checks.py leaves
+    it out). split: "train" or "validation", or another split the source really has.
     on_bad_document: what a document of a local .jsonl/.json/.txt/.parquet file that is not UTF-8,
     not JSON or without text, or a row of a Hub dataset without text, does: "error" names it,
     "skip" leaves it out with a warning."""
@@ -170,6 +171,8 @@ def _refuse_saved_dataset(path: Path) -> None:
 def _load_local(files: list[Path], streaming: bool, cache_dir: Path):
     import datasets
     builder = BUILDER_BY_SUFFIX[files[0].suffix]
+    # The text builder makes a paragraph of only whitespace a document too: a .txt file that has
+    # any comes here as check_files' copy without them.
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
     with _no_progress_bars():
