@@ -43,7 +43,8 @@ from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_m
                                 peak_flops)
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
-from components.process import exit_process, process_group
+from components.process import (back_to_init_timeout, exit_process, init_timeout_phase,
+                                process_group, start_train_timeout)
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
     default_allocator_settings()
     # From here on a stop signal is remembered: it takes effect after the first training step.
     with StopRequest(saves=cfg.checkpoint.enable) as stop, \
-            process_group(cfg.training.device) as (rank, world, device), \
+            process_group(cfg.training.device, cfg.comm) as (rank, world, device), \
             dump_folder_lock(cfg.job.dump_folder, rank,  # before anything is written there
                              cfg.checkpoint.folder if cfg.checkpoint.enable else None):
         return train(cfg, rank, world, device, stop)
@@ -437,6 +438,19 @@ def nan_loss_at_test_steps(model: torch.nn.Module, scheduler) -> None:
             module.training and scheduler.last_epoch + 1 in steps) else None)
 
 
+def stall_at_test_points(where: str, step: int, rank: int) -> None:
+    """Test-only fault injection (tests/test_comm_timeouts.py):
+    FLCE_TEST_STALL=<rank>:<where>@<step>:<seconds>[,...] makes that rank sleep there, as a hung
+    or slow rank would; where is "step" (before the step's work) or "save" (right after its
+    checkpoint save, where rank 0 commits and prunes alone). Unset (always outside the tests),
+    nothing happens."""
+    for point in filter(None, os.environ.get("FLCE_TEST_STALL", "").split(",")):
+        who, _, rest = point.partition(":")
+        here, _, seconds = rest.partition(":")
+        if int(who) == rank and here == f"{where}@{step}":
+            time.sleep(float(seconds))
+
+
 def resume_run(cfg: JobConfig, ckpt: Checkpointer, resume: ResumePoint, optimizer,
                scheduler) -> tuple[int, int]:
     """(the first step to train, the tokens seen before it): after the resumed checkpoint, if
@@ -499,8 +513,22 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     bad_steps = BadSteps(device, start_step)
     exit_code, run_tokens, step = 0, 0, start_step - 1
+    # [comm] timeouts (components/process.py): the first step (compilation, warm-up) runs under
+    # init_timeout_seconds, the later ones under train_timeout_seconds, except where ranks may
+    # wait on slow work without anything being wrong, which go back to the init timeout:
+    # - a checkpoint save: the ranks wait on each other's DCP writes, then on rank 0 alone
+    #   committing and pruning (an async save's own collectives keep their group's timeout,
+    #   components/checkpoint.py);
+    # - an evaluation: the first one compiles the model's eval graphs, on every rank;
+    # - the end of the run: the last async save, rank 0 alone closing wandb / TensorBoard and
+    #   writing the summary while the others wait in the final barrier.
+    # Nowhere else does a rank work alone while the others wait: rank 0's logging is a line to
+    # metrics.jsonl and stdout and a call queueing it for wandb / TensorBoard; every rank writes
+    # its own traces and memory snapshots; resuming and loading weights (rank 0 alone reads a
+    # Hugging Face folder) come before the first step.
     with maybe_profile(cfg.profiling, dump, rank, device, log) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
+            stall_at_test_points("step", step, rank)
             with meter.waiting_for_data():
                 micro = [next(train_iter) for _ in range(cfg.training.gradient_accumulation_steps)]
             lr = optimizer.param_groups[0]["lr"]  # this step's (train_step moves the schedule on)
@@ -531,14 +559,20 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                     break
                 ckpt.raise_if_async_save_failed(device)
             if saves:
-                ckpt.save(step, tokens_seen)
+                with init_timeout_phase():
+                    ckpt.save(step, tokens_seen)
+                    stall_at_test_points("save", step, rank)
                 meter.reset()
             if stopping:
                 log(stop.stopped_line(step, ckpt.folder / f"step-{step}" if saves else None))
                 break
             if validation is not None and validation.due(step):
-                validation.run(model, step, metrics)
+                with init_timeout_phase():
+                    validation.run(model, step, metrics)
                 meter.reset()  # evaluation time is not training time
+            if step == start_step:  # its compilation and warm-up are done, on every rank
+                start_train_timeout()
+        back_to_init_timeout()
     ckpt.wait()
     metrics.close()
     train_batches.close()  # its thread and tokenizer workers

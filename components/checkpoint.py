@@ -57,7 +57,7 @@ from components.checkpoint_manifest import ChecksummingWriter, find_damage
 from components.config.schema import Checkpoint, JobConfig
 from components.config.parse import to_toml
 from components.float8_linear import plain_weights
-from components.process import note_process_group
+from components.process import keep_own_timeout, note_process_group
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -285,11 +285,14 @@ class Checkpointer:
         self.config_toml = to_toml(cfg)
         self._pending: Optional[Future] = None  # an async save's commit
         # An async save finishes with collectives in a background thread: they get a group of
-        # their own so they never interleave with the training's collectives.
+        # their own so they never interleave with the training's collectives. They wait on every
+        # rank's writes while training goes on, which no [comm] phase bounds: the group keeps
+        # torch's gloo default timeout (30 min), as torchtitan's async group does.
         self._async_group = None
         if self.cfg.async_mode == "async" and dist.is_initialized():
             self._async_group = dist.new_group(backend="gloo")
             note_process_group("gloo", dist.get_world_size())  # see components/process.py
+            keep_own_timeout(self._async_group)
 
     def saves_at(self, step: int, stopping: bool = False) -> bool:
         """Whether this step ends with a save: every [checkpoint] interval steps, at the last

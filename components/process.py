@@ -1,5 +1,5 @@
 """The trainer process's distributed lifetime: its process group, started and torn down
-(process_group), and its exit (exit_process).
+(process_group), its collectives' timeouts ([comm]), and its exit (exit_process).
 
 Leaving a process that used gloo with several ranks skips the interpreter's teardown. DTensor's
 sharding caches (torch-internal, global) keep the device mesh, and through it its gloo process
@@ -8,60 +8,203 @@ finalization, where gloo intermittently aborts the process ("terminate called wi
 exception", SIGABRT): about one two-process CPU run in twenty with torch 2.13, after all the work
 was done and written. Only such a process skips the teardown (os._exit), once its outputs are
 flushed and closed; every other one exits normally, so atexit handlers (wandb's, a profiler's,
-a user's) run."""
+a user's) run.
+
+Timeouts ([comm]): a rank that waits in a collective longer than the timeout in force raises an
+error (gloo) or is aborted by NCCL's watchdog, instead of hanging. Until the first training step
+is done that is init_timeout_seconds; then, with more than one rank, train_timeout_seconds
+(start_train_timeout), except in the phases where ranks may wait long on one another without
+anything being wrong (init_timeout_phase, back_to_init_timeout): see train.py's loop. Every
+process group of the run has them: torch gives the groups a device mesh makes its backend's
+default timeout (30 min on gloo, 10 on NCCL), not the default group's, so cover_new_groups sets
+them after the mesh is built (parallelisms/mesh.py)."""
 
 import logging
 import os
+import re
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
-from components.config.schema import ConfigError
+from components.config.schema import Comm, ConfigError
 
 _several_gloo_ranks = False
 
 
-def init_distributed(device_type: str = "auto") -> tuple[int, int, torch.device]:
+@dataclass
+class _Timeouts:
+    """[comm]'s timeouts in this process's process groups: `current` names the key in force."""
+    comm: Comm
+    world: int
+    device: torch.device
+    current: str = "init_timeout_seconds"
+    training: bool = False  # between the first step and the end of the loop
+    own_timeout: set = field(default_factory=set)  # names of groups left at their own timeout
+
+
+_timeouts: Optional[_Timeouts] = None
+
+
+def init_distributed(device_type: str = "auto", comm: Optional[Comm] = None
+                     ) -> tuple[int, int, torch.device]:
     """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process. On CUDA even one
     process gets a (single-rank) process group: FSDP then handles bf16 parameters uniformly.
-    device_type is [training] device: "auto" takes CUDA when there is one."""
+    device_type is [training] device: "auto" takes CUDA when there is one. comm: [comm] (default:
+    its defaults); the process group starts with init_timeout_seconds."""
+    comm = Comm() if comm is None else comm
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("[training] device = \"cuda\", but torch sees no CUDA device")
     cuda = device_type != "cpu" and torch.cuda.is_available()
+    timeout = timedelta(seconds=comm.init_timeout_seconds)
     if "RANK" in os.environ:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                                timeout=timeout)
         note_process_group(dist.get_backend(), dist.get_world_size())
+        _start_timeouts(comm, dist.get_world_size(), device)
         return dist.get_rank(), dist.get_world_size(), device
     if cuda:
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        _start_timeouts(comm, 1, torch.device("cuda", 0))
         return 0, 1, torch.device("cuda", 0)
     return 0, 1, torch.device("cpu")
 
 
 @contextmanager
-def process_group(device_type: str = "auto") -> Iterator[tuple[int, int, torch.device]]:
+def process_group(device_type: str = "auto", comm: Optional[Comm] = None
+                  ) -> Iterator[tuple[int, int, torch.device]]:
     """(rank, world size, device) of this process, in its process group (init_distributed), which
     is destroyed on the way out, after an error too: the next run in this process can start
     again. After a finished run the ranks first meet in a barrier, so that no rank tears gloo
-    down while another still talks to it (seen to abort)."""
-    rank, world, device = init_distributed(device_type)
+    down while another still talks to it (seen to abort). A collective's timeout error gets a
+    note naming the [comm] key that set it."""
+    global _timeouts
+    rank, world, device = init_distributed(device_type, comm)
     finished = False
     try:
         yield rank, world, device
         finished = True
+    except Exception as e:
+        _name_the_timeout(e)
+        raise
     finally:
         if dist.is_initialized():
             if finished:
                 dist.barrier()
             dist.destroy_process_group()
+        _timeouts = None
+
+
+def _start_timeouts(comm: Comm, world: int, device: torch.device) -> None:
+    global _timeouts
+    _timeouts = _Timeouts(comm, world, device)
+
+
+def _groups() -> list:
+    """Every process group this process belongs to (c10d's registry: the default group, the
+    device mesh's, FSDP's flattened ones), less those that keep their own timeout."""
+    return [group for group in list(c10d._world.pg_map)
+            if group.group_name not in _timeouts.own_timeout]
+
+
+def _set_timeout(key: str) -> None:
+    """Every group's timeout to [comm] key's, on this rank (no collective): it holds for the
+    collectives this rank starts from now on. torch's private c10d._set_pg_timeout (gloo and
+    NCCL), which torchtitan v0.2's set_pg_timeouts uses for the default group and the mesh's."""
+    timeout = timedelta(seconds=getattr(_timeouts.comm, key))
+    for group in _groups():
+        c10d._set_pg_timeout(timeout, group)
+    _timeouts.current = key
+
+
+def cover_new_groups() -> None:
+    """Give the process groups made since the last call the timeout in force: a device mesh's
+    subgroups (new_group / split_group without a timeout get the backend's default, not the
+    default group's). parallelisms/mesh.py calls it after building a mesh."""
+    if _timeouts is not None:
+        _set_timeout(_timeouts.current)
+
+
+def keep_own_timeout(group) -> None:
+    """Leave a group at the timeout it was made with: the asynchronous checkpoint's, whose
+    collectives wait in the background on every rank's writes, which no phase of the training
+    loop bounds (torchtitan leaves its async group at torch's default too)."""
+    if _timeouts is not None:
+        _timeouts.own_timeout.add(group.group_name)
+
+
+def _meet() -> None:
+    """A barrier under the timeout in force (torchtitan's order: no rank may start a collective
+    under the shorter timeout while another is still in slow work allowed by the longer one);
+    on CUDA the host then waits for it too (NCCL's barrier is a device op)."""
+    dist.barrier()
+    if _timeouts.device.type == "cuda":
+        torch.cuda.synchronize(_timeouts.device)
+
+
+def _switchable() -> bool:
+    return _timeouts is not None and _timeouts.world > 1 and dist.is_initialized()
+
+
+def start_train_timeout() -> None:
+    """After the first training step (compilation and warm-up ran under init_timeout_seconds):
+    the ranks meet, then every group takes train_timeout_seconds. Once; a single rank keeps
+    the init timeout (no rank to wait for)."""
+    if not _switchable() or _timeouts.training:
+        return
+    _meet()
+    _set_timeout("train_timeout_seconds")
+    _timeouts.training = True
+
+
+@contextmanager
+def init_timeout_phase() -> Iterator[None]:
+    """The body runs under init_timeout_seconds: a phase where ranks may wait on one another
+    longer than a training step's stall (a checkpoint save, an evaluation). Leaving it, the
+    ranks meet under that timeout, so that none goes back to the train timeout while another is
+    still in the phase's slow work. An error leaves the init timeout in place (the run ends);
+    before start_train_timeout it does nothing."""
+    if not (_switchable() and _timeouts.training):
+        yield
+        return
+    _set_timeout("init_timeout_seconds")
+    yield
+    _meet()
+    _set_timeout("train_timeout_seconds")
+
+
+def back_to_init_timeout() -> None:
+    """After the training loop: the end of the run (waiting for the last asynchronous save,
+    rank 0 closing the metrics backends and writing the summary while the others wait in the
+    final barrier) runs under init_timeout_seconds. Local: a longer timeout needs no meeting."""
+    if _switchable() and _timeouts.training:
+        _set_timeout("init_timeout_seconds")
+        _timeouts.training = False
+
+
+def _name_the_timeout(error: BaseException) -> None:
+    """A note on a collective's timeout error (gloo: "Timed out waiting 2000ms for recv
+    operation", NCCL: "... timeout ...") naming the [comm] key in force."""
+    if not _switchable() or not isinstance(error, RuntimeError):  # DistError is one
+        return
+    if not re.search(r"timed out|timeout", str(error), re.IGNORECASE):
+        return
+    key = _timeouts.current
+    seconds = getattr(_timeouts.comm, key)
+    error.add_note(f"[comm] {key} = {seconds}: this rank waited that long for another in a "
+                   "collective. That rank stalled or failed (its log says why); if it was only "
+                   f"slow, raise [comm] {key}.")
 
 
 def note_process_group(backend: str, world_size: int) -> None:

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from components.process import cover_new_groups
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -52,12 +54,18 @@ class ParallelDims:
         return rank // self.same_batch
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """(dp_replicate, dp_shard, tp), and with CP (dp_replicate, dp_shard, cp, tp)."""
+        """(dp_replicate, dp_shard, tp), and with CP (dp_replicate, dp_shard, cp, tp). Its
+        subgroups get the default group's timeout ([comm]; torch would give them the backend's
+        default: components/process.py)."""
         if self.cp == 1:
-            return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+            mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
                                     mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        else:
+            mesh = init_device_mesh(device_type,
+                                    (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                    mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        cover_new_groups()
+        return mesh
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The dimensions FSDP shards over (and HSDP replicates over). With CP it shards over
@@ -66,9 +74,12 @@ class ParallelDims:
         gradients of their parts of the sequences. The flattened meshes are kept by the root
         mesh (built once, whatever the calls)."""
         if self.cp == 1:
-            return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
-        if self.dp_replicate == 1:
-            return mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
-        data = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
-        return data._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp),
-                               ("dp_replicate", "dp_shard_cp"))
+            dp = mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+        elif self.dp_replicate == 1:
+            dp = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+        else:
+            data = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+            dp = data._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp),
+                                 ("dp_replicate", "dp_shard_cp"))
+        cover_new_groups()  # a flattened dimension's group is a new one ([comm]'s timeout)
+        return dp

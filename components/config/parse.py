@@ -210,7 +210,8 @@ def _set_table(cfg: "JobConfig", where: str, table: dict) -> None:
 POSITIVE = [("training", "local_batch_size"), ("training", "seq_len"), ("training", "steps"),
             ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
             ("checkpoint", "interval"), ("validation", "freq"), ("validation", "steps"),
-            ("profiling", "profile_freq"), ("training", "max_bad_steps")]
+            ("profiling", "profile_freq"), ("training", "max_bad_steps"),
+            ("comm", "init_timeout_seconds"), ("comm", "train_timeout_seconds")]
 
 
 def check_values(cfg: JobConfig) -> None:

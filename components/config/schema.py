@@ -291,6 +291,28 @@ class Parallelism:
 
 
 @dataclass
+class Comm:
+    """How long a rank waits for the others in a collective: longer fails the run instead of hanging it."""
+    init_timeout_seconds: int = 300
+    """The collectives' timeout up to the end of the first step, and where ranks may wait long on each other after it.
+
+    Start-up (building, loading: rank 0 alone reads an initial_load_path Hugging Face folder) and
+    the first step (compilation, warm-up) run under it, and so do checkpoint saves (the ranks wait
+    on each other's writes, then on rank 0 committing and pruning), evaluations (the first one
+    compiles) and the end of the run (rank 0 closes the metrics backends while the others wait).
+    Raise it when one rank can be that much slower than the others there. The device mesh's
+    subgroups have it too (torch would give them its backend's default: 30 min on gloo, 10 on
+    NCCL)."""
+    train_timeout_seconds: int = 100
+    """The collectives' timeout after the first training step, with more than one rank.
+
+    A rank that stalls longer (a hung GPU or node, a stuck data loader) fails the run: the ranks
+    waiting for it stop with a timeout error (NCCL's watchdog ends them; under gloo the error
+    names this key). An asynchronous save's collectives, in the background, keep torch's default
+    (30 min), as torchtitan's do."""
+
+
+@dataclass
 class Checkpoint:
     """Saving and resuming: <dump_folder>/<folder>/step-<N>/."""
     enable: bool = False
@@ -430,6 +452,7 @@ class JobConfig:
     tokenizer: Tokenizer = field(default_factory=Tokenizer)
     loss: Loss = field(default_factory=Loss)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    comm: Comm = field(default_factory=Comm)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
