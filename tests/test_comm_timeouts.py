@@ -25,8 +25,8 @@ from components.process import exit_without_teardown
 from test_eight_processes import free_port
 from test_parallelisms import BASE, ROOT, errors, metrics, torchrun
 
-TRAIN_TIMEOUT = 3  # s: a CPU step of the debug model takes a fraction of that, on a busy machine
-STALL = 6  # s: longer than TRAIN_TIMEOUT, far shorter than the init timeout below
+TRAIN_TIMEOUT = 5  # s: a CPU step of the debug model takes a fraction of that, on a busy machine
+STALL = 10  # s: longer than TRAIN_TIMEOUT, far shorter than the init timeout below
 INIT_TIMEOUT = 120
 
 
