@@ -377,3 +377,29 @@ def test_a_damaged_index_is_named_and_written_again(tmp_path, rng, capsys):
     assert f"{index} is damaged: writing it again" in capsys.readouterr().out
     assert {k: v for k, v in read_index(tmp_path / "shards").items() if k != "created"} == \
         {k: v for k, v in whole.items() if k != "created"}
+
+
+def test_a_folder_begun_under_older_document_rules_is_finished_only_if_done(tmp_path, rng, capsys):
+    """prepare.json of a folder begun before empty texts and whitespace-only paragraphs stopped
+    being documents has no "documents" key: unfinished, it is refused (its remaining units would
+    count documents another way); finished, it is left as it is."""
+    write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 60))
+    args = ["--source", tmp_path / "a.jsonl", "--out", tmp_path / "shards", "--tokenizer", "byte",
+            "--workers", 1, *SMALL_UNITS]
+    assert prepare(*args) == 0
+    plan_path = tmp_path / "shards" / "prepare.json"
+    plan = json.loads(plan_path.read_text())
+    del plan["documents"]
+    plan_path.write_text(json.dumps(plan))
+    capsys.readouterr()
+    assert prepare(*args) == 0  # finished: nothing to redo, nothing refused
+    assert "complete already" in capsys.readouterr().out
+
+    units = sorted((tmp_path / "shards" / "units").glob("*.json"))
+    assert len(units) >= 3
+    units[-1].unlink()  # as if killed before its last unit
+    plan_path.write_text(json.dumps(plan))
+    assert prepare(*args) == 1
+    error = capsys.readouterr().err
+    assert "was begun by an older prepare_data, which counted other texts as documents" in error
+    assert "(document rules 1, now 2" in error

@@ -27,7 +27,8 @@ from typing import Iterator
 import numpy as np
 
 from components import lock
-from components.data.checks import NAMED, BadDocumentError, MissingTextField, read_documents, text_problem
+from components.data.checks import (DOCUMENT_RULES, NAMED, BadDocumentError, MissingTextField, read_documents,
+                                    text_problem)
 from components.data.document_tokens import (bind_to_parent, frame_texts, inherited_objects_frozen,
                                              worker_context)
 from components.data import SPLITS
@@ -301,8 +302,8 @@ def tokenizer_record(tokenizer, name: str, path: str | None) -> dict:
 
 def settings_for(tokenizer: dict, text_field: str, val_every: int, on_bad_document: str,
                  unit_bytes: int, source: dict) -> dict:
-    return {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer, "text_field": text_field,
-            "val_every": val_every, "on_bad_document": on_bad_document, "unit_bytes": unit_bytes,
+    return {"format": FORMAT, "version": VERSION, "documents": DOCUMENT_RULES, "tokenizer": tokenizer,
+            "text_field": text_field, "val_every": val_every, "on_bad_document": on_bad_document, "unit_bytes": unit_bytes,
             "dtype": token_dtype(tokenizer["vocab_size"]).name, "source": source}
 
 
@@ -338,13 +339,19 @@ def reconcile(out: Path, settings: dict, units: list[Unit], files: dict | None) 
                            f"{sorted(set(old_files) - set(new_files))[:3]})")
     elif files is None and plan["source"] != settings["source"]:
         differences.append(f"source: {plan['source']} -> {settings['source']}")
+    done = {p.stem for p in (out / UNITS).glob("*.json")}
+    begun_under = plan.get("documents", 1)  # a folder of before the key: rules 1
+    if begun_under != settings["documents"] and any(u["name"] not in done for u in plan["units"]):
+        raise PrepareError(f"{out} was begun by an older prepare_data, which counted other texts as documents "
+                           f"(document rules {begun_under}, now {settings['documents']}: empty texts and "
+                           f"whitespace-only .txt paragraphs are no documents now), and is unfinished: write to "
+                           f"another --out (or delete {out}: it holds only this preparation's work)")
     if differences:
         raise PrepareError(f"{out} was begun with other settings ({'; '.join(differences)}): finish it with "
                            f"the arguments it was begun with, or write to another --out (or delete {out}: it holds only "
                            f"this preparation's work)")
     planned = [Unit(**u) for u in plan["units"]]
     if files is not None:
-        done = {p.stem for p in (out / UNITS).glob("*.json")}
         for path, stat in new_files.items():
             if old_files[path] == stat:
                 continue
