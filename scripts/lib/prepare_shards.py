@@ -7,7 +7,8 @@ Unit "fffff-ppppp" is part p of input file f; it becomes one shard per split, wr
 temporary names and renamed, then marked done (units/<unit>.json). prepare.json, written first,
 holds the settings and the units. So a killed run leaves its done units done and the same command
 does the rest; a finished folder is left as it is; another tokenizer, other settings, or a source
-file that changed after some of its units were done are refused, naming what differs.
+file that changed after some of its units were done are refused, naming what differs, and so is an
+unfinished folder begun under other document rules (checks.DOCUMENT_RULES).
 """
 
 import contextlib
