@@ -438,17 +438,19 @@ def nan_loss_at_test_steps(model: torch.nn.Module, scheduler) -> None:
             module.training and scheduler.last_epoch + 1 in steps) else None)
 
 
-def stall_at_test_points(where: str, step: int, rank: int) -> None:
-    """Test-only fault injection (tests/test_comm_timeouts.py):
+def injected_stalls(rank: int) -> dict[str, float]:
+    """Test-only fault injection (tests/test_comm_timeouts.py), read once:
     FLCE_TEST_STALL=<rank>:<where>@<step>:<seconds>[,...] makes that rank sleep there, as a hung
     or slow rank would; where is "step" (before the step's work) or "save" (right after its
-    checkpoint save, where rank 0 commits and prunes alone). Unset (always outside the tests),
-    nothing happens."""
+    checkpoint save, where rank 0 commits and prunes alone). {"<where>@<step>": seconds} of this
+    rank; empty (always outside the tests) when unset."""
+    stalls = {}
     for point in filter(None, os.environ.get("FLCE_TEST_STALL", "").split(",")):
         who, _, rest = point.partition(":")
         here, _, seconds = rest.partition(":")
-        if int(who) == rank and here == f"{where}@{step}":
-            time.sleep(float(seconds))
+        if int(who) == rank:
+            stalls[here] = float(seconds)
+    return stalls
 
 
 def resume_run(cfg: JobConfig, ckpt: Checkpointer, resume: ResumePoint, optimizer,
@@ -513,6 +515,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     bad_steps = BadSteps(device, start_step)
     exit_code, run_tokens, step = 0, 0, start_step - 1
+    stalls = injected_stalls(rank)
     # [comm] timeouts (components/process.py): the first step (compilation, warm-up) runs under
     # init_timeout_seconds, the later ones under train_timeout_seconds, except where ranks may
     # wait on slow work without anything being wrong, which go back to the init timeout:
@@ -528,7 +531,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     # Hugging Face folder) come before the first step.
     with maybe_profile(cfg.profiling, dump, rank, device, log) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
-            stall_at_test_points("step", step, rank)
+            if stalls and f"step@{step}" in stalls:
+                time.sleep(stalls[f"step@{step}"])
             with meter.waiting_for_data():
                 micro = [next(train_iter) for _ in range(cfg.training.gradient_accumulation_steps)]
             lr = optimizer.param_groups[0]["lr"]  # this step's (train_step moves the schedule on)
@@ -561,7 +565,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
             if saves:
                 with init_timeout_phase():
                     ckpt.save(step, tokens_seen)
-                    stall_at_test_points("save", step, rank)
+                    if stalls and f"save@{step}" in stalls:
+                        time.sleep(stalls[f"save@{step}"])
                 meter.reset()
             if stopping:
                 log(stop.stopped_line(step, ckpt.folder / f"step-{step}" if saves else None))

@@ -304,8 +304,8 @@ def tokenizer_record(tokenizer, name: str, path: str | None) -> dict:
 def settings_for(tokenizer: dict, text_field: str, val_every: int, on_bad_document: str,
                  unit_bytes: int, source: dict) -> dict:
     return {"format": FORMAT, "version": VERSION, "documents": DOCUMENT_RULES, "tokenizer": tokenizer,
-            "text_field": text_field, "val_every": val_every, "on_bad_document": on_bad_document, "unit_bytes": unit_bytes,
-            "dtype": token_dtype(tokenizer["vocab_size"]).name, "source": source}
+            "text_field": text_field, "val_every": val_every, "on_bad_document": on_bad_document,
+            "unit_bytes": unit_bytes, "dtype": token_dtype(tokenizer["vocab_size"]).name, "source": source}
 
 
 def _differences(old: dict, new: dict, keys=("tokenizer", "text_field", "val_every", "on_bad_document",
@@ -343,8 +343,8 @@ def reconcile(out: Path, settings: dict, units: list[Unit], files: dict | None) 
     done = {p.stem for p in (out / UNITS).glob("*.json")}
     begun_under = plan.get("documents", 1)  # a folder of before the key: rules 1
     if begun_under != settings["documents"] and any(u["name"] not in done for u in plan["units"]):
-        raise PrepareError(f"{out} was begun by an older prepare_data, which counted other texts as documents "
-                           f"(document rules {begun_under}, now {settings['documents']}: empty texts and "
+        raise PrepareError(f"{out} was begun by an older prepare_data, which counted other texts as "
+                           f"documents (document rules {begun_under}, now {settings['documents']}: empty texts and "
                            f"whitespace-only .txt paragraphs are no documents now), and is unfinished: write to "
                            f"another --out (or delete {out}: it holds only this preparation's work)")
     if differences:
