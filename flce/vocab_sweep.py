@@ -23,7 +23,7 @@ the tail of the logits buffer. For reduction "none" forward keeps the statistics
 runs the gradient pass with the per-token upstream gradient.
 
 8·N·H·V FLOPs against the token chunks' 6 (the logits GEMM runs twice), taken where those
-chunks would hold fewer than SWEEP_BELOW_TOKENS tokens and W is large (`uses_vocab_sweep`).
+chunks would hold SWEEP_MAX_TOKENS tokens or fewer and W is large (`uses_vocab_sweep`).
 """
 
 from typing import Optional
@@ -39,13 +39,16 @@ from flce.vocab_slices import combine_slices, loss_from_sums, slice_grads, slice
 
 # Where memory_lean's token chunks hold 128 tokens or fewer and W is large, the sweep took
 # 1.5-4.9x less time than they did (benchmarks/flce_lean_sweep_h200.md against the grid's
-# memory_lean column, 14 points on an H200). Where the bounds fall comes from a probe on that
-# H200 (the sweep forced against the token chunks in interleaved rounds, not kept as a report):
-# at 256-token chunks both took the same within 5% (three points), at 512-1024 the chunks were
-# 15-40% faster (the sweep's second logits GEMM); and as a slice costs about as many launches as
-# a chunk, twice over, at a small W (2048x1024x32000, 64-token chunks) the launches set the time
-# and the sweep lost (10.8 against 6.6 ms).
-SWEEP_BELOW_TOKENS = 256      # memory_lean's token chunks this short ...
+# memory_lean column, 14 points on an H200). At 256-token chunks each chunk's dW GEMM (K = 256,
+# adding into dW) is bound by dW's traffic: the sweep took the same time or less at all six such
+# points of a probe on an H200 (2048 <= H <= 8192, V 128256 and 256000; 5% less at H = 8192) and
+# 17% less at 4096x8192x128256 on an H100, whose bandwidth is lower for its FLOPs; at 512-1024
+# token chunks the chunks were 15-40% faster (the sweep's second logits GEMM). Both probes forced
+# each path in interleaved rounds (`python3 -m scripts.bench.flce --lean-paths`), not kept as
+# reports. As a slice costs about as many launches as a chunk, twice over, at a small W
+# (2048x1024x32000, 64-token chunks) the launches set the time and the sweep lost (10.8 against
+# 6.6 ms).
+SWEEP_MAX_TOKENS = 256        # memory_lean's token chunks this short or shorter ...
 SWEEP_MIN_WEIGHT = 1 << 27    # ... and W of this many elements (V x H) at least: sweep
 STATS_GROUP = 32              # slices whose row statistics are combined in one go
 KEPT_BYTES_PER_TOKEN = 3 * 8  # loss, row max, log sum between the passes, float64 at most
@@ -68,13 +71,13 @@ def _columns_within(chunk: int, n_tokens: int, vocab: int, elem_bytes: int) -> i
 def uses_vocab_sweep(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
                      chunk_size: Optional[int], lean: bool, float8: str) -> bool:
     """Whether a memory_lean call with gradients sweeps the vocabulary: its token chunks would be
-    shorter than SWEEP_BELOW_TOKENS (and than N), W has SWEEP_MIN_WEIGHT elements or more, and
-    the vocabulary takes more than one slice.
+    no longer than SWEEP_MAX_TOKENS (and shorter than N), W has SWEEP_MIN_WEIGHT elements or
+    more, and the vocabulary takes more than one slice.
     Not with a chunk_size given (the token chunks asked for) nor with float8 GEMMs."""
     if not lean or chunk_size is not None or float8 != "none" or vocab * hidden < SWEEP_MIN_WEIGHT:
         return False
     chunk = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=True)
-    return (chunk < min(SWEEP_BELOW_TOKENS, n_tokens)
+    return (chunk <= SWEEP_MAX_TOKENS and chunk < n_tokens
             and _columns_within(chunk, n_tokens, vocab, elem_bytes) < vocab)
 
 

@@ -23,11 +23,17 @@ def test_taken_where_the_token_chunks_would_be_short_and_w_large():
     assert uses_vocab_sweep(2048, 1024, 256000, 2, None, True, "none")        # 8-token chunks
     assert uses_vocab_sweep(16384, 1024, 256000, 2, None, True, "none")       # 128
     assert uses_vocab_sweep(2048, 2048, 128256, 2, None, True, "none")        # 32
-    assert not uses_vocab_sweep(16384, 1024, 128256, 2, None, True, "none")   # 256
+    # 256-token chunks: each chunk's dW GEMM is bound by dW's traffic (H200 and H100 probes)
+    assert uses_vocab_sweep(4096, 8192, 128256, 2, None, True, "none")        # 256
+    assert uses_vocab_sweep(8192, 8192, 256000, 2, None, True, "none")        # 256
+    assert uses_vocab_sweep(8192, 2048, 128256, 2, None, True, "none")        # 256
+    assert not uses_vocab_sweep(8192, 8192, 128256, 2, None, True, "none")    # 512
+    assert not uses_vocab_sweep(16384, 4096, 256000, 2, None, True, "none")   # 512
     assert not uses_vocab_sweep(65536, 4096, 256000, 2, None, True, "none")
     # W of fewer than SWEEP_MIN_WEIGHT elements: the launches set the time, not W's traffic
     assert not uses_vocab_sweep(2048, 1024, 32000, 2, None, True, "none")     # 64
     assert not uses_vocab_sweep(2048, 1024, 128256, 2, None, True, "none")    # 16
+    assert not uses_vocab_sweep(16384, 1024, 128256, 2, None, True, "none")   # 256
     # only memory_lean, only without a chunk_size asked for, only without float8 GEMMs
     assert not uses_vocab_sweep(2048, 1024, 256000, 2, None, False, "none")
     assert not uses_vocab_sweep(2048, 1024, 256000, 2, 64, True, "none")

@@ -160,7 +160,7 @@ def test_lean_paths_force_each_path_and_restore_the_bounds(monkeypatch):
     from flce_cases import float64_reference, loss_and_grads, make_inputs, rel_err
     swept, stats = [], flce.vocab_sweep.sweep_stats
     monkeypatch.setattr(flce.vocab_sweep, "sweep_stats", lambda *a: swept.append(1) or stats(*a))
-    bounds = flce.vocab_sweep.SWEEP_BELOW_TOKENS, flce.vocab_sweep.SWEEP_MIN_WEIGHT
+    bounds = flce.vocab_sweep.SWEEP_MAX_TOKENS, flce.vocab_sweep.SWEEP_MIN_WEIGHT
     paths = bench_flce.methods(67, 24, 101, sweep=False, lean=True)
     for name, sweeps in (("flce_lean_chunks", False), ("flce_lean_slices", True)):
         swept.clear()
@@ -170,7 +170,7 @@ def test_lean_paths_force_each_path_and_restore_the_bounds(monkeypatch):
         ref_loss, ref = float64_reference(x, t, w, None, up)
         assert rel_err(loss, ref_loss) <= 1e-5 and all(
             rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref))
-        assert (flce.vocab_sweep.SWEEP_BELOW_TOKENS, flce.vocab_sweep.SWEEP_MIN_WEIGHT) == bounds
+        assert (flce.vocab_sweep.SWEEP_MAX_TOKENS, flce.vocab_sweep.SWEEP_MIN_WEIGHT) == bounds
 
 
 def test_a_loss_report_says_how_the_compiled_peer_was_compiled():

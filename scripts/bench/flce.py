@@ -75,12 +75,12 @@ def lean_paths(N, H, V) -> dict:
     chunk = pick_chunk_size(N, H, V, 2, None, lean=True)  # lean's: whatever the element size
 
     def slices(x, t, w):  # the bounds read at the call; backward follows forward's path
-        bounds = sweep.SWEEP_BELOW_TOKENS, sweep.SWEEP_MIN_WEIGHT
-        sweep.SWEEP_BELOW_TOKENS, sweep.SWEEP_MIN_WEIGHT = N + 1, 0
+        bounds = sweep.SWEEP_MAX_TOKENS, sweep.SWEEP_MIN_WEIGHT
+        sweep.SWEEP_MAX_TOKENS, sweep.SWEEP_MIN_WEIGHT = N, 0
         try:
             return flce.fused_linear_cross_entropy(x, t, w, memory_lean=True)
         finally:
-            sweep.SWEEP_BELOW_TOKENS, sweep.SWEEP_MIN_WEIGHT = bounds
+            sweep.SWEEP_MAX_TOKENS, sweep.SWEEP_MIN_WEIGHT = bounds
 
     return {"flce_lean_chunks": lambda x, t, w: flce.fused_linear_cross_entropy(
                 x, t, w, memory_lean=True, chunk_size=chunk),  # a chunk size: no sweep
