@@ -322,7 +322,8 @@ def main(argv=None) -> int:
     default_allocator_settings()
     # From here on a stop signal is remembered: it takes effect after the first training step.
     with StopRequest(saves=cfg.checkpoint.enable) as stop, \
-            process_group(cfg.training.device, cfg.comm) as (rank, world, device), \
+            process_group(cfg.training.device, cfg.comm,
+                          cfg.job.dump_folder) as (rank, world, device), \
             dump_folder_lock(cfg.job.dump_folder, rank,  # before anything is written there
                              cfg.checkpoint.folder if cfg.checkpoint.enable else None):
         return train(cfg, rank, world, device, stop)

@@ -17,12 +17,17 @@ is done that is init_timeout_seconds; then, with more than one rank, train_timeo
 anything being wrong (init_timeout_phase, back_to_init_timeout): see train.py's loop. Every
 process group of the run has them: torch gives the groups a device mesh makes its backend's
 default timeout (30 min on gloo, 10 on NCCL), not the default group's, so cover_new_groups sets
-them after the mesh is built (parallelisms/mesh.py)."""
+them after the mesh is built (parallelisms/mesh.py).
+
+Flight recorder ([comm] trace_buf_size, save_traces_folder, save_traces_file_prefix): NCCL keeps
+a record of each rank's recent collectives and, on a timeout, every rank writes its own
+(record_collectives)."""
 
 import logging
 import os
 import re
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from components.config.schema import Comm, ConfigError
+from components.lock import FolderNotWritable
 
 _several_gloo_ranks = False
 
@@ -51,17 +57,20 @@ class _Timeouts:
 _timeouts: Optional[_Timeouts] = None
 
 
-def init_distributed(device_type: str = "auto", comm: Optional[Comm] = None
+def init_distributed(device_type: str = "auto", comm: Optional[Comm] = None, dump_folder: str = ""
                      ) -> tuple[int, int, torch.device]:
     """torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process. On CUDA even one
     process gets a (single-rank) process group: FSDP then handles bf16 parameters uniformly.
     device_type is [training] device: "auto" takes CUDA when there is one. comm: [comm] (default:
-    its defaults); the process group starts with init_timeout_seconds."""
+    its defaults); the process group starts with init_timeout_seconds, and an NCCL one with its
+    flight recorder, whose records go under dump_folder ([job] dump_folder)."""
     comm = Comm() if comm is None else comm
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("[training] device = \"cuda\", but torch sees no CUDA device")
     cuda = device_type != "cpu" and torch.cuda.is_available()
     timeout = timedelta(seconds=comm.init_timeout_seconds)
+    if cuda:  # NCCL's process group, made below: gloo writes no record, no folder is made for it
+        record_collectives(comm, dump_folder)
     if "RANK" in os.environ:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -82,7 +91,7 @@ def init_distributed(device_type: str = "auto", comm: Optional[Comm] = None
 
 
 @contextmanager
-def process_group(device_type: str = "auto", comm: Optional[Comm] = None
+def process_group(device_type: str = "auto", comm: Optional[Comm] = None, dump_folder: str = ""
                   ) -> Iterator[tuple[int, int, torch.device]]:
     """(rank, world size, device) of this process, in its process group (init_distributed), which
     is destroyed on the way out, after an error too: the next run in this process can start
@@ -90,7 +99,7 @@ def process_group(device_type: str = "auto", comm: Optional[Comm] = None
     down while another still talks to it (seen to abort). A collective's timeout error gets a
     note naming the [comm] key that set it."""
     global _timeouts
-    rank, world, device = init_distributed(device_type, comm)
+    rank, world, device = init_distributed(device_type, comm, dump_folder)
     finished = False
     try:
         yield rank, world, device
@@ -104,6 +113,40 @@ def process_group(device_type: str = "auto", comm: Optional[Comm] = None
                 dist.barrier()
             dist.destroy_process_group()
         _timeouts = None
+
+
+def record_collectives(comm: Comm, dump_folder: str) -> None:
+    """[comm]'s flight recorder, set as torchtitan's init_distributed sets it: environment
+    variables an NCCL process group reads when it is created (so: before init_process_group),
+    and the folder its records go to on a timeout, made by every rank (nodes may not share a
+    filesystem; NCCL makes none). trace_buf_size 0 also turns off torch's own recorder (2000
+    entries by default), and sets nothing else."""
+    _set_env("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size), older="TORCH_NCCL_TRACE_BUFFER_SIZE")
+    if comm.trace_buf_size == 0:
+        return
+    folder = os.path.join(dump_folder, comm.save_traces_folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise FolderNotWritable(f"[comm] save_traces_folder {folder} cannot be created "
+                                f"({e.strerror}): set another --comm.save_traces_folder, or "
+                                "--comm.trace_buf_size 0") from None
+    # 1 (TearDown) aborts the communicators before the record is written (pytorch#121055); 3
+    # (torch's default) ends the process all the same, without that abort.
+    _set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    _set_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    _set_env("TORCH_FR_DUMP_TEMP_FILE", f"{folder}/{comm.save_traces_file_prefix}",
+             older="TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # NCCL appends the rank
+
+
+def _set_env(name: str, value: str, older: Optional[str] = None) -> None:
+    """os.environ[name] = value. A different value the user set, under name or under the older
+    name torch still reads (after name), is replaced with a warning, as torchtitan does."""
+    for given in filter(None, (name, older)):
+        if given in os.environ and os.environ[given] != value:
+            warnings.warn(f"[comm] sets {name}={value}, replacing the environment's "
+                          f"{given}={os.environ[given]}")
+    os.environ[name] = value
 
 
 def _start_timeouts(comm: Comm, world: int, device: torch.device) -> None:

@@ -253,6 +253,12 @@ def check_values(cfg: JobConfig) -> None:
     if cfg.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"[checkpoint] keep_latest_k = {cfg.checkpoint.keep_latest_k}: must be "
                           ">= 0 (0: keep all)")
+    if cfg.comm.trace_buf_size < 0:
+        raise ConfigError(f"[comm] trace_buf_size = {cfg.comm.trace_buf_size}: must be >= 0 (0: no "
+                          "flight recorder)")
+    if "/" in cfg.comm.save_traces_file_prefix:  # NCCL would not make the folder: no record written
+        raise ConfigError(f"[comm] save_traces_file_prefix = {cfg.comm.save_traces_file_prefix!r}: "
+                          "a file name's start, without '/' (the folder is save_traces_folder)")
     _check_mixture(cfg.data)
     for name in cfg.model.converters:
         if cfg.model.converters.count(name) > 1:

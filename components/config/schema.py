@@ -292,7 +292,7 @@ class Parallelism:
 
 @dataclass
 class Comm:
-    """How long a rank waits for the others in a collective: longer fails the run instead of hanging it."""
+    """How long a rank waits for the others in a collective (longer fails the run instead of hanging it), and what it records of them."""
     init_timeout_seconds: int = 300
     """The collectives' timeout up to the end of the first step, and where ranks may wait long on each other after it.
 
@@ -310,6 +310,18 @@ class Comm:
     waiting for it stop with a timeout error (NCCL's watchdog ends them; under gloo the error
     names this key). An asynchronous save's collectives, in the background, keep torch's default
     (30 min), as torchtitan's do."""
+    trace_buf_size: int = 20000
+    """How many of its latest collectives each rank's flight recorder (NCCL's) keeps; 0: none.
+
+    On a collective's timeout every rank writes its record to
+    <dump_folder>/<save_traces_folder>/<save_traces_file_prefix><rank>: the collectives it
+    started and finished, so the rank that never reached one shows (`torchfrtrace <folder>`,
+    torch's analyzer, compares the ranks' files). NCCL's only: a CPU (gloo) run records nothing
+    and makes no folder."""
+    save_traces_folder: str = "comm_traces"
+    """The flight recorder's folder, under the dump folder."""
+    save_traces_file_prefix: str = "rank_"
+    """The flight recorder's file names: this prefix, then the rank."""
 
 
 @dataclass
