@@ -120,14 +120,11 @@ TIMEOUTS = ["--comm.init_timeout_seconds", str(INIT_TIMEOUT),
             "--comm.train_timeout_seconds", str(TRAIN_TIMEOUT), "--training.local_batch_size", "2"]
 
 
-@pytest.mark.slow
-def test_a_rank_stalled_after_the_first_step_fails_the_run_with_a_timeout(tmp_path):
-    """Rank 1 stalls at step 3 (as long as a hang, for this test): rank 0 raises gloo's timeout
-    error, with a note naming [comm] train_timeout_seconds, TRAIN_TIMEOUT s into step 3, instead
-    of waiting for it. The ranks are started by hand: torchrun would wait up to 30 s for the
-    stalled rank after its SIGTERM, which the trainer takes as a stop request."""
-    dump, port = tmp_path / "run", free_port()
-    ranks = []
+def run_with_a_stalled_rank(tmp_path: Path, *overrides: str) -> tuple[int, float, str]:
+    """Two ranks of the trainer, rank 1 stalled at step 3 (as long as a hang, for a test): rank 0's
+    exit code, the seconds it ran, its output. The ranks are started by hand: torchrun would wait
+    up to 30 s for the stalled rank after its SIGTERM, which the trainer takes as a stop request."""
+    port, ranks = free_port(), []
     try:
         for rank in (0, 1):
             env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -136,22 +133,29 @@ def test_a_rank_stalled_after_the_first_step_fails_the_run_with_a_timeout(tmp_pa
             with open(tmp_path / f"rank-{rank}.out", "w") as out:
                 ranks.append(subprocess.Popen(
                     [sys.executable, str(ROOT / "train.py"), *BASE, *TIMEOUTS,
-                     "--job.dump_folder", str(dump)],
+                     "--job.dump_folder", str(tmp_path / "run"), *overrides],
                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
         started = time.monotonic()
-        code = ranks[0].wait(timeout=180)  # without [comm]: gloo's 30 min
+        code = ranks[0].wait(timeout=180)  # without [comm]: gloo's 30 min, NCCL's 10
         waited = time.monotonic() - started
     finally:
         for proc in ranks:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    output = (tmp_path / "rank-0.out").read_text()
+    return code, waited, (tmp_path / "rank-0.out").read_text()
+
+
+@pytest.mark.slow
+def test_a_rank_stalled_after_the_first_step_fails_the_run_with_a_timeout(tmp_path):
+    """Rank 0 raises gloo's timeout error, with a note naming [comm] train_timeout_seconds,
+    TRAIN_TIMEOUT s into step 3, instead of waiting for the stalled rank 1."""
+    code, waited, output = run_with_a_stalled_rank(tmp_path)
     assert code != 0, output[-3000:]
     assert f"Timed out waiting {TRAIN_TIMEOUT * 1000}ms" in output, errors(output)  # gloo's
     assert (f"[comm] train_timeout_seconds = {TRAIN_TIMEOUT}: this rank waited that long"
             in output), errors(output)
-    assert sorted(metrics(dump)) == [1, 2]  # steps 1 and 2 (and step 2's save) were fine
+    assert sorted(metrics(tmp_path / "run")) == [1, 2]  # steps 1 and 2 (and step 2's save) were fine
     assert waited < 90, waited
 
 

@@ -167,3 +167,17 @@ def test_a_cpu_run_sets_nothing_and_makes_no_folder(clean_env, monkeypatch, tmp_
         assert dist.is_initialized() == launched
         assert [name for name in RECORDER_ENV if name in os.environ] == []
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_cuda_two_gpus_a_timeout_leaves_the_ranks_records(tmp_path):
+    """NCCL's watchdog ends rank 0 once rank 1 has stalled past the train timeout, and rank 0's
+    flight recorder record is in <dump_folder>/comm_traces/ (torch writes it, not the trainer)."""
+    from test_comm_timeouts import run_with_a_stalled_rank
+    code, waited, output = run_with_a_stalled_rank(tmp_path, "--training.device", "cuda")
+    assert code != 0, output[-3000:]
+    assert waited < 150, waited
+    record = tmp_path / "run" / "comm_traces" / "rank_0"
+    assert record.is_file() and record.stat().st_size > 0, (
+        sorted(p.name for p in (tmp_path / "run").rglob("*")), output[-3000:])
