@@ -44,7 +44,7 @@ from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_m
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
 from components.process import (back_to_init_timeout, exit_process, init_timeout_phase,
-                                process_group, start_train_timeout)
+                                make_traces_folder, process_group, start_train_timeout)
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
@@ -326,6 +326,7 @@ def main(argv=None) -> int:
                           cfg.job.dump_folder) as (rank, world, device), \
             dump_folder_lock(cfg.job.dump_folder, rank,  # before anything is written there
                              cfg.checkpoint.folder if cfg.checkpoint.enable else None):
+        make_traces_folder(cfg.comm, cfg.job.dump_folder, device)
         return train(cfg, rank, world, device, stop)
 
 

@@ -21,7 +21,7 @@ them after the mesh is built (parallelisms/mesh.py).
 
 Flight recorder ([comm] trace_buf_size, save_traces_folder, save_traces_file_prefix): NCCL keeps
 a record of each rank's recent collectives and, on a timeout, every rank writes its own
-(record_collectives)."""
+(record_collectives, make_traces_folder)."""
 
 import logging
 import os
@@ -69,7 +69,7 @@ def init_distributed(device_type: str = "auto", comm: Optional[Comm] = None, dum
         raise ConfigError("[training] device = \"cuda\", but torch sees no CUDA device")
     cuda = device_type != "cpu" and torch.cuda.is_available()
     timeout = timedelta(seconds=comm.init_timeout_seconds)
-    if cuda:  # NCCL's process group, made below: gloo writes no record, no folder is made for it
+    if cuda:  # NCCL's process group, made below (gloo writes no record)
         record_collectives(comm, dump_folder)
     if "RANK" in os.environ:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -117,26 +117,38 @@ def process_group(device_type: str = "auto", comm: Optional[Comm] = None, dump_f
 
 def record_collectives(comm: Comm, dump_folder: str) -> None:
     """[comm]'s flight recorder, set as torchtitan's init_distributed sets it: environment
-    variables an NCCL process group reads when it is created (so: before init_process_group),
-    and the folder its records go to on a timeout, made by every rank (nodes may not share a
-    filesystem; NCCL makes none). trace_buf_size 0 also turns off torch's own recorder (2000
-    entries by default), and sets nothing else."""
+    variables an NCCL process group reads when it is created (so: before init_process_group).
+    Its folder is made later (make_traces_folder), once the run holds its dump folder.
+    trace_buf_size 0 also turns off torch's own recorder (2000 entries by default), and sets
+    nothing else."""
     _set_env("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size), older="TORCH_NCCL_TRACE_BUFFER_SIZE")
     if comm.trace_buf_size == 0:
         return
-    folder = os.path.join(dump_folder, comm.save_traces_folder)
+    # 1 (TearDown) aborts the communicators before the record is written (pytorch#121055); 3
+    # (torch's default) ends the process all the same, without that abort.
+    _set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    _set_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    _set_env("TORCH_FR_DUMP_TEMP_FILE", f"{traces_folder(comm, dump_folder)}/"
+             f"{comm.save_traces_file_prefix}", older="TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # + rank
+
+
+def traces_folder(comm: Comm, dump_folder: str) -> str:
+    return os.path.join(dump_folder, comm.save_traces_folder)
+
+
+def make_traces_folder(comm: Comm, dump_folder: str, device: torch.device) -> None:
+    """The flight recorder's folder, made by every rank (nodes may not share a filesystem; NCCL
+    makes none and writes no record without it) once the run holds its dump folder: a run
+    refused there leaves nothing in it. Only where there is a recorder: NCCL's (CUDA)."""
+    if device.type != "cuda" or comm.trace_buf_size == 0:
+        return
+    folder = traces_folder(comm, dump_folder)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
         raise FolderNotWritable(f"[comm] save_traces_folder {folder} cannot be created "
                                 f"({e.strerror}): set another --comm.save_traces_folder, or "
                                 "--comm.trace_buf_size 0") from None
-    # 1 (TearDown) aborts the communicators before the record is written (pytorch#121055); 3
-    # (torch's default) ends the process all the same, without that abort.
-    _set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    _set_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    _set_env("TORCH_FR_DUMP_TEMP_FILE", f"{folder}/{comm.save_traces_file_prefix}",
-             older="TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # NCCL appends the rank
 
 
 def _set_env(name: str, value: str, older: Optional[str] = None) -> None:

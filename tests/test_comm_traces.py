@@ -1,13 +1,14 @@
 """[comm] trace_buf_size, save_traces_folder, save_traces_file_prefix (torchtitan v0.2's keys):
 they load, bad values are named, and the trainer's process setup turns NCCL's flight recorder on
-as torchtitan's init_distributed does, with the environment variables set and the folder made
-before the process group is created, and nothing of it on a CPU (gloo) run.
+as torchtitan's init_distributed does: the environment variables set before the process group
+is created, the folder made once the run holds its dump folder, nothing of it on a CPU (gloo) run.
 
 NCCL's process group is not started here (CPU only): CUDA's availability and init_process_group
 are replaced, the latter by a stand-in that records what the process group would have read."""
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +18,11 @@ import train
 from components import process
 from components.config.parse import load_config, to_toml
 from components.config.schema import Comm, ConfigError
-from components.lock import FolderNotWritable
+from components.lock import LOCK_FILE, DumpFolderInUse, FolderNotWritable, acquire, release
 from test_eight_processes import free_port
+from test_lock import ARGS
+
+CPU_RUN = [*ARGS, "--training.steps", "1", "--checkpoint.enable_checkpoint", "false"]
 
 RECORDER_ENV = ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                 "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
@@ -39,7 +43,8 @@ class _Created(Exception):
 @pytest.fixture
 def nccl(monkeypatch, clean_env):
     """A CUDA machine as far as components/process.py sees; init_process_group records the
-    backend, the recorder's environment variables and whether the traces folder exists."""
+    backend, the recorder's environment variables and whether the traces folder exists (not yet:
+    it is made once the run holds its dump folder)."""
     seen = {}
 
     def init_process_group(backend, **kwargs):
@@ -102,7 +107,7 @@ def test_nccl_gets_the_recorder_before_its_process_group_is_created(nccl, monkey
         warnings.simplefilter("error")  # nothing the user set is replaced
         with process.process_group("auto", Comm(trace_buf_size=500), str(dump)):
             pass
-    assert nccl == {"backend": "nccl", "folder exists": True, "env": {
+    assert nccl == {"backend": "nccl", "folder exists": False, "env": {
         "TORCH_FR_BUFFER_SIZE": "500", "TORCH_NCCL_TRACE_BUFFER_SIZE": None,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": f"{dump}/comm_traces/rank_",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": None, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}}
@@ -114,16 +119,50 @@ def test_the_trainer_puts_the_traces_in_its_dump_folder(nccl, tmp_path):
         train.main(["--job.dump_folder", str(dump), "--comm.save_traces_folder", "fr",
                     "--comm.save_traces_file_prefix", "r"])
     assert nccl["env"]["TORCH_FR_DUMP_TEMP_FILE"] == f"{dump}/fr/r"
-    assert (dump / "fr").is_dir()
+
+
+@pytest.fixture
+def folder_as_on_cuda(monkeypatch, clean_env):
+    """train.main's call of make_traces_folder, with the device taken as CUDA's (a CPU run has
+    no recorder, hence no folder): when in the run the folder is made. [] until it is; then
+    whether this process held the dump folder's lock at that moment."""
+    held = []
+
+    def on_cuda(comm, dump_folder, device):
+        held.append(str(os.getpid()) in (Path(dump_folder) / LOCK_FILE).read_text())
+        process.make_traces_folder(comm, dump_folder, torch.device("cuda", 0))
+
+    monkeypatch.setattr(train, "make_traces_folder", on_cuda)
+    return held
+
+
+def test_the_trainer_makes_the_folder_once_it_holds_the_dump_folder(folder_as_on_cuda, tmp_path):
+    dump = tmp_path / "run"
+    assert train.main([*CPU_RUN, "--job.dump_folder", str(dump), "--comm.save_traces_folder",
+                       "fr"]) == 0
+    assert folder_as_on_cuda == [True] and (dump / "fr").is_dir()
+
+
+def test_a_run_refused_its_dump_folder_makes_no_traces_folder(folder_as_on_cuda, tmp_path):
+    """The dump folder in use by another run: nothing of this one is left there."""
+    dump = tmp_path / "run"
+    other = acquire(dump)
+    try:
+        with pytest.raises(DumpFolderInUse):
+            train.main([*CPU_RUN, "--job.dump_folder", str(dump)])
+    finally:
+        release(other)
+    assert folder_as_on_cuda == [] and os.listdir(dump) == [LOCK_FILE]
 
 
 def test_an_absolute_folder_stands_alone(nccl, tmp_path):
     """As torchtitan's os.path.join and [checkpoint] folder: not under the dump folder."""
+    comm = Comm(save_traces_folder=str(tmp_path / "fr"))
     with pytest.raises(_Created):
-        process.init_distributed("cuda", Comm(save_traces_folder=str(tmp_path / "fr")),
-                                 str(tmp_path / "run"))
+        process.init_distributed("cuda", comm, str(tmp_path / "run"))
     assert nccl["env"]["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/fr/rank_"
-    assert not (tmp_path / "run").exists()
+    process.make_traces_folder(comm, str(tmp_path / "run"), torch.device("cuda", 0))
+    assert (tmp_path / "fr").is_dir() and not (tmp_path / "run").exists()
 
 
 def test_trace_buf_size_0_turns_the_recorder_off(nccl, tmp_path):
@@ -132,6 +171,8 @@ def test_trace_buf_size_0_turns_the_recorder_off(nccl, tmp_path):
         process.init_distributed("cuda", Comm(trace_buf_size=0), str(tmp_path / "run"))
     assert nccl["env"] == {name: "0" if name == "TORCH_FR_BUFFER_SIZE" else None
                            for name in RECORDER_ENV}
+    process.make_traces_folder(Comm(trace_buf_size=0), str(tmp_path / "run"),
+                               torch.device("cuda", 0))
     assert not (tmp_path / "run").exists()
 
 
@@ -149,11 +190,11 @@ def test_a_variable_the_user_set_is_replaced_with_a_warning(nccl, monkeypatch, t
     assert nccl["env"]["TORCH_FR_BUFFER_SIZE"] == "20000"
 
 
-def test_a_folder_that_cannot_be_made_is_named(nccl, tmp_path):
+def test_a_folder_that_cannot_be_made_is_named(tmp_path):
     (tmp_path / "run").write_text("a file where the dump folder goes")
     with pytest.raises(FolderNotWritable, match=r"^\[comm\] save_traces_folder .*run/comm_traces "
                        r"cannot be created \(Not a directory\): set another"):
-        process.init_distributed("cuda", Comm(), str(tmp_path / "run"))
+        process.make_traces_folder(Comm(), str(tmp_path / "run"), torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("launched", [True, False], ids=["gloo", "no process group"])
