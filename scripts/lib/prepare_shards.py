@@ -323,6 +323,11 @@ def _differences(old: dict, new: dict, keys=("tokenizer", "text_field", "val_eve
     return out
 
 
+def _finished_units(out: Path) -> set[str]:
+    """The units whose report is written, which happens once their shards are finished."""
+    return {p.stem for p in (out / UNITS).glob("*.json")}
+
+
 def reconcile(out: Path, settings: dict, units: list[Unit], files: dict | None) -> list[Unit]:
     """The units of this folder: those of prepare.json when the folder was begun with the same
     settings (a changed file whose units are all still to do is planned again), else these."""
@@ -340,7 +345,7 @@ def reconcile(out: Path, settings: dict, units: list[Unit], files: dict | None) 
                            f"{sorted(set(old_files) - set(new_files))[:3]})")
     elif files is None and plan["source"] != settings["source"]:
         differences.append(f"source: {plan['source']} -> {settings['source']}")
-    done = {p.stem for p in (out / UNITS).glob("*.json")}
+    done = _finished_units(out)
     begun_under = plan.get("documents", 1)  # a folder of before the key: rules 1
     if begun_under != settings["documents"] and any(u["name"] not in done for u in plan["units"]):
         raise PrepareError(f"{out} was begun by an older prepare_data, which counted other texts as "
@@ -408,7 +413,7 @@ def prepare(out: Path, plan: Plan, tokenizer, workers: int, progress_bar: bool =
     with _locked(out):
         units = reconcile(out, settings, plan.units, plan.files)
         _clean_leftovers(out)
-        done = {p.stem for p in (out / UNITS).glob("*.json")}
+        done = _finished_units(out)
         todo = [u for u in units if u.name not in done]
         if not todo and (out / INDEX).is_file():
             try:
