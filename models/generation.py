@@ -86,8 +86,8 @@ def generate_batch(model: Llama, prompt: list[int], max_new_tokens: int, num_sam
     decoding stops once every row has.
 
     The prompt runs once, its keys and values copied into each row's cache; then every step
-    runs one token of each row (rows that have stopped too: their outputs are dropped), reading
-    the earlier positions from a KVCache of num_samples rows. use_cache False recomputes the
+    runs one token of each row still going, reading the earlier positions from a KVCache of
+    those rows (a row that stops leaves the batch and its cache). use_cache False recomputes the
     whole sequences each step (the training forward), which gives the same tokens.
     generators: one per row (see sample_rows). logit_scale and softcap turn the output
     projection into the logits the model was trained with ([loss] logit_scale, softcap).
@@ -120,7 +120,7 @@ def generate_batch(model: Llama, prompt: list[int], max_new_tokens: int, num_sam
     hidden = model(sequence, cache)  # the prompt, once for every row
     if cache is not None:
         cache = _widen(cache, model.args, num_samples, total)
-    stopped = [False] * num_samples
+    rows = list(range(num_samples))  # the sample each row of the batch decodes
     for step in range(max_new_tokens):
         logits = model.logits(hidden[:, -1]).float() * logit_scale
         if softcap:
@@ -128,20 +128,24 @@ def generate_batch(model: Llama, prompt: list[int], max_new_tokens: int, num_sam
         if vocab_limit is not None and vocab_limit < vocab:
             logits[:, vocab_limit:] = float("-inf")
         # after the prompt one row of logits, the same for every sample: each draws its own
-        tokens = sample_rows(logits.expand(num_samples, -1), temperature, top_k, top_p,
-                             generators)
-        for row, token in enumerate(tokens.tolist()):
-            if stopped[row] or token == eos_id:
-                stopped[row] = True
-            else:
-                new[row].append(token)
-        if all(stopped) or step == max_new_tokens - 1:
+        tokens = sample_rows(logits.expand(len(rows), -1), temperature, top_k, top_p,
+                             None if generators is None else [generators[r] for r in rows])
+        drawn = tokens.tolist()
+        going = [i for i, token in enumerate(drawn) if token != eos_id]
+        for i in going:
+            new[rows[i]].append(drawn[i])
+        if not going or step == max_new_tokens - 1:
             break  # the last tokens drawn are never fed back
         if cache is None:
-            sequence = torch.cat([sequence.expand(num_samples, -1), tokens[:, None]], dim=1)
-            hidden = model(sequence)
-        else:
-            hidden = model(tokens[:, None], cache)
+            sequence = torch.cat([sequence.expand(len(rows), -1), tokens[:, None]], dim=1)
+        if len(going) < len(rows):
+            keep = torch.tensor(going, device=tokens.device)
+            tokens, rows = tokens[keep], [rows[i] for i in going]
+            if cache is None:
+                sequence = sequence[keep]
+            else:
+                cache.keep_rows(keep)
+        hidden = model(sequence) if cache is None else model(tokens[:, None], cache)
     return new
 
 

@@ -243,6 +243,12 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
+    def keep_rows(self, rows: Tensor) -> None:
+        """Only these rows of the batch (indices, in their new order) stay: the others' sequences
+        have ended, and the next forwards run without them."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+
     def append(self, layer_id: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new positions' k, v [B, kv_heads, T, head_dim]; return all positions'."""
         end = self.length + k.shape[2]

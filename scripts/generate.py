@@ -12,8 +12,8 @@ tokenizer.json. The prompt is framed as training framed documents: bos, then its
 generation stops at eos or after --max-new-tokens. --temperature 0 is greedy.
 
 The --num-samples samples decode together, --batch-size of them at a time (default: all) as the
-rows of one batch: the prompt runs once, then one step per token for all rows; each row stops at
-its own eos. The KV cache grows with the batch (2 x layers x kv heads x head_dim x positions
+rows of one batch: the prompt runs once, then one step per token for the rows still going; a row
+stops at its own eos and leaves the batch. The KV cache grows with the batch (2 x layers x kv heads x head_dim x positions
 values per row). Sample i draws from its own generator, seeded from --seed and i, so it does not
 depend on --batch-size or --num-samples (a seed gives other samples than the sequential
 sampling before the batching did).

@@ -202,6 +202,25 @@ def test_batched_sampling_rows_differ_are_seeded_and_stop_at_their_own_eos():
     assert len({len(row) for row in stopped}) > 2
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "recompute"])
+def test_a_row_that_stops_leaves_the_batch(use_cache):
+    """Each forward after the prompt's runs only the rows still going (once, every row ran to the
+    end of the batch's decoding), and each row draws what it draws with no row stopping."""
+    model = model_for(DEBUG)
+    prompt = [256, 100, 101]
+    kwargs = dict(temperature=2.0, top_k=6, top_p=0.95, vocab_limit=8, use_cache=use_cache)
+    rows = generate_batch(model, prompt, 30, 6, **kwargs, generators=row_generators(7, 6))
+    batches = []
+    model.register_forward_hook(lambda module, args, out: batches.append(args[0].shape[0]))
+    stopped = generate_batch(model, prompt, 30, 6, eos_id=3, **kwargs,
+                             generators=row_generators(7, 6))
+    assert stopped == [row[:row.index(3)] if 3 in row else row for row in rows]
+    # forward k (after the prompt's) feeds back the k-th token of the rows that drew k or more
+    going = [sum(len(row) >= k for row in stopped) for k in range(1, 30)]
+    expected = [1] + going[:going.index(0) if 0 in going else None]
+    assert batches == expected and len(set(expected)) > 2, (batches, expected)
+
+
 def test_batched_decoding_ends_when_every_row_has_stopped():
     model = model_for(DEBUG)
     prompt = [256, 100, 101]
