@@ -97,3 +97,19 @@ def test_a_save_to_disk_folder_says_to_prepare_it(tmp_path, whole):
     command = re.search(r"`python3 -m (scripts\.prepare_data) (.*)`", message)
     args = parse_args(command[2].split())  # the command it gives is one prepare_data takes
     assert command[1] == "scripts.prepare_data" and args.hf_dataset == str(path)
+
+
+def test_cached_reports_are_redone_under_other_document_rules(tmp_path, monkeypatch):
+    """A file's report is cached; new rules of what counts as a document (DOCUMENT_RULES, which
+    prepare_data records too) must not reuse one made under the old ones."""
+    import components.data.checks as checks
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(5)))
+    _load(path, tmp_path)
+    reports = lambda: sorted(p.name for p in (tmp_path / "cache").rglob("*.report"))  # noqa: E731
+    first = reports()
+    _load(path, tmp_path)
+    assert reports() == first and len(first) == 1  # the same rules: the cached one
+    monkeypatch.setattr(checks, "DOCUMENT_RULES", checks.DOCUMENT_RULES + 1)
+    _load(path, tmp_path)
+    assert len(reports()) == 2  # made again under the new rules

@@ -41,11 +41,12 @@ logger = logging.getLogger(__name__)
 ON_BAD_DOCUMENT = typing.get_args(OnBadDocument)
 CHECKED_SUFFIXES = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 NAMED = 10  # bad documents named one by one (per file in the cache, per source in warnings)
-_CHECK_VERSION = 4  # part of the cache key: bump when what counts as bad (or as a document) changes
-# What counts as a document, for scripts.prepare_data: it refuses to finish a folder begun under
-# other rules (its units would split a source two ways). 1: before empty texts were refused (f81da14)
-# and whitespace-only .txt paragraphs left out; 2: since. Bump with any change of the two.
+# What counts as a document. Part of the cached reports' key, and recorded by scripts.prepare_data,
+# which refuses to finish a folder begun under other rules (its units would split a source two
+# ways). 1: before empty texts were refused (f81da14) and whitespace-only .txt paragraphs left
+# out; 2: since.
 DOCUMENT_RULES = 2
+_CHECK_VERSION = 4  # the rest of the cache key's version: bump when what counts as bad changes
 _BOM = b"\xef\xbb\xbf"
 _warned: set[str] = set()  # files whose skipped documents this process has already reported
 
@@ -231,7 +232,8 @@ def _why_empty(path: Path, report: FileReport) -> str:
 
 def _cache_key(path: Path, text_field: str) -> str:
     stat = path.stat()
-    what = [str(path.resolve()), stat.st_size, stat.st_mtime_ns, text_field, _CHECK_VERSION]
+    what = [str(path.resolve()), stat.st_size, stat.st_mtime_ns, text_field, _CHECK_VERSION,
+            DOCUMENT_RULES]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
 
 
