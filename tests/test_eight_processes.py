@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import train
-from test_parallelisms import BASE, errors, metrics, torchrun, weights
+from launches import errors
+from test_parallelisms import BASE, metrics, torchrun, weights
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast subset
 

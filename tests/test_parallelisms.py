@@ -6,11 +6,9 @@ dp_shard=2 x tp=2 resumes at dp_shard=4 and at one process with the same losses.
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
+from launches import errors, launch
 from parallelisms.mesh import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,103 +28,11 @@ BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu"
         "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2"]
 
 
-# PYTHONFAULTHANDLER: a rank that crashes (a signal) prints its Python stack for errors()
-LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-# A rank that dies in native code (a segfault, or glibc's abort on a corrupted heap) rather than
-# raising: on torch 2.13 with 8 gloo processes on 2 CPU cores, the CP x TP launch of
-# test_eight_processes.py crashed so in 2 of 11 runs here, inside PyTorch's ring attention
-# (its all_gather), and passed in the other 9. Such a launch runs once more from where it
-# started, with a warning naming the crash; a second crash fails the test.
-NATIVE_CRASH = re.compile(r"Fatal Python error: (Segmentation fault|Aborted)")
-
-
-def launch(command: list[str], dump: Path) -> subprocess.CompletedProcess:
-    """Run a torchrun command writing into `dump`; once more, on `dump` as it was before, if a
-    rank crashed in native code (NATIVE_CRASH)."""
-    before = dump.with_name(dump.name + ".before-launch")
-    if dump.exists():  # a launch may resume in a folder an earlier one wrote
-        shutil.copytree(dump, before)
-    for attempt in (1, 2):
-        run = subprocess.run(command, cwd=ROOT, env={**os.environ, **LAUNCH_ENV}, timeout=400,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if run.returncode == 0 or attempt == 2 or not NATIVE_CRASH.search(run.stderr):
-            break
-        warnings.warn(f"torchrun: a rank crashed in native code, launching again: "
-                      f"{errors(run.stderr, keep=12)}")
-        shutil.rmtree(dump, ignore_errors=True)
-        if before.exists():
-            shutil.copytree(before, dump)
-    shutil.rmtree(before, ignore_errors=True)
-    return run
-
-
 def torchrun(nproc: int, dump: Path, *overrides) -> None:
     run = launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc_per_node", str(nproc), str(ROOT / "train.py"), *BASE,
                   "--job.dump_folder", str(dump), *overrides], dump)
     assert run.returncode == 0, f"torchrun exited {run.returncode}: {errors(run.stderr)}"
-
-
-def errors(output: str, keep: int = 40) -> str:
-    """What the ranks of a failed launch printed (its stderr, or its merged output) before
-    torchrun's own report, without the warnings every rank prints (CI shows a failure's first
-    lines only, and 8 ranks' warnings fill them), then the report's lines that say how a rank
-    ended (a signal such as SIGSEGV prints nothing before them). torchrun prefixes each rank's
-    lines with [rankN]:."""
-    ranks = re.split(r"^[EW]\d{4} .*torch/distributed/elastic/", output, maxsplit=1, flags=re.M)[0]
-    lines = []
-    for line in ranks.splitlines():
-        text = re.sub(r"^\[rank\d+\]:", "", line)
-        if text.lstrip().startswith("File ") or (
-                text.strip() and not text.startswith(" ") and "Warning" not in text
-                and not re.match(r"W\d{4} ", text)):
-            lines.append(line)
-    ends = re.findall(r"^\s*((?:exitcode|traceback)\s*:.*\S)", output, flags=re.M)
-    return " | ".join(lines[-keep:] + ends[:4])
-
-
-CRASH_ONCE = """import ctypes, sys
-from pathlib import Path
-
-dump, marker = Path(sys.argv[1]), Path(sys.argv[2])
-if not marker.exists():
-    marker.touch()
-    (dump / "partial").write_text("by the launch that crashed")
-    ctypes.string_at(0)
-(dump / "written").write_text("by the second launch")
-"""
-
-
-def test_errors_name_the_signal_and_stack_of_a_crashed_rank(tmp_path):
-    """A rank that died of SIGSEGV (under CP x TP on a CPU machine) printed nothing before
-    torchrun's report, and the failure read "torchrun exited 1: " alone."""
-    script = tmp_path / "crash.py"
-    script.write_text("import ctypes\n\n\ndef crash():\n    ctypes.string_at(0)\n\n\ncrash()\n")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "1", str(script)], env={**os.environ, **LAUNCH_ENV},
-                         timeout=120, capture_output=True, text=True)
-    assert run.returncode != 0
-    message = errors(run.stderr)
-    assert "SIGSEGV" in message and "in crash" in message, message
-
-
-def test_a_launch_that_crashed_in_native_code_runs_again_from_its_start(tmp_path):
-    script, marker, dump = tmp_path / "crash_once.py", tmp_path / "crashed", tmp_path / "run"
-    script.write_text(CRASH_ONCE)
-    dump.mkdir()
-    (dump / "earlier").write_text("kept")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "1", str(script), str(dump), str(marker)]
-    with pytest.warns(UserWarning, match="crashed in native code.*Segmentation fault"):
-        run = launch(command, dump)
-    assert run.returncode == 0, errors(run.stderr)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["crash_once.py", "crashed", "run"]
-    assert sorted(p.name for p in dump.iterdir()) == ["earlier", "written"]
-    assert (dump / "earlier").read_text() == "kept"
-    # a rank that fails without crashing is not launched again
-    script.write_text("import sys\nopen(sys.argv[2] + '.runs', 'a').write('x')\nraise SystemExit(3)\n")
-    assert launch(command, dump).returncode != 0
-    assert (tmp_path / "crashed.runs").read_text() == "x"
 
 
 def metrics(dump: Path) -> dict[int, dict]:
