@@ -218,3 +218,16 @@ def test_the_performance_pages_grid_table_is_the_reports():
         return [line.replace("**", "") for line in text[start:].split("\n\n")[0].splitlines()]
     assert (table((REPO / "docs/performance.md").read_text())
             == table((BENCHMARKS / "flce_grid.md").read_text()))
+
+
+def test_a_resumed_grid_names_each_runs_commit():
+    """A grid joined from runs at two commits says which points each measured (one run: no line),
+    and a report written before points named their run is dated by its meta on --resume."""
+    from scripts.bench.flce import resumed_runs
+    point = lambda shape, git: {"shape": shape, "method": "bare_gemms", "git": git,
+                                "date": f"d-{git}"}
+    assert resumed_runs([point("1x2x3", "aaa"), point("4x5x6", "aaa")]) == []
+    line = resumed_runs([point("1x2x3", "aaa"), point("4x5x6", "aaa"), point("7x8x9", "bbb"),
+                         {"shape": "7x8x9", "method": "flce"}])[0]
+    assert line == ("Measured in runs resumed one after another: 2 points at git aaa (d-aaa); "
+                    "1 point at git bbb (d-bbb).")

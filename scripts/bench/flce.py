@@ -378,7 +378,11 @@ def run_meta(origin: dict, dtype: str) -> dict:
 
 def run_grid(args, origin, dtype):
     out = Path(args.out).with_suffix(".json")
-    results = json.loads(out.read_text())["results"] if args.resume and out.exists() else []
+    earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
+    results = earlier["results"] if earlier else []
+    for r in results:  # a report written before points named their run: all from its meta's
+        if r["method"] == "bare_gemms" and "git" not in r:
+            r.update(git=earlier["meta"]["git"], date=earlier["meta"]["date"])
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
             "timing": TIMING, "compiled_peer": COMPILED_PEER}
@@ -395,7 +399,7 @@ def run_grid(args, origin, dtype):
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                   "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None,
                   "flce_path": flce_path(N, H, V, x.element_size()),
-                  "rounds_ms": rounds["bare_gemms"]}]
+                  "rounds_ms": rounds["bare_gemms"], "git": meta["git"], "date": meta["date"]}]
         point += method_records(shape, fns, ms, mib, rounds, floor_ms)
         del x, t, w, floor_run, bufs
         torch.cuda.empty_cache()
@@ -552,6 +556,19 @@ def grid_by_tokens(results: list[dict]) -> list[str]:
     return rows
 
 
+def resumed_runs(results) -> list[str]:
+    """The line naming each run's commit, date and point count, where --resume joined runs."""
+    runs = {}
+    for r in results:
+        if r["method"] == "bare_gemms" and "git" in r:
+            runs.setdefault((r["git"], r["date"]), []).append(r["shape"])
+    if len(runs) < 2:
+        return []
+    return ["Measured in runs resumed one after another: " + "; ".join(
+        f"{len(shapes)} point{'s' * (len(shapes) > 1)} at git {git} ({date})"
+        for (git, date), shapes in runs.items()) + ".", ""]
+
+
 def grid_markdown(meta, results):
     names = [m for m in ("bare_gemms", *GRID_METHODS) if any(r["method"] == m for r in results)]
     at = {(r["shape"], r["method"]): r for r in results}
@@ -562,6 +579,7 @@ def grid_markdown(meta, results):
              "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
              "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory)."
              + (f" {meta['compiled_peer']}." if meta.get("compiled_peer") else ""), "",
+             *resumed_runs(results),
              *grid_verdict(results, meta["gpu"]), "", "By tokens N:", "",
              *grid_by_tokens(results), "",
              "| N×H×V | flce path | " + " | ".join(names) + " |",
