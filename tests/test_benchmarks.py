@@ -61,6 +61,10 @@ def _command_problem(command: str) -> str:
     this repository that exists and defines every --option the command passes (it, or a module
     of scripts/ it imports)."""
     words = shlex.split(command)
+    for arguments_file in [w[1:] for w in words if w.startswith("@")]:  # @FILE: its arguments
+        if not (REPO / arguments_file).is_file():
+            return f"reads its arguments from {arguments_file}, which does not exist"
+        words += shlex.split((REPO / arguments_file).read_text(), comments=True)
     if any(re.fullmatch(r"scripts/\w+\.py", w) for w in words):
         return "runs a script by its file path (scripts run as modules: python3 -m scripts.NAME)"
     if "-m" not in words:
@@ -135,6 +139,9 @@ def test_the_command_check_catches_what_no_longer_runs():
     assert "file path" in _command_problem("python scripts/bench_flce.py --out x")
     assert "does not exist" in _command_problem("python3 -m scripts.bench_flce --grid")
     assert "no option --gird" in _command_problem("python3 -m scripts.bench.flce --gird")
+    runs = "scripts/bench/peer_runs/llama_8b_2gpu.args"
+    assert _command_problem(f"python3 -m scripts.bench.peers @{runs} --out x") == ""
+    assert "does not exist" in _command_problem("python3 -m scripts.bench.peers @runs.args")
 
 
 def test_a_cited_folder_needs_a_readme_naming_a_clean_commit(tmp_path):

@@ -771,3 +771,56 @@ def test_the_logits_epilogue_kernel_writes_the_logits_and_their_tile_statistics(
     m = tile_max.double().max(dim=1).values
     lse = m + torch.log((tile_sum.double() * torch.exp(tile_max.double() - m[:, None])).sum(1))
     assert torch.allclose(lse, torch.logsumexp(out.double(), dim=1), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("runs_file", sorted((REPO / "scripts/bench/peer_runs").glob("*.args")),
+                         ids=lambda p: p.stem)
+def test_a_shipped_peer_run_list_parses_and_its_runs_configs_load(runs_file, tmp_path):
+    """Each run list in scripts/bench/peer_runs/ is read as @FILE (comments and quoted --run
+    values as a shell reads them), names both trainers, and every run of this repo's loads as a
+    train.py config (a key renamed since would fail here, not on the GPU machine)."""
+    from components.config.parse import load_config
+    args = bench_peers.parse_args([f"@{runs_file}", "--runs-dir", str(tmp_path)])
+    assert {kind for _, kind, _ in args.runs} == {"ours", "titan"}
+    assert len({name for name, _, _ in args.runs}) == len(args.runs)
+    for name, kind, extra in args.runs:
+        if kind == "ours":
+            cmd, _ = bench_peers.ours_command(args, extra, tmp_path / name)
+            cfg = load_config(cmd[cmd.index("--config"):])
+            assert cfg.training.seq_len == args.seq_len
+
+
+def test_a_peer_run_file_line_is_split_as_a_shell_would(tmp_path):
+    runs = tmp_path / "runs.args"
+    runs.write_text("# a comment line\n--steps 7  # seven\n"
+                    "--run \"a=ours:--training.local_batch_size 2 --loss.impl unfused\"\n")
+    args = bench_peers.parse_args([f"@{runs}"])
+    assert args.steps == 7
+    assert args.runs == [("a", "ours", ["--training.local_batch_size", "2", "--loss.impl",
+                                        "unfused"])]
+
+
+def test_bench_peers_resume_keeps_the_finished_runs_and_runs_the_others(tmp_path, monkeypatch):
+    """--resume keeps a run an earlier call finished (its record, commit and folder untouched)
+    and runs the ones it lacks; a report of another setup is refused. Real train.py runs of the
+    debug model on the CPU."""
+    monkeypatch.setenv("FLCE_GIT_REVISION", "aaaaaaa")
+    common = ["--config", "configs/debug.toml", "--seq-len", "64", "--steps", "5",
+              "--warmup-steps", "2", "--log-freq", "1", "--runs-dir", str(tmp_path / "runs"),
+              "--out", str(tmp_path / "peers")]
+    a, b = "a=ours:--training.local_batch_size 2", "b=ours:--training.local_batch_size 3"
+    assert bench_peers.main([*common, "--run", a]) == 0
+    first = json.loads((tmp_path / "peers.json").read_text())["runs"][0]
+    metrics = tmp_path / "runs/a/metrics.jsonl"
+    written = metrics.stat().st_mtime_ns
+    monkeypatch.setenv("FLCE_GIT_REVISION", "bbbbbbb")
+    assert bench_peers.main([*common, "--resume", "--run", a, "--run", b]) == 0
+    report = json.loads((tmp_path / "peers.json").read_text())
+    assert [r["name"] for r in report["runs"]] == ["a", "b"]
+    assert report["runs"][0] == first and first["git"] == "aaaaaaa"
+    assert report["runs"][1]["status"] == "ok" and report["runs"][1]["git"] == "bbbbbbb"
+    assert metrics.stat().st_mtime_ns == written
+    assert "Kept from earlier calls (--resume): a (git aaaaaaa" in (
+        tmp_path / "peers.md").read_text()
+    with pytest.raises(SystemExit, match="another setup .*steps=5"):
+        bench_peers.main([*common[:5], "7", *common[6:], "--resume", "--run", a])

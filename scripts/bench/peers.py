@@ -18,9 +18,17 @@ MFU is computed the same way for both: tokens/s x FLOPs per token (models.args.f
 
 Writes <out>.json and <out>.md after every run (a killed call keeps what it measured); ratios
 are against --reference (default: the fastest titan run).
+
+@FILE reads arguments from FILE, a line at a time split as a shell would (# starts a comment):
+scripts/bench/peer_runs/ holds the run lists of the comparisons benchmarks/ reports, each peer
+at its best configuration beside this repo's, e.g. 8B on two GPUs:
+
+    python3 -m scripts.bench.peers @scripts/bench/peer_runs/llama_8b_2gpu.args \
+        --titan-dir .peer/torchtitan --out benchmarks/peers_8b_2xh200
 """
 
 import argparse
+import json
 import re
 import shlex
 import subprocess
@@ -34,8 +42,8 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 
 from components.allocator import allocator_settings, run_environment  # noqa: E402
 from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
-from scripts.lib.report import (probe_environment, provenance, warning_lines,  # noqa: E402
-                                write_report)
+from scripts.lib.report import (fmt, probe_environment, provenance,  # noqa: E402
+                                warning_lines, write_report)
 from scripts.lib.run_folders import exit_unless_clearable, fresh_run_folder  # noqa: E402
 from scripts.lib.runs import (REPO, classify, last_lines, log_tail, read_metrics,  # noqa: E402
                               run_process, throughput, torchrun)
@@ -46,9 +54,16 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TITAN_LINE = re.compile(r"step:\s*(\d+)\s+loss:.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 
 
+class ArgsFileParser(argparse.ArgumentParser):
+    """@FILE's lines are split as a shell would split them, and # starts a comment."""
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        return shlex.split(arg_line, comments=True)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python3 -m scripts.bench.peers", description=__doc__,
-                                formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgsFileParser(prog="python3 -m scripts.bench.peers", description=__doc__,
+                       formatter_class=argparse.RawTextHelpFormatter, fromfile_prefix_chars="@")
     p.add_argument("--run", action="append", default=[], metavar="NAME=KIND[:ARGS]",
                    help="KIND is ours or titan; ARGS are that trainer's command-line overrides")
     p.add_argument("--config", default="configs/llama_1b.toml", help="train.py config; its "
@@ -64,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="benchmarks/peers", help="output path without suffix")
     p.add_argument("--runs-dir", default="outputs/bench_peers")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    p.add_argument("--resume", action="store_true", help="keep the runs <out>.json already "
+                   "holds that finished (same name, trainer and overrides) and run the others")
     args = p.parse_args(argv)
     args.runs = []
     for spec in args.run:
@@ -174,12 +191,23 @@ def reference(args, runs: list[dict]) -> dict | None:
     return max(titan, key=lambda r: r["tokens_per_second"]) if titan else None
 
 
+def resumed_lines(meta: dict, runs: list[dict]) -> list[str]:
+    """The line naming the runs --resume kept from earlier calls, with their commits and dates."""
+    kept = [r for r in runs if r.get("git", meta["git"]) != meta["git"]
+            or r.get("date", meta["date"]) != meta["date"]]
+    if not kept:
+        return []
+    return ["Kept from earlier calls (--resume): " + "; ".join(
+        f"{r['name']} (git {r['git']}, {r['date']})" for r in kept) + ".", ""]
+
+
 def markdown(meta: dict, runs: list[dict], ref: dict | None) -> str:
     lines = [*warning_lines(meta),
              f"# {meta['config']} ({meta['flavor']}), seq {meta['seq_len']}, "
              f"{meta['nproc']} GPU(s): this repo vs torchtitan 0.2.2", "",
              f"{meta.get('gpu')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
              f"{meta['date']}, git {meta['git']}", "", f"`{meta['command']}`", "",
+             *resumed_lines(meta, runs),
              "tokens/s per GPU: median of the logged windows after step "
              f"{meta['warmup_steps']}; MFU = tokens/s x FLOPs/token / 989 TFLOP/s (bf16 dense "
              "peak, also for float8); memory: peak reserved.", "",
@@ -192,13 +220,34 @@ def markdown(meta: dict, runs: list[dict], ref: dict | None) -> str:
             continue
         ratio = f"{r['tokens_per_second'] / ref['tokens_per_second']:.3f}x" if ref else "-"
         lines.append(f"| {r['name']} | {r['trainer']} | `{shlex.join(r['args'])}` | "
-                     f"{r['tokens_per_second']:,.0f} | {r['mfu_percent']:.1f} | "
-                     f"{r['memory_max_reserved_gib']:.1f} | {ratio} |")
+                     f"{r['tokens_per_second']:,.0f} | {fmt(r['mfu_percent'], '{:.1f}')} | "
+                     f"{fmt(r['memory_max_reserved_gib'], '{:.1f}')} | {ratio} |")
     for r in runs:
         if r["status"] != "ok":
             lines += ["", f"{r['name']}: {r['status']} (exit {r['exit_code']})", "```",
                       r.get("output_tail", ""), "```"]
     return "\n".join(lines) + "\n"
+
+
+SAME_SETUP = ("config", "flavor", "nproc", "seq_len", "steps", "warmup_steps", "gpu",
+              "gpu_count", "torch")
+
+
+def finished_runs(report: Path, meta: dict) -> dict:
+    """The runs of an earlier report that finished, by (name, trainer, overrides), each with the
+    commit and date it ran at; {} where there is none. A report of another setup (config, GPUs,
+    steps, torch) is refused: its runs would not compare with this call's."""
+    if not report.is_file():
+        return {}
+    earlier = json.loads(report.read_text())
+    then = earlier["meta"]
+    differ = [f"{k}={then.get(k)!r}" for k in SAME_SETUP if then.get(k) != meta.get(k)]
+    if differ:
+        sys.exit(f"error: --resume: {report} was measured in another setup ({', '.join(differ)}"
+                 "); give another --out")
+    return {(r["name"], r["trainer"], tuple(r["args"])):
+            {"git": then["git"], "date": then["date"], **r}
+            for r in earlier["runs"] if r["status"] == "ok"}
 
 
 def main(argv=None) -> int:
@@ -208,15 +257,22 @@ def main(argv=None) -> int:
             build = ours_command if kind == "ours" else titan_command
             print(name, shlex.join(build(args, extra, Path(args.runs_dir) / name)[0]))
         return 0
-    exit_unless_clearable(Path(args.runs_dir) / name for name, _, _ in args.runs)
     meta = {**probe_environment(), **provenance(), "config": args.config, "flavor": args.flavor,
             "nproc": args.nproc, "seq_len": args.seq_len, "steps": args.steps,
             "warmup_steps": args.warmup_steps, "log_freq": args.log_freq}
-    runs = []
     out = Path(args.out)
+    kept = finished_runs(out.with_suffix(".json"), meta) if args.resume else {}
+    exit_unless_clearable(Path(args.runs_dir) / name for name, kind, extra in args.runs
+                          if (name, kind, tuple(extra)) not in kept)
+    runs = []
     for name, kind, extra in args.runs:
+        if (name, kind, tuple(extra)) in kept:
+            runs.append(kept[name, kind, tuple(extra)])
+            print(f"{name}: kept from {out.with_suffix('.json')} (git {runs[-1]['git']})")
+            continue
         start = time.monotonic()
-        runs.append(execute(args, name, kind, extra))
+        runs.append({**execute(args, name, kind, extra), "git": meta["git"],
+                     "date": meta["date"]})
         r = runs[-1]
         print(f"{name}: {r['status']} {r['tokens_per_second'] or 0:,.0f} tok/s/GPU, "
               f"{r['memory_max_reserved_gib'] or 0:.1f} GiB ({time.monotonic() - start:.0f} s)",
