@@ -824,3 +824,23 @@ def test_bench_peers_resume_keeps_the_finished_runs_and_runs_the_others(tmp_path
         tmp_path / "peers.md").read_text()
     with pytest.raises(SystemExit, match="another setup .*steps=5"):
         bench_peers.main([*common[:5], "7", *common[6:], "--resume", "--run", a])
+
+
+@pytest.mark.parametrize("runs_file", sorted((REPO / "scripts/bench/peer_runs").glob("*.args")),
+                         ids=lambda p: p.stem)
+def test_a_shipped_peer_run_lists_torchtitan_runs_parse_as_torchtitan_reads_them(runs_file,
+                                                                                 tmp_path):
+    """Where torchtitan 0.2.2 is importable (it is no CI dependency: the peer runs on the GPU
+    machine), every titan run of a shipped list parses with its config manager and sets what
+    its name says (float8 converters, the float8 all-gather)."""
+    manager = pytest.importorskip("torchtitan.config.manager")
+    args = bench_peers.parse_args([f"@{runs_file}", "--runs-dir", str(tmp_path)])
+    for name, kind, extra in args.runs:
+        if kind != "titan":
+            continue
+        cmd, _ = bench_peers.titan_command(args, extra, tmp_path / name)
+        cfg = manager.ConfigManager().parse_args(cmd[cmd.index("--model.name"):])
+        float8 = cfg.quantize.linear.float8
+        assert ("float8" in name) == (cfg.model.converters == ["quantize.linear.float8"])
+        assert float8.enable_fsdp_float8_all_gather == name.endswith("_ag")
+        assert cfg.training.seq_len == args.seq_len and cfg.compile.enable
