@@ -30,81 +30,12 @@ repo=$(dirname "$scripts")
 source "$scripts/lib/usage.sh"
 exit_if_help_asked "$0" "$@"
 
-if (($# < 1)) || [[ $1 == -* ]]; then
-  echo "usage: $0 CONFIG [--section.key value ...]  (--help for more)" >&2
-  exit 2
-fi
-config=$1
-shift
-out=${OUT_DIR:-outputs/compare}
-verdict=${VERDICT:-auto}
-python=${PYTHON:-python3}
-dry_run=${DRY_RUN:-0}
-case $verdict in
-  auto | band | absolute) ;;
-  *) echo "error: VERDICT=$verdict: expected auto, band or absolute" >&2; exit 2 ;;
-esac
-
-# Resolve the config before anything is deleted or run: a bad file or override fails here. Prints
-# the device the runs will use and the seed.
-read -r device seed < <(PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -c '
-import sys
-from components.config.parse import load_config
-from components.config.schema import ConfigError
-try:
-    cfg = load_config(sys.argv[1:])
-except ConfigError as e:
-    sys.exit(f"error: {e}")
-device = cfg.training.device
-if device == "auto":
-    import torch
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-print(device, cfg.training.seed)' --config "$config" "$@" || echo "error")
-if [[ $device == error ]]; then
-  exit 2  # the reason is printed above
-fi
-if [[ $verdict == auto ]]; then
-  if [[ $device == cpu ]]; then verdict=absolute; else verdict=band; fi
-fi
-echo "=== device $device: verdict $verdict"
-noise=flce_seed$((seed + 1))  # the band verdict's run at the next seed
-names=(flce unfused)
-if [[ $verdict == band ]]; then names+=("$noise"); fi
-run_folders() {
-  PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -m scripts.lib.run_folders "$@"
-}
-# Every run's folder must be clearable before the first run starts (the reason is printed).
-run_folders check "${names[@]/#/$out/}" || exit 2
-
-# train NAME OVERRIDES...: one run into $out/NAME.
-train() {
-  local name=$1 rc=0
-  shift
-  echo "=== $* -> $out/$name"
-  # metrics.jsonl is appended to and a checkpoint would be resumed: start from an empty folder.
-  # (With DRY_RUN=1, run_train.sh prints its command instead of running it.)
-  if [[ $dry_run != 1 ]]; then run_folders fresh "$out/$name"; fi
-  # Ours come last: the trainer applies overrides in order, so they win over the caller's.
-  CONFIG=$config "$scripts/run_train.sh" "${args[@]}" "$@" \
-    --metrics.log_freq 1 --job.dump_folder "$out/$name" || rc=$?
-  if ((rc != 0)); then
-    echo "error: the run $* failed (exit $rc); nothing compared" >&2
-    exit "$rc"
-  fi
-}
-
-args=("$@")
-train flce --loss.impl flce
-train unfused --loss.impl unfused
-compare=("$out/flce" "$out/unfused" --verdict "$verdict" --out "$out/fused_vs_unfused.png"
-         --tolerance "${TOLERANCE:-0.02}" --band-ratio "${BAND_RATIO:-0.5}")
-if [[ $verdict == band ]]; then
-  train "$noise" --loss.impl flce --training.seed $((seed + 1))
-  compare+=(--seed-run "$out/$noise")
-fi
-if [[ $dry_run == 1 ]]; then
-  printf '%q ' "$python" "$scripts/compare_losses.py" "${compare[@]}"
-  echo
-  exit 0
-fi
-exec "$python" "$scripts/compare_losses.py" "${compare[@]}"
+# shellcheck source=scripts/lib/compare_runs.sh
+source "$scripts/lib/compare_runs.sh"
+REF=(flce --loss.impl flce)
+RUN=(unfused --loss.impl unfused)
+PNG=fused_vs_unfused.png
+DEFAULT_VERDICT=auto
+DEFAULT_BAND_RATIO=0.5
+CPU_RUN_ARGS=()
+compare_runs "$@"

@@ -168,6 +168,7 @@ def test_no_sys_path_edits():
 # ---- shell syntax ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["run_train.sh", "compare_fused_vs_unfused.sh",
+                                  "compare_float8_vs_bf16.sh",
                                   "compare_losses.py", "slurm/train.sbatch",
                                   "slurm/torchrun_cmd.sh"])
 def test_script_is_executable(name):
@@ -772,6 +773,52 @@ def test_fused_vs_unfused_refuses_a_folder_it_did_not_make(tmp_path):
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr.startswith(f"error: {run_of_yours} holds files that no script run made")
     assert files_under(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_float8_vs_bf16_trains_both_and_judges_float8_by_the_seed_band(tmp_path):
+    """Real CPU runs: the float8 run has float8 layers (emulated on the CPU) and the float8
+    loss, its curve differs from bf16's (it is not bf16 again) by far less than another seed's."""
+    result = run(["scripts/compare_float8_vs_bf16.sh", "configs/debug.toml", *SHORT],
+                 env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1"},
+                 timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "=== device cpu: verdict band" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("PASS: within the noise band")
+    resolved = (tmp_path / "float8" / "config.toml").read_text()
+    assert 'converters = ["quantize.linear.float8"]' in resolved
+    assert "emulate = true" in resolved and 'float8 = "logits+dx"' in resolved
+    assert 'converters = []' in (tmp_path / "bf16" / "config.toml").read_text()
+    diffs = result.stdout.split("mean|diff|")[1]  # the table of mean |run - bf16|
+    float8_diff = float(re.search(r"/float8 +([\d.]+)", diffs).group(1))
+    seed_diff = float(re.search(r"/bf16_seed1 +([\d.]+)", diffs).group(1))
+    assert 0 < float8_diff < seed_diff / 10
+    assert (tmp_path / "float8_vs_bf16.png").is_file()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_float8_vs_bf16_commands(tmp_path, device):
+    """DRY_RUN=1: bf16, float8 (FLOAT8's overrides; emulated on the CPU only), bf16 at the
+    config's seed + 1, and the band verdict at 1x the seed spread, on either device."""
+    result = run(["scripts/compare_float8_vs_bf16.sh", "configs/debug.toml",
+                  "--training.device", device, "--training.seed", "3"],
+                 env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1",
+                      "DRY_RUN": "1", "FLOAT8": "--model.converters quantize.linear.float8"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"=== device {device}: verdict band" in result.stdout
+    commands = [shlex.split(line) for line in result.stdout.splitlines()
+                if not line.startswith("===")]
+    bf16, float8, noise, compare_cmd = commands
+    assert "--model.converters" not in bf16
+    assert option(float8, "--model.converters") == "quantize.linear.float8"
+    assert "--loss.float8" not in float8  # FLOAT8 replaced the default overrides
+    assert ("--quantize.linear.float8.emulate" in float8) == (device == "cpu")
+    seeds = [noise[i + 1] for i, word in enumerate(noise) if word == "--training.seed"]
+    assert seeds == ["3", "4"]  # the script's after (so over) the caller's
+    assert option(compare_cmd, "--seed-run") == str(tmp_path / "bf16_seed4")
+    assert option(compare_cmd, "--band-ratio") == "1.0"
+    assert option(compare_cmd, "--out") == str(tmp_path / "float8_vs_bf16.png")
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- compare_layouts.py ----------------------------------------------------------------------
