@@ -156,12 +156,14 @@ def test_a_cited_folder_needs_a_readme_naming_a_clean_commit(tmp_path):
 
 
 def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
-    """benchmarks/flce_grid.md is what scripts.bench.flce renders from flce_grid.json (no figure
-    edited by hand), and README's results quote that grid's geometric mean and fastest-count."""
+    """benchmarks/flce_grid.md (and the H100's flce_grid_h100.md) is what scripts.bench.flce
+    renders from its JSON (no figure edited by hand), and README's results quote the H200 grid's
+    geometric mean and fastest-count."""
     from scripts.bench.flce import grid_markdown
-    record = json.loads((BENCHMARKS / "flce_grid.json").read_text())
-    report = grid_markdown(record["meta"], record["results"])
-    assert (BENCHMARKS / "flce_grid.md").read_text() == report
+    for name in ("flce_grid_h100", "flce_grid"):
+        record = json.loads((BENCHMARKS / f"{name}.json").read_text())
+        report = grid_markdown(record["meta"], record["results"])
+        assert (BENCHMARKS / f"{name}.md").read_text() == report, name
     geomean = re.search(r"geometric mean (\d\.\d{3})×", report).group(1)
     fastest = re.search(r"flce the fastest of [^:]+: (\d+) of (\d+) points", report).groups()
     readme = (REPO / "README.md").read_text()
