@@ -25,14 +25,8 @@
 # the script before any run starts. DRY_RUN=1 prints the commands instead (and deletes nothing).
 set -euo pipefail
 
-scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-repo=$(dirname "$scripts")
-# shellcheck source=scripts/lib/usage.sh
-source "$scripts/lib/usage.sh"
-exit_if_help_asked "$0" "$@"
-
 # shellcheck source=scripts/lib/compare_runs.sh
-source "$scripts/lib/compare_runs.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/lib/compare_runs.sh"
 read -r -a float8 <<< "${FLOAT8:---model.converters quantize.linear.float8 --loss.float8 logits+dx}"
 REF=(bf16)
 RUN=(float8 "${float8[@]}")

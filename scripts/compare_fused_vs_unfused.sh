@@ -24,14 +24,8 @@
 # the script before any run starts. DRY_RUN=1 prints the commands instead (and deletes nothing).
 set -euo pipefail
 
-scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-repo=$(dirname "$scripts")
-# shellcheck source=scripts/lib/usage.sh
-source "$scripts/lib/usage.sh"
-exit_if_help_asked "$0" "$@"
-
 # shellcheck source=scripts/lib/compare_runs.sh
-source "$scripts/lib/compare_runs.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/lib/compare_runs.sh"
 REF=(flce --loss.impl flce)
 RUN=(unfused --loss.impl unfused)
 PNG=fused_vs_unfused.png

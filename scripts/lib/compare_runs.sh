@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Sourced by the scripts that train one config two ways and compare the loss curves
 # (compare_fused_vs_unfused.sh, compare_float8_vs_bf16.sh). The sourcing script sets, then calls
-# `compare_runs CONFIG [--section.key value ...]`:
+# `compare_runs CONFIG [--section.key value ...]` (-h/--help prints the script's header):
 #   REF=(NAME OVERRIDES...)   the reference run (curve A), e.g. (flce --loss.impl flce)
 #   RUN=(NAME OVERRIDES...)   the run judged against it
 #   PNG                       the plot's file name under OUT_DIR
@@ -12,6 +12,8 @@
 
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 repo=$(dirname "$scripts")
+# shellcheck source=scripts/lib/usage.sh
+source "$scripts/lib/usage.sh"
 
 run_folders() {
   PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -m scripts.lib.run_folders "$@"
@@ -35,6 +37,7 @@ train() {
 }
 
 compare_runs() {
+  exit_if_help_asked "$0" "$@"  # before anything is resolved, deleted or run
   if (($# < 1)) || [[ $1 == -* ]]; then
     echo "usage: $0 CONFIG [--section.key value ...]  (--help for more)" >&2
     exit 2
