@@ -26,6 +26,7 @@ from scripts.lib import report, run_folders, timing
 from scripts.lib.timing import median_ms
 
 REPO = Path(__file__).resolve().parents[1]
+PEER_RUN_LISTS = sorted((REPO / "scripts/bench/peer_runs").glob("*.args"))
 
 
 def git(repo, *args):
@@ -773,8 +774,7 @@ def test_the_logits_epilogue_kernel_writes_the_logits_and_their_tile_statistics(
     assert torch.allclose(lse, torch.logsumexp(out.double(), dim=1), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("runs_file", sorted((REPO / "scripts/bench/peer_runs").glob("*.args")),
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("runs_file", PEER_RUN_LISTS, ids=lambda p: p.stem)
 def test_a_shipped_peer_run_list_parses_and_its_runs_configs_load(runs_file, tmp_path):
     """Each run list in scripts/bench/peer_runs/ is read as @FILE (comments and quoted --run
     values as a shell reads them), names both trainers, and every run of this repo's loads as a
@@ -826,8 +826,7 @@ def test_bench_peers_resume_keeps_the_finished_runs_and_runs_the_others(tmp_path
         bench_peers.main([*common[:5], "7", *common[6:], "--resume", "--run", a])
 
 
-@pytest.mark.parametrize("runs_file", sorted((REPO / "scripts/bench/peer_runs").glob("*.args")),
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("runs_file", PEER_RUN_LISTS, ids=lambda p: p.stem)
 def test_a_shipped_peer_run_lists_torchtitan_runs_parse_as_torchtitan_reads_them(runs_file,
                                                                                  tmp_path):
     """Where torchtitan 0.2.2 is importable (it is no CI dependency: the peer runs on the GPU

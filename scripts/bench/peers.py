@@ -192,9 +192,9 @@ def reference(args, runs: list[dict]) -> dict | None:
 
 
 def resumed_lines(meta: dict, runs: list[dict]) -> list[str]:
-    """The line naming the runs --resume kept from earlier calls, with their commits and dates."""
-    kept = [r for r in runs if r.get("git", meta["git"]) != meta["git"]
-            or r.get("date", meta["date"]) != meta["date"]]
+    """The line naming the runs --resume kept from earlier calls (a date other than this
+    call's), with their commits and dates."""
+    kept = [r for r in runs if r.get("date", meta["date"]) != meta["date"]]
     if not kept:
         return []
     return ["Kept from earlier calls (--resume): " + "; ".join(
