@@ -23,7 +23,8 @@ run in each position and after each other run equally often), each settled by 50
 untimed calls before its timed one (`interleaved_rounds`; the JSON keeps every round's time,
 and the verdict says at which lost points a peer was faster in every round), and writes the
 report after every point: a run cut short by a time limit keeps what it measured, and --resume
-skips the points already in <out>.json. Where the logits do not fit, the bare-GEMM
+skips the points already in <out>.json (with --remeasure --shapes S, measures S again in their
+place: after a change that moves only those points). Where the logits do not fit, the bare-GEMM
 floor runs in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
 
@@ -285,6 +286,9 @@ def main():
                    help="flce, flce_lean and the peers at every point of the N x H x V grid")
     p.add_argument("--resume", action="store_true",
                    help="with --grid: keep the points already in <out>.json, measure the rest")
+    p.add_argument("--remeasure", action="store_true",
+                   help="with --grid --resume --shapes: measure those shapes again, replacing "
+                        "their records in <out>.json (a change that moves only some points)")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="about this long timing each method at each shape")
     p.add_argument("--out", default=None, help="output path without suffix (default: "
@@ -293,6 +297,8 @@ def main():
     args = p.parse_args()
     if args.ungated and not args.float8:
         p.error("--ungated applies to --float8")
+    if args.remeasure and not (args.grid and args.resume and args.shapes):
+        p.error("--remeasure applies to --grid --resume with --shapes (the points to measure again)")
     args.out = args.out or ("benchmarks/flce_float8" if args.float8 else
                             "benchmarks/flce_grid" if args.grid else "benchmarks/flce_bench")
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
@@ -376,19 +382,34 @@ def run_meta(origin: dict, dtype: str) -> dict:
             "targets": "10% of targets = -100; extra memory = peak allocated above the inputs"}
 
 
-def run_grid(args, origin, dtype):
-    out = Path(args.out).with_suffix(".json")
-    earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
-    results = earlier["results"] if earlier else []
-    for r in results:  # a report written before points named their run: all from its meta's
+def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool
+              ) -> tuple[list[dict], list[str]]:
+    """The records kept from an earlier report (--resume) and the shapes left to measure: those
+    of `shapes` it lacks, or with remeasure all of `shapes`, their earlier records dropped.
+    Records written before points named their run are dated by the report's meta."""
+    results = [] if earlier is None else [
+        r for r in earlier["results"] if not (remeasure and r["shape"] in shapes)]
+    for r in results:
         if r["method"] == "bare_gemms" and "git" not in r:
             r.update(git=earlier["meta"]["git"], date=earlier["meta"]["date"])
     done = {r["shape"] for r in results if r["method"] == "bare_gemms"}
+    return results, [s for s in shapes if s not in done]
+
+
+def in_grid_order(results: list[dict]) -> list[dict]:
+    """Records by N, then H, then V (a remeasured point goes back to its row), each shape's
+    methods in the order measured."""
+    return sorted(results, key=lambda r: tuple(map(int, r["shape"].split("x"))))
+
+
+def run_grid(args, origin, dtype):
+    out = Path(args.out).with_suffix(".json")
+    earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
+    results, todo = grid_plan(earlier, args.shapes.split(",") if args.shapes else grid_shapes(),
+                              args.remeasure)
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
             "timing": TIMING, "compiled_peer": COMPILED_PEER}
-    for shape in args.shapes.split(",") if args.shapes else grid_shapes():
-        if shape in done:
-            continue
+    for shape in todo:
         N, H, V = map(int, shape.split("x"))
         fns = {k: f for k, f in methods(N, H, V, sweep=False).items() if k in GRID_METHODS}
         x, t, w = make_inputs(N, H, V, dtype)
@@ -403,7 +424,7 @@ def run_grid(args, origin, dtype):
         point += method_records(shape, fns, ms, mib, rounds, floor_ms)
         del x, t, w, floor_run, bufs
         torch.cuda.empty_cache()
-        results += point
+        results = in_grid_order(results + point)
         print(" | ".join([shape, f"gemms {floor_ms:.2f} ms"] + [
             f"{r['method']} " + ("OOM" if r["ms"] is None else f"{r['vs_gemms']:.3f}x "
                                  f"{r['extra_mib']:.0f} MiB") for r in point[1:]]), flush=True)
