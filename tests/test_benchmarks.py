@@ -245,19 +245,25 @@ def test_a_resumed_grid_names_each_runs_commit():
 def test_a_grid_resumed_with_remeasure_measures_those_points_again_in_their_rows():
     """--resume keeps an earlier report's points and measures the rest; with --remeasure the
     shapes given are measured again, their earlier records dropped, and a point measured last
-    goes back to its row (by N, H, V), so the table keeps the grid's order."""
+    goes back to its row (by N, H, V), so the table keeps the grid's order. A report of
+    another GPU (torch, triton, dtype) is not resumed."""
     from scripts.bench.flce import grid_plan, in_grid_order
     record = lambda shape, method: {"shape": shape, "method": method}  # noqa: E731
-    earlier = {"meta": {"git": "aaa", "date": "d-aaa"},
+    setup = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "dtype": "bfloat16"}
+    earlier = {"meta": {**setup, "git": "aaa", "date": "d-aaa"},
                "results": [record(s, m) for s in ("2x1x3", "2x1x30", "16x1x3")
                            for m in ("bare_gemms", "flce")]}
-    kept, todo = grid_plan(json.loads(json.dumps(earlier)), ["2x1x30", "16x1x3", "16x2x3"], False)
+    kept, todo = grid_plan(json.loads(json.dumps(earlier)), ["2x1x30", "16x1x3", "16x2x3"], False,
+                           setup)
     assert todo == ["16x2x3"] and len(kept) == 6
     assert all(r["git"] == "aaa" for r in kept if r["method"] == "bare_gemms")
-    kept, todo = grid_plan(json.loads(json.dumps(earlier)), ["2x1x30", "16x2x3"], True)
+    kept, todo = grid_plan(json.loads(json.dumps(earlier)), ["2x1x30", "16x2x3"], True, setup)
     assert todo == ["2x1x30", "16x2x3"]
     assert [r["shape"] for r in kept] == ["2x1x3", "2x1x3", "16x1x3", "16x1x3"]
-    assert grid_plan(None, ["2x1x3"], False) == ([], ["2x1x3"])
+    assert grid_plan(None, ["2x1x3"], False, setup) == ([], ["2x1x3"])
+    refused = "earlier report's gpu is 'NVIDIA H200', this run's 'NVIDIA H100"
+    with pytest.raises(SystemExit, match=refused):
+        grid_plan(earlier, ["2x1x3"], False, {**setup, "gpu": "NVIDIA H100 80GB HBM3"})
     again = [record("2x1x30", "bare_gemms"), record("2x1x30", "flce")]
     ordered = [(r["shape"], r["method"]) for r in in_grid_order(kept + again)]
     assert ordered == [("2x1x3", "bare_gemms"), ("2x1x3", "flce"), ("2x1x30", "bare_gemms"),

@@ -382,11 +382,20 @@ def run_meta(origin: dict, dtype: str) -> dict:
             "targets": "10% of targets = -100; extra memory = peak allocated above the inputs"}
 
 
-def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool
+RESUMED_SETUP = ("gpu", "torch", "triton", "dtype")  # a grid resumed keeps these of its report
+
+
+def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool, meta: dict
               ) -> tuple[list[dict], list[str]]:
     """The records kept from an earlier report (--resume) and the shapes left to measure: those
     of `shapes` it lacks, or with remeasure all of `shapes`, their earlier records dropped.
-    Records written before points named their run are dated by the report's meta."""
+    Records written before points named their run are dated by the report's meta. A report
+    of another GPU, torch, triton or dtype than this run's (`meta`) is refused."""
+    for key in RESUMED_SETUP if earlier else ():
+        was = earlier["meta"].get(key)
+        if was != meta[key]:
+            sys.exit(f"error: --resume: the earlier report's {key} is {was!r}, this run's "
+                     f"{meta[key]!r}: one grid is one setup (another --out?)")
     results = [] if earlier is None else [
         r for r in earlier["results"] if not (remeasure and r["shape"] in shapes)]
     for r in results:
@@ -405,10 +414,10 @@ def in_grid_order(results: list[dict]) -> list[dict]:
 def run_grid(args, origin, dtype):
     out = Path(args.out).with_suffix(".json")
     earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
-    results, todo = grid_plan(earlier, args.shapes.split(",") if args.shapes else grid_shapes(),
-                              args.remeasure)
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
             "timing": TIMING, "compiled_peer": COMPILED_PEER}
+    results, todo = grid_plan(earlier, args.shapes.split(",") if args.shapes else grid_shapes(),
+                              args.remeasure, meta)
     for shape in todo:
         N, H, V = map(int, shape.split("x"))
         fns = {k: f for k, f in methods(N, H, V, sweep=False).items() if k in GRID_METHODS}
