@@ -391,13 +391,14 @@ def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool, meta: di
     of `shapes` it lacks, or with remeasure all of `shapes`, their earlier records dropped.
     Records written before points named their run are dated by the report's meta. A report
     of another GPU, torch, triton or dtype than this run's (`meta`) is refused."""
-    for key in RESUMED_SETUP if earlier else ():
+    if earlier is None:
+        return [], list(shapes)
+    for key in RESUMED_SETUP:
         was = earlier["meta"].get(key)
         if was != meta[key]:
             sys.exit(f"error: --resume: the earlier report's {key} is {was!r}, this run's "
                      f"{meta[key]!r}: one grid is one setup (another --out?)")
-    results = [] if earlier is None else [
-        r for r in earlier["results"] if not (remeasure and r["shape"] in shapes)]
+    results = [r for r in earlier["results"] if not (remeasure and r["shape"] in shapes)]
     for r in results:
         if r["method"] == "bare_gemms" and "git" not in r:
             r.update(git=earlier["meta"]["git"], date=earlier["meta"]["date"])
