@@ -173,13 +173,17 @@ def _groups() -> list:
             if group.group_name not in _timeouts.own_timeout]
 
 
+# torch 2.14 made c10d's private _set_pg_timeout (gloo and NCCL; torchtitan v0.2's
+# set_pg_timeouts uses it) public as dist.set_timeout, and 2.15 warns on the private name
+_set_group_timeout = getattr(dist, "set_timeout", None) or c10d._set_pg_timeout
+
+
 def _set_timeout(key: str) -> None:
     """Every group's timeout to [comm] key's, on this rank (no collective): it holds for the
-    collectives this rank starts from now on. torch's private c10d._set_pg_timeout (gloo and
-    NCCL), which torchtitan v0.2's set_pg_timeouts uses for the default group and the mesh's."""
+    collectives this rank starts from now on."""
     timeout = timedelta(seconds=getattr(_timeouts.comm, key))
     for group in _groups():
-        c10d._set_pg_timeout(timeout, group)
+        _set_group_timeout(timeout, group)
     _timeouts.current = key
 
 
