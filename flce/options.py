@@ -25,8 +25,9 @@ class LossOptions:
     def __post_init__(self):
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction={self.reduction!r}: expected one of {REDUCTIONS}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing={self.label_smoothing}: must be in [0, 1)")
+        # 1 is torch's too: the target is then the uniform distribution over the vocabulary
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing={self.label_smoothing}: must be in [0, 1]")
         if not (finite(self.logit_scale) and self.logit_scale > 0):
             raise ValueError(f"logit_scale={self.logit_scale}: must be a finite number > 0")
         if not (finite(self.z_loss) and self.z_loss >= 0):

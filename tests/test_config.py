@@ -447,7 +447,7 @@ def test_model_name_takes_torchtitans_llama3():
      "config error: world size 1 is not divisible"),
     # these five were tracebacks (exit status 1) raised while the model was built
     (["--loss.label_smoothing", "1.5"], ValueError,
-     "config error: [loss] label_smoothing=1.5: must be in [0, 1)"),
+     "config error: [loss] label_smoothing=1.5: must be in [0, 1]"),
     (["--loss.chunk_size", "-4"], ValueError,
      "config error: [loss] chunk_size=-4: must be None or a positive int"),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",

@@ -128,7 +128,8 @@ def _check_within(name, out, ref, err, dtype):
 @pytest.mark.parametrize("chunk", [None, 32], ids=["one_block", "chunked"])
 @pytest.mark.parametrize("N,H,V", SHAPES)
 @pytest.mark.parametrize("reduction,dtype,ls", [
-    ("mean", torch.bfloat16, 0.0), ("sum", torch.bfloat16, 0.1), ("none", torch.float32, 0.1)])
+    ("mean", torch.bfloat16, 0.0), ("sum", torch.bfloat16, 0.1), ("none", torch.float32, 0.1),
+    ("mean", torch.float32, 1.0)])
 def test_loss_and_grads_within_derived_bounds(impl, device, float8, chunk, N, H, V, reduction,
                                               dtype, ls):
     skip_if_interpreted(impl, device)

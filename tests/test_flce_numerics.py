@@ -41,6 +41,21 @@ def test_options_fp32(impl, device, chunk, options, reduction):
 
 
 @IMPL_DEVICES
+@pytest.mark.parametrize("path", [{"chunk": None}, {"chunk": 16},
+                                  {"chunk": None, "memory_lean": True}],
+                         ids=["one_block", "chunked", "memory_lean"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_label_smoothing_one_is_a_uniform_target(impl, device, path, reduction):
+    """label_smoothing = 1, which torch's cross_entropy accepts (the target is the uniform
+    distribution: the loss is lse - mean(z), the target's own logit drops out), alone and with
+    the other options."""
+    _check(impl, device, torch.float32, 67, 24, 101, bias=True, reduction=reduction,
+           label_smoothing=1.0, **path)
+    _check(impl, device, torch.float32, 67, 24, 101, bias=False, reduction=reduction,
+           label_smoothing=1.0, z_loss=1e-3, softcap=3.0, ignore_index=5, **path)
+
+
+@IMPL_DEVICES
 @pytest.mark.parametrize("N,H,V,chunk", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_odd_shapes_fp32(impl, device, N, H, V, chunk, bias):

@@ -245,7 +245,7 @@ class Loss:
     impl: LossImpl = "flce"
     """"flce" (fused linear cross-entropy), "unfused" (logits, then cross-entropy) or "torch_chunked"."""
     label_smoothing: float = 0.0
-    """Label smoothing of the cross-entropy."""
+    """Label smoothing of the cross-entropy, in [0, 1] as torch's (1: a uniform target)."""
     z_loss: float = 0.0
     """The z-loss weight (log-sum-exp squared)."""
     softcap: float = 0.0
