@@ -40,6 +40,7 @@ def test_options_fp32(impl, device, chunk, options, reduction):
            **options)
 
 
+# memory_lean takes token chunks at this small W; its vocabulary sweep: test_flce_vocab_sweep.py
 @IMPL_DEVICES
 @pytest.mark.parametrize("path", [{"chunk": None}, {"chunk": 16},
                                   {"chunk": None, "memory_lean": True}],
