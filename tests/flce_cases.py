@@ -27,6 +27,9 @@ OPTIONS = [
     {"z_loss": 1e-3},
     {"logit_scale": 0.6},
     {"softcap": 3.0},
+    # 1: a uniform target, which torch's cross_entropy accepts (the target's logit drops out)
+    {"label_smoothing": 1.0},
+    {"label_smoothing": 1.0, "z_loss": 1e-3, "softcap": 3.0, "ignore_index": 5},
     {"label_smoothing": 0.25, "z_loss": 1e-2, "logit_scale": 1.7, "softcap": 4.0, "ignore_index": 5},
 ]
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -40,20 +40,15 @@ def test_options_fp32(impl, device, chunk, options, reduction):
            **options)
 
 
-# memory_lean takes token chunks at this small W; its vocabulary sweep: test_flce_vocab_sweep.py
 @IMPL_DEVICES
-@pytest.mark.parametrize("path", [{"chunk": None}, {"chunk": 16},
-                                  {"chunk": None, "memory_lean": True}],
-                         ids=["one_block", "chunked", "memory_lean"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_label_smoothing_one_is_a_uniform_target(impl, device, path, reduction):
-    """label_smoothing = 1, which torch's cross_entropy accepts (the target is the uniform
-    distribution: the loss is lse - mean(z), the target's own logit drops out), alone and with
-    the other options."""
-    _check(impl, device, torch.float32, 67, 24, 101, bias=True, reduction=reduction,
-           label_smoothing=1.0, **path)
-    _check(impl, device, torch.float32, 67, 24, 101, bias=False, reduction=reduction,
-           label_smoothing=1.0, z_loss=1e-3, softcap=3.0, ignore_index=5, **path)
+def test_label_smoothing_one_in_memory_lean_chunks(impl, device, reduction):
+    """label_smoothing = 1 (OPTIONS: the one-block and chunked paths, and memory_lean's
+    vocabulary sweep in test_flce_vocab_sweep.py) in memory_lean's token chunks, which it takes
+    at this small W."""
+    for kw in ({"bias": True}, {"bias": False, "z_loss": 1e-3, "softcap": 3.0, "ignore_index": 5}):
+        _check(impl, device, torch.float32, 67, 24, 101, None, reduction=reduction,
+               memory_lean=True, label_smoothing=1.0, **kw)
 
 
 @IMPL_DEVICES

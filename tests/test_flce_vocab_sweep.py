@@ -80,16 +80,6 @@ def test_matches_float64(impl, device, options, reduction, small_weights_sweep):
 
 
 @IMPL_DEVICES
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_label_smoothing_one_matches_float64(impl, device, reduction, small_weights_sweep):
-    """label_smoothing = 1 (a uniform target, as torch allows) across the slices."""
-    _check(impl, device, torch.float32, 67, 24, 101, True, 1e-5, reduction=reduction,
-           label_smoothing=1.0)
-    _check(impl, device, torch.float32, 67, 24, 101, False, 1e-5, reduction=reduction,
-           label_smoothing=1.0, z_loss=1e-3, softcap=3.0, ignore_index=5)
-
-
-@IMPL_DEVICES
 @pytest.mark.parametrize("bias", [False, True])
 def test_more_slices_than_a_statistics_group(impl, device, bias, small_weights_sweep,
                                              monkeypatch):
