@@ -246,7 +246,7 @@ def test_a_grid_resumed_with_remeasure_measures_those_points_again_in_their_rows
     """--resume keeps an earlier report's points and measures the rest; with --remeasure the
     shapes given are measured again, their earlier records dropped, and a point measured last
     goes back to its row (by N, H, V), so the table keeps the grid's order. A report of
-    another GPU (torch, triton, dtype) is not resumed."""
+    another GPU (torch, triton, dtype, timing) is not resumed."""
     from scripts.bench.flce import grid_plan, in_grid_order
     record = lambda shape, method: {"shape": shape, "method": method}  # noqa: E731
     setup = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "dtype": "bfloat16"}
@@ -264,6 +264,10 @@ def test_a_grid_resumed_with_remeasure_measures_those_points_again_in_their_rows
     refused = "earlier report's gpu is 'NVIDIA H200', this run's 'NVIDIA H100"
     with pytest.raises(SystemExit, match=refused):
         grid_plan(earlier, ["2x1x3"], False, {**setup, "gpu": "NVIDIA H100 80GB HBM3"})
+    # a report from before --host-ahead was timed synchronised: not resumed with the host ahead
+    with pytest.raises(SystemExit, match="host_ahead is False, this run's True"):
+        grid_plan(earlier, ["2x1x3"], False, {**setup, "host_ahead": True})
+    assert len(grid_plan(earlier, ["2x1x3"], False, {**setup, "host_ahead": False})[0]) == 6
     again = [record("2x1x30", "bare_gemms"), record("2x1x30", "flce")]
     ordered = [(r["shape"], r["method"]) for r in in_grid_order(kept + again)]
     assert ordered == [("2x1x3", "bare_gemms"), ("2x1x3", "flce"), ("2x1x30", "bare_gemms"),

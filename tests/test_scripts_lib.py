@@ -696,6 +696,55 @@ def test_interleaved_rounds_fill_whole_blocks_up_to_max_reps(monkeypatch):
     assert len(timing.interleaved_rounds(runs, 1.0, 20, settle_ms=0.0)["a"]) == 20
 
 
+def test_interleaved_rounds_with_the_host_ahead_time_the_gpu_behind_a_long_enough_sleep(
+        monkeypatch):
+    """host_ahead: each timed call is ahead_ms's, whose sleep outlasts 3x the longest host time
+    of the visit's settling calls (5 ms at least); the rounds get its GPU time and `host` its host
+    time. Without host_ahead the timed call is a synchronised one (median_ms), as before."""
+    clock, slept = [0.0], []
+    host_s = {"fast": 0.0005, "slow": 0.004}
+
+    def run_of(name):
+        def run():
+            clock[0] += host_s[name]
+        return run
+    runs = {name: run_of(name) for name in host_s}
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: pytest.fail("synchronised"))
+
+    def ahead(fn, sleep_ms):
+        slept.append(sleep_ms)
+        fn()
+        return 0.25, 0.75
+    monkeypatch.setattr(timing, "ahead_ms", ahead)
+    host = {}
+    rounds = timing.interleaved_rounds(runs, 0.0, 4, settle_ms=10.0, host_ahead=True, host=host)
+    assert rounds == {"fast": [0.25] * 4, "slow": [0.25] * 4}  # 3 rounds at least: 2 blocks
+    assert host == {"fast": [0.75] * 4, "slow": [0.75] * 4}
+    assert sorted(slept) == pytest.approx([5.0] * 4 + [12.0] * 4)  # 3 x 4 ms; 3 x 0.5 < 5
+    monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
+    monkeypatch.setattr(timing, "ahead_ms", lambda fn, sleep_ms: pytest.fail("host ahead"))
+    assert timing.interleaved_rounds(runs, 0.0, 4, settle_ms=10.0) == {"fast": [1.0] * 4,
+                                                                       "slow": [1.0] * 4}
+
+
+def test_a_grid_timed_with_the_host_ahead_says_so_and_gives_the_hosts_time():
+    def r(method, ms, host):
+        return {"shape": "a", "method": method, "ms": ms, "extra_mib": 1.0, "vs_gemms": ms / 2,
+                "tflops": 1.0, "host_ms": host}
+    results = [r("bare_gemms", 2.0, 0.05), r("flce", 2.2, 0.4), r("unfused_compile", 2.4, 0.3)]
+    meta = {**KERNEL_META, "dtype": "bfloat16", **bench_flce.timing_meta(True)}
+    table = bench_flce.grid_markdown(meta, results)
+    assert "with the host ahead" in table and "the GPU's alone" in table
+    assert "(the largest): bare_gemms 0.05 (0.05), flce 0.40 (0.40), unfused_compile 0.30" in table
+    synced = bench_flce.grid_markdown({**KERNEL_META, "dtype": "bfloat16"},
+                                      [{k: v for k, v in x.items() if k != "host_ms"}
+                                       for x in results])
+    assert "host ahead" not in synced and "host's ms" not in synced
+    assert bench_flce.timing_meta(False) == {"timing": bench_flce.TIMING, "host_ahead": False}
+
+
 def test_fresh_run_folder_makes_clears_its_own_and_refuses_the_rest(tmp_path):
     made = run_folders.fresh_run_folder(tmp_path / "a" / "run")
     assert sorted(p.name for p in made.iterdir()) == [run_folders.MARKER]

@@ -62,6 +62,11 @@ TIMING = ("interleaved rounds: each round visits the bare GEMMs and every method
           "balanced orders (each in each position and after each other equally often), calls "
           f"each untimed for {SETTLE_MS:.0f} ms (once at least), then times one call; the "
           "median of the rounds")
+HOST_AHEAD = ("with the host ahead: each timed call is queued while a sleep kernel keeps the "
+              "GPU busy (3x the call's host time, 5 ms at least), so the times are the GPU's "
+              "alone, as in a training step whose host runs ahead of the GPU; without it a "
+              "synchronised call starts on an idle GPU and includes whatever the host's launches "
+              "lag behind the kernels (`scripts.lib.timing.ahead_ms`)")
 COMPILED_PEER = ("unfused_compile is torch.compile's graph of the unfused loss for that one shape "
                  "(static, as a training run compiles it; `compiled_for_one_shape`)")
 FLOAT8_METHODS = {"flce": "none", "flce_float8_logits": "logits",
@@ -289,6 +294,11 @@ def main():
     p.add_argument("--remeasure", action="store_true",
                    help="with --grid --resume --shapes: measure those shapes again, replacing "
                         "their records in <out>.json (a change that moves only some points)")
+    p.add_argument("--host-ahead", action="store_true",
+                   help="time each call with its kernels queued behind a sleep kernel: the GPU's "
+                        "time alone, as in a step whose host runs ahead (at a few thousand "
+                        "tokens a synchronised call also times the host's launches); the "
+                        "records get the host's ms a call")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="about this long timing each method at each shape")
     p.add_argument("--out", default=None, help="output path without suffix (default: "
@@ -323,7 +333,8 @@ def main():
             f8_runs, keep = float8_gemm_runs(x.detach(), w.detach(), bufs[0][:, :V])
             bare |= {name: run for name, (run, _) in f8_runs.items()}
             gemm_counts = {name: n for name, (_, n) in f8_runs.items()}
-        rounds, ms, mib = time_point(bare, fns, x, t, w, args.seconds, args.reps)
+        rounds, ms, mib, host = time_point(bare, fns, x, t, w, args.seconds, args.reps,
+                                           args.host_ahead)
         floor_ms, flops = ms["bare_gemms"], 6 * N * H * V
         results.append({"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                         "tflops": flops / floor_ms / 1e9, "extra_mib": None,
@@ -336,7 +347,7 @@ def main():
                             "rounds_ms": rounds[name]})
             print(f"{shape} {name:22s} {ms[name]:8.2f} ms" +
                   (f" ({tflops:.0f} TFLOP/s)" if tflops else ""))
-        for r in method_records(shape, fns, ms, mib, rounds, floor_ms):
+        for r in method_records(shape, fns, ms, mib, rounds, floor_ms, host):
             results.append(r)
             print(f"{shape} {r['method']:22s} " + ("OOM" if r["ms"] is None else
                   f"{r['ms']:8.2f} ms {r['vs_gemms']:5.2f}x gemms {r['extra_mib']:9.0f} MiB"))
@@ -346,7 +357,7 @@ def main():
             accuracy = errors_vs_float64(fns, args.accuracy_tokens, H, V, dtype)
             accuracy["shape"] = f"{args.accuracy_tokens}x{H}x{V}"
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
-            "timing": TIMING}
+            **timing_meta(args.host_ahead)}
     if not args.float8 and "unfused_compile" in (args.only or "unfused_compile").split(","):
         meta["compiled_peer"] = COMPILED_PEER
     if args.ungated:
@@ -356,18 +367,28 @@ def main():
     print(text)
 
 
-def time_point(bare: dict, fns: dict, x, t, w, seconds: float, reps: int):
-    """(each run's round times, their medians, each method's peak extra MiB) at one shape: the
-    bare runs (no memory measured) and the methods that fit, in interleaved rounds (`TIMING`)."""
+def time_point(bare: dict, fns: dict, x, t, w, seconds: float, reps: int,
+               host_ahead: bool = False):
+    """(each run's round times, their medians, each method's peak extra MiB, each run's median
+    host ms a call or {}) at one shape: the bare runs (no memory measured) and the methods that
+    fit, in interleaved rounds (`TIMING`; with host_ahead, `HOST_AHEAD`)."""
     runs, mib = first_calls(fns, x, t, w)
-    rounds = interleaved_rounds({**bare, **runs}, seconds, reps)
-    return rounds, medians(rounds), mib
+    host = {} if host_ahead else None
+    rounds = interleaved_rounds({**bare, **runs}, seconds, reps, host_ahead=host_ahead, host=host)
+    return rounds, medians(rounds), mib, medians(host or {})
 
 
-def method_records(shape, fns, ms, mib, rounds, floor_ms) -> list[dict]:
-    """Each method's result at one shape with its rounds' times (`record`)."""
+def timing_meta(host_ahead: bool) -> dict:
+    return {"timing": TIMING + (f"; {HOST_AHEAD}" if host_ahead else ""),
+            "host_ahead": host_ahead}
+
+
+def method_records(shape, fns, ms, mib, rounds, floor_ms, host=None) -> list[dict]:
+    """Each method's result at one shape with its rounds' times (`record`) and, when the host
+    ran ahead, its median host ms a call."""
     return [{**record(shape, name, ms.get(name), mib[name], floor_ms),
-             "rounds_ms": rounds.get(name, [])} for name in fns]
+             "rounds_ms": rounds.get(name, []),
+             **({"host_ms": host.get(name)} if host else {})} for name in fns]
 
 
 def record(shape, name, ms, mib, floor_ms) -> dict:
@@ -382,7 +403,8 @@ def run_meta(origin: dict, dtype: str) -> dict:
             "targets": "10% of targets = -100; extra memory = peak allocated above the inputs"}
 
 
-RESUMED_SETUP = ("gpu", "torch", "triton", "dtype")  # a grid resumed keeps these of its report
+# a grid resumed keeps these of its report (reports from before host_ahead timed synchronised)
+RESUMED_SETUP = {"gpu": None, "torch": None, "triton": None, "dtype": None, "host_ahead": False}
 
 
 def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool, meta: dict
@@ -390,14 +412,15 @@ def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool, meta: di
     """The records kept from an earlier report (--resume) and the shapes left to measure: those
     of `shapes` it lacks, or with remeasure all of `shapes`, their earlier records dropped.
     Records written before points named their run are dated by the report's meta. A report
-    of another GPU, torch, triton or dtype than this run's (`meta`) is refused."""
+    of another GPU, torch, triton, dtype or timing (host ahead or not) than this run's (`meta`) is
+    refused."""
     if earlier is None:
         return [], list(shapes)
-    for key in RESUMED_SETUP:
-        was = earlier["meta"].get(key)
-        if was != meta[key]:
+    for key, default in RESUMED_SETUP.items():
+        was, now = earlier["meta"].get(key, default), meta.get(key, default)
+        if was != now:
             sys.exit(f"error: --resume: the earlier report's {key} is {was!r}, this run's "
-                     f"{meta[key]!r}: one grid is one setup (another --out?)")
+                     f"{now!r}: one grid is one setup (another --out?)")
     results = [r for r in earlier["results"] if not (remeasure and r["shape"] in shapes)]
     for r in results:
         if r["method"] == "bare_gemms" and "git" not in r:
@@ -416,7 +439,7 @@ def run_grid(args, origin, dtype):
     out = Path(args.out).with_suffix(".json")
     earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
-            "timing": TIMING, "compiled_peer": COMPILED_PEER}
+            **timing_meta(args.host_ahead), "compiled_peer": COMPILED_PEER}
     results, todo = grid_plan(earlier, args.shapes.split(",") if args.shapes else grid_shapes(),
                               args.remeasure, meta)
     for shape in todo:
@@ -424,14 +447,15 @@ def run_grid(args, origin, dtype):
         fns = {k: f for k, f in methods(N, H, V, sweep=False).items() if k in GRID_METHODS}
         x, t, w = make_inputs(N, H, V, dtype)
         floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
-        rounds, ms, mib = time_point({"bare_gemms": floor_run}, fns, x, t, w, args.seconds,
-                                     args.reps)
+        rounds, ms, mib, host = time_point({"bare_gemms": floor_run}, fns, x, t, w,
+                                           args.seconds, args.reps, args.host_ahead)
         floor_ms = ms["bare_gemms"]
         point = [{"shape": shape, "method": "bare_gemms", "ms": floor_ms,
                   "tflops": 6 * N * H * V / floor_ms / 1e9, "extra_mib": None,
                   "flce_path": flce_path(N, H, V, x.element_size()),
-                  "rounds_ms": rounds["bare_gemms"], "git": meta["git"], "date": meta["date"]}]
-        point += method_records(shape, fns, ms, mib, rounds, floor_ms)
+                  "rounds_ms": rounds["bare_gemms"], "git": meta["git"], "date": meta["date"],
+                  **({"host_ms": host["bare_gemms"]} if host else {})}]
+        point += method_records(shape, fns, ms, mib, rounds, floor_ms, host)
         del x, t, w, floor_run, bufs
         torch.cuda.empty_cache()
         results = in_grid_order(results + point)
@@ -609,8 +633,9 @@ def grid_markdown(meta, results):
     lines = [*kernel_report_head(meta, meta["dtype"]),
              "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
              "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory)."
-             + (f" {meta['compiled_peer']}." if meta.get("compiled_peer") else ""), "",
-             *resumed_runs(results),
+             + (f" {meta['compiled_peer']}." if meta.get("compiled_peer") else "")
+             + (f" Timed {HOST_AHEAD}." if meta.get("host_ahead") else ""), "",
+             *resumed_runs(results), *host_lines(results, names),
              *grid_verdict(results, meta["gpu"]), "", "By tokens N:", "",
              *grid_by_tokens(results), "",
              "| N×H×V | flce path | " + " | ".join(names) + " |",
@@ -620,6 +645,18 @@ def grid_markdown(meta, results):
         lines.append(f"| {shape} | {path} | " +
                      " | ".join(cell(at.get((shape, n))) for n in names) + " |")
     return "\n".join(lines) + "\n"
+
+
+def host_lines(results: list[dict], names: list[str]) -> list[str]:
+    """The host's ms to issue one call, each run's median over the points and its largest (the
+    records of a run timed with the host ahead carry it)."""
+    parts = []
+    for name in names:
+        ms = [r["host_ms"] for r in results if r["method"] == name and r.get("host_ms")]
+        if ms:
+            parts.append(f"{name} {statistics.median(ms):.2f} ({max(ms):.2f})")
+    return (["The host's ms to issue a call, the median over the points (the largest): "
+             + ", ".join(parts) + ".", ""] if parts else [])
 
 
 def _method_cell(name, r):

@@ -1,7 +1,8 @@
 """The timers of the benchmarks that time GPU work in-process: `median_ms` (one function, calls
 in a row), `timed_ms` (as many calls as fit in a time) and `interleaved_rounds` / `interleaved_ms`
 (several functions in rounds of balanced orders, each settled before its timed call: every
-round's time, or their medians)."""
+round's time, or their medians; with host_ahead, the GPU's time with the call's kernels queued
+ahead of it, as in a training step whose host runs ahead: `ahead_ms`)."""
 
 import random
 import statistics
@@ -11,6 +12,8 @@ from typing import Callable, Optional
 import torch
 
 SETTLE_MS = 50.0  # untimed calls before each timed one (interleaved_ms)
+AHEAD_MIN_MS = 5.0  # the GPU sleeps at least this long while the host queues a timed call ...
+AHEAD_HOST_FACTOR = 3.0  # ... and this many times the longest host time of its settling calls
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, *, cuda: bool = True,
@@ -55,6 +58,43 @@ def interleaved_ms(runs: dict, seconds: float, max_reps: int, settle_ms: float =
     return medians(interleaved_rounds(runs, seconds, max_reps, settle_ms, seed))
 
 
+_cycles_per_ms: list = []
+
+
+def gpu_sleep(ms: float) -> None:
+    """Queue a kernel that keeps the GPU busy for about `ms` (torch.cuda._sleep counts clock
+    cycles: their rate is measured once)."""
+    if not _cycles_per_ms:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)  # the clocks up first
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        _cycles_per_ms.append(cycles / max(start.elapsed_time(end), 1e-3))
+    torch.cuda._sleep(int(ms * _cycles_per_ms[0]))
+
+
+def ahead_ms(fn: Callable[[], object], sleep_ms: float) -> tuple[float, float]:
+    """(the GPU's ms, the host's ms) of one call of fn made while a sleep kernel queued before it
+    keeps the GPU busy for sleep_ms: the host queues the call's kernels before the GPU reaches
+    them, so CUDA events around the call time the kernels back to back (the gaps between them on
+    the GPU included, the host's time to launch them not), as in a training step whose host runs
+    ahead. Where the host's time comes near sleep_ms (a call that synchronises, or a longer
+    sleep was needed) the GPU waited for the host within it."""
+    torch.cuda.synchronize()
+    gpu_sleep(sleep_ms)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    fn()
+    host = (time.perf_counter() - t0) * 1e3
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), host
+
+
 def medians(rounds: dict) -> dict:
     """{name: the median of its times, or None where it has none}."""
     return {name: statistics.median(v) if v else None for name, v in rounds.items()}
@@ -94,7 +134,8 @@ def block_rounds(n: int) -> int:
 
 
 def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
-                       seed: int = 0) -> dict:
+                       seed: int = 0, host_ahead: bool = False,
+                       host: Optional[dict] = None) -> dict:
     """Each run's ms in each of the rounds, which visit every run once, in balanced orders
     (`balanced_orders`: whole blocks, in which each run takes each position and follows each
     other run equally often). At each visit the run is called untimed until settle_ms have
@@ -110,26 +151,43 @@ def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: flo
     in whole blocks: 3 rounds at least (even where a block exceeds max_reps), else as many blocks
     as fit in max_reps rounds. A run that runs out of memory beside the others' cached blocks is
     timed alone after the rounds (one value: the median of those calls), or gets [] if it does
-    not fit alone either."""
+    not fit alone either.
+
+    host_ahead: each timed call is `ahead_ms`'s, the GPU kept asleep for AHEAD_HOST_FACTOR x the
+    longest host time of the visit's settling calls (AHEAD_MIN_MS at least) while the host queues
+    it: the GPU's time alone, which a synchronised call exceeds where the host launches kernels
+    more slowly than the GPU runs them (a few thousand tokens). `host`, a dict, receives each
+    run's host ms of its timed calls (with host_ahead), in the order of the rounds."""
     times = {name: [] for name in runs}
+    if host is not None:
+        host.update({name: [] for name in runs})
     alone = []
     names = list(runs)
     orders = balanced_orders(len(names), seed)
 
-    def visit(run) -> float:
+    def visit(name) -> float:
+        run, longest = runs[name], 0.0
         end = time.perf_counter() + settle_ms / 1e3
         while True:  # once at least
+            t0 = time.perf_counter()
             run()
+            longest = max(longest, time.perf_counter() - t0)
             torch.cuda.synchronize()
             if time.perf_counter() >= end:
-                return median_ms(run, warmup=0, reps=1)
+                break
+        if not host_ahead:
+            return median_ms(run, warmup=0, reps=1)
+        gpu, host_ms = ahead_ms(run, max(AHEAD_MIN_MS, AHEAD_HOST_FACTOR * longest * 1e3))
+        if host is not None:
+            host[name].append(host_ms)
+        return gpu
 
     def one_round():
         for name in (names[i] for i in next(orders)):
             if name in alone:
                 continue
             try:
-                times[name].append(visit(runs[name]))
+                times[name].append(visit(name))
             except torch.OutOfMemoryError:
                 alone.append(name)
                 torch.cuda.empty_cache()
@@ -145,7 +203,12 @@ def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: flo
     for name in alone:
         torch.cuda.empty_cache()
         try:
-            times[name] = [timed_ms(runs[name], seconds, max_reps)]
+            if host_ahead:  # settled and timed as in the rounds, three times
+                if host is not None:
+                    host[name] = []
+                times[name] = [statistics.median(visit(name) for _ in range(3))]
+            else:
+                times[name] = [timed_ms(runs[name], seconds, max_reps)]
         except torch.OutOfMemoryError:
             times[name] = []
     return times
