@@ -156,11 +156,12 @@ def test_a_cited_folder_needs_a_readme_naming_a_clean_commit(tmp_path):
 
 
 def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
-    """benchmarks/flce_grid.md (and the H100's flce_grid_h100.md) is what scripts.bench.flce
-    renders from its JSON (no figure edited by hand), and README's results quote the H200 grid's
-    geometric mean and fastest-count."""
+    """benchmarks/flce_grid.md (and the H100's grids) is what scripts.bench.flce renders from its
+    JSON (no figure edited by hand), and README's results quote the H200 grid's geometric mean
+    and fastest-count."""
     from scripts.bench.flce import grid_markdown
-    for name in ("flce_grid_h100", "flce_grid"):
+    for name in ("flce_grid_h100", "flce_grid_small_h100", "flce_grid_small_host_ahead_h100",
+                 "flce_grid"):
         record = json.loads((BENCHMARKS / f"{name}.json").read_text())
         report = grid_markdown(record["meta"], record["results"])
         assert (BENCHMARKS / f"{name}.md").read_text() == report, name
