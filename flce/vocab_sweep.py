@@ -45,11 +45,15 @@ from flce.vocab_slices import combine_slices, loss_from_sums, slice_grads, slice
 # 17% less at 4096x8192x128256 on an H100, whose bandwidth is lower for its FLOPs; at 512-1024
 # token chunks the chunks were 15-40% faster (the sweep's second logits GEMM). Both probes forced
 # each path in interleaved rounds (`python3 -m scripts.bench.flce --lean-paths`), not kept as
-# reports. As a slice costs about as many launches as a chunk, twice over, at a small W
-# (2048x1024x32000, 64-token chunks) the launches set the time and the sweep lost (10.8 against
-# 6.6 ms).
+# reports. A slice costs about as many launches as a chunk, twice over: where W is small the
+# host's launches can set the time. On an H100 (benchmarks/flce_lean_paths_h100.md, timed
+# synchronised and with the host ahead) the sweep was faster both ways at W of 65.5M-131M
+# elements (2048x1024x128256: 9.5 against 32.1 ms synchronised; 2048x2048x32000,
+# 16384x1024x128256 and three more), and at 2048x1024x32000 (W just under 2^25) only with the
+# host ahead (1.8 against 4.3 ms); synchronised, its 5.6 ms of host time a call lost (5.7
+# against 4.7 ms), hence the bound on W.
 SWEEP_MAX_TOKENS = 256        # memory_lean's token chunks this short or shorter ...
-SWEEP_MIN_WEIGHT = 1 << 27    # ... and W of this many elements (V x H) at least: sweep
+SWEEP_MIN_WEIGHT = 1 << 25    # ... and W of this many elements (V x H) at least: sweep
 STATS_GROUP = 32              # slices whose row statistics are combined in one go
 KEPT_BYTES_PER_TOKEN = 3 * 8  # loss, row max, log sum between the passes, float64 at most
 
