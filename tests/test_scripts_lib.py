@@ -729,6 +729,35 @@ def test_interleaved_rounds_with_the_host_ahead_time_the_gpu_behind_a_long_enoug
                                                                        "slow": [1.0] * 4}
 
 
+@pytest.mark.parametrize("host_ahead", [False, True])
+def test_a_run_out_of_memory_in_the_rounds_is_timed_alone_after_them(monkeypatch, host_ahead):
+    """A run that does not fit beside the others' cached blocks is timed alone after the rounds,
+    as the rounds time it: synchronised (timed_ms), or with the host ahead (three visits)."""
+    clock, calls = [0.0], {"small": 0, "big": 0}
+
+    def run_of(name):
+        def run():
+            calls[name] += 1
+            if name == "big" and calls[name] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            clock[0] += 0.001
+        return run
+    runs = {name: run_of(name) for name in calls}
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
+    monkeypatch.setattr(timing, "timed_ms", lambda fn, seconds, max_reps: (fn(), 7.0)[1])
+    monkeypatch.setattr(timing, "ahead_ms", lambda fn, sleep_ms: (fn(), (2.0, 0.5))[1])
+    host = {}
+    rounds = timing.interleaved_rounds(runs, 0.0, 4, settle_ms=0.0, host_ahead=host_ahead,
+                                       host=host)
+    assert rounds["big"] == ([2.0] if host_ahead else [7.0])
+    assert rounds["small"] == [2.0 if host_ahead else 1.0] * 4
+    assert host == ({"small": [0.5] * 4, "big": [0.5] * 3} if host_ahead else
+                    {"small": [], "big": []})
+
+
 def test_a_grid_timed_with_the_host_ahead_says_so_and_gives_the_hosts_time():
     def r(method, ms, host):
         return {"shape": "a", "method": method, "ms": ms, "extra_mib": 1.0, "vs_gemms": ms / 2,
