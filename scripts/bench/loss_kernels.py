@@ -18,7 +18,6 @@ allocations, the GPU's clocks). Writes <out>.json and <out>.md.
 import argparse
 import statistics
 import sys
-import time
 from collections import defaultdict
 
 if not __package__:
@@ -29,11 +28,11 @@ import torch  # noqa: E402
 from scripts.bench.flce import fwd_bwd, gemm_floor, make_inputs, methods, run_meta  # noqa: E402
 from scripts.bench.summarize_trace import KINDS, kind_of  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import median_ms  # noqa: E402
+from scripts.lib.timing import ahead_ms, median_ms  # noqa: E402
 
 TOP = 6  # kernels listed per run
 HOST_TRIALS = 10
-HOST_SLEEP_CYCLES = 100_000_000  # about 50 ms of GPU clock: longer than any call's host time
+HOST_SLEEP_MS = 50.0  # longer than any call's host time
 
 
 def kernels_per_call(run, calls: int) -> dict:
@@ -68,18 +67,10 @@ def walls_and_allocations(run, calls: int) -> tuple[float, dict]:
 
 def host_ms(run, trials: int = HOST_TRIALS) -> float:
     """The median host time of one call of run, in ms, each call made while a sleep kernel
-    queued before it keeps the GPU busy: no launch waits for the GPU, and one call's launches
-    are far fewer than the queue holds. A call that synchronizes with the GPU shows as the
-    sleep's length (tens of ms)."""
-    times = []
-    for _ in range(trials):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(HOST_SLEEP_CYCLES)
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    queued before it keeps the GPU busy (`timing.ahead_ms`): no launch waits for the GPU, and one
+    call's launches are far fewer than the queue holds. A call that synchronizes with the GPU
+    shows as the sleep's length (tens of ms)."""
+    return statistics.median(ahead_ms(run, HOST_SLEEP_MS)[1] for _ in range(trials))
 
 
 def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:
