@@ -30,7 +30,7 @@ def test_taken_where_the_token_chunks_would_be_short_and_w_large():
     assert not uses_vocab_sweep(8192, 8192, 128256, 2, None, True, "none")    # 512
     assert not uses_vocab_sweep(16384, 4096, 256000, 2, None, True, "none")   # 512
     assert not uses_vocab_sweep(65536, 4096, 256000, 2, None, True, "none")
-    # W of 2^26-2^27 elements: the sweep was faster there too (an H100, synchronised calls and
+    # W of 2^25-2^27 elements: the sweep was faster there too (an H100, synchronised calls and
     # with the host ahead; it was not taken at first, under a bound of 2^27)
     assert uses_vocab_sweep(2048, 1024, 128256, 2, None, True, "none")        # 32
     assert uses_vocab_sweep(16384, 1024, 128256, 2, None, True, "none")       # 256
