@@ -161,7 +161,7 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
     and fastest-count."""
     from scripts.bench.flce import grid_markdown
     for name in ("flce_grid_h100", "flce_grid_small_h100", "flce_grid_small_host_ahead_h100",
-                 "flce_grid"):
+                 "flce_grid_host_ahead_h100", "flce_grid"):
         record = json.loads((BENCHMARKS / f"{name}.json").read_text())
         report = grid_markdown(record["meta"], record["results"])
         assert (BENCHMARKS / f"{name}.md").read_text() == report, name
@@ -241,6 +241,23 @@ def test_a_resumed_grid_names_each_runs_commit():
                          {"shape": "7x8x9", "method": "flce"}])[0]
     assert line == ("Measured in runs resumed one after another: 2 points at git aaa (d-aaa); "
                     "1 point at git bbb (d-bbb).")
+
+
+def test_a_whole_grid_report_names_the_points_it_has_not_measured_yet():
+    """A --grid report without --shapes that lacks some of the grid's points (a call cut short,
+    to be resumed) names them, so its counts are not read as the whole grid's; a report of the
+    shapes given (--shapes) or of every point has no such line."""
+    from scripts.bench.flce import grid_shapes, unmeasured_lines
+    shapes = grid_shapes()
+    results = [{"shape": s, "method": m} for s in shapes[:-2] for m in ("bare_gemms", "flce")]
+    whole = {"command": "python3 -m scripts.bench.flce --grid --resume --out x"}
+    line = unmeasured_lines(whole, results)[0]
+    assert line == (f"Not measured yet: 2 of the grid's {len(shapes)} points ({shapes[-2]}, "
+                    f"{shapes[-1]}); every figure below is over the other {len(shapes) - 2}.")
+    assert unmeasured_lines({"command": whole["command"] + " --shapes 2048x1024x32000"},
+                            results) == []
+    every = [{"shape": s, "method": "bare_gemms"} for s in shapes]
+    assert unmeasured_lines(whole, every) == []
 
 
 def test_a_grid_resumed_with_remeasure_measures_those_points_again_in_their_rows():

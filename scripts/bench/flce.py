@@ -635,7 +635,7 @@ def grid_markdown(meta, results):
              "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory)."
              + (f" {meta['compiled_peer']}." if meta.get("compiled_peer") else "")
              + (f" Timed {HOST_AHEAD}." if meta.get("host_ahead") else ""), "",
-             *resumed_runs(results), *host_lines(results, names),
+             *resumed_runs(results), *unmeasured_lines(meta, results), *host_lines(results, names),
              *grid_verdict(results, meta["gpu"]), "", "By tokens N:", "",
              *grid_by_tokens(results), "",
              "| N×H×V | flce path | " + " | ".join(names) + " |",
@@ -645,6 +645,20 @@ def grid_markdown(meta, results):
         lines.append(f"| {shape} | {path} | " +
                      " | ".join(cell(at.get((shape, n))) for n in names) + " |")
     return "\n".join(lines) + "\n"
+
+
+def unmeasured_lines(meta: dict, results: list[dict]) -> list[str]:
+    """The grid's points a whole-grid report (`--grid` without `--shapes`) has not measured yet,
+    named (its counts and means are over the others): what a later `--resume` would add."""
+    command = meta.get("command", "").split()
+    if "--grid" not in command or "--shapes" in command:
+        return []
+    measured = {r["shape"] for r in results}
+    left = [s for s in grid_shapes() if s not in measured]
+    if not left:
+        return []
+    return [f"Not measured yet: {len(left)} of the grid's {len(grid_shapes())} points "
+            f"({', '.join(left)}); every figure below is over the other {len(measured)}.", ""]
 
 
 def host_lines(results: list[dict], names: list[str]) -> list[str]:
