@@ -603,6 +603,13 @@ def test_flce_grid_floor_is_one_read_and_one_write_of_the_logits_at_the_hbm_peak
     # above the GEMMs over the floor: 15/10, 1.5/1, 0.02/0.01: the median 1.5
     assert text.endswith("a median 1.50× the floor's")
     assert "the floor" not in "\n".join(bench_flce.grid_verdict(results, "some other GPU"))
+    # a run under the floor (GEMMs faster than the bare ones back to back) is counted, any method
+    results[1]["ms"] = 109.0  # under 100 ms x 1.10
+    results += [{"shape": "2400000x8x5000", "method": "liger", "ms": 108.0},
+                {"shape": "12000x8x1000", "method": "liger", "ms": 5.005}]
+    text = "\n".join(bench_flce.grid_verdict(results, "NVIDIA H200"))
+    assert text.endswith("; 3 runs at 2 points came in under it, their GEMMs faster than the "
+                         "bare GEMMs back to back")
 
 
 def test_flce_grid_verdict_counts_each_target():

@@ -547,6 +547,11 @@ def floor_line(at: dict, shapes: list[str], bytes_per_s: float) -> str:
     reach = [s for s in long if floor[s] <= 1.05]
     within = sum(at[s, "flce"]["vs_gemms"] <= 1.05 for s in reach)
     above = [(at[s, "flce"]["ms"] - gemms[s]) / floor_ms[s] for s in shapes]
+    # a run under the floor had GEMMs faster than the bare ones back to back (the GPU's clocks
+    # under another mix of kernels): the floor's premise, the bare GEMMs as every loss's, failed
+    timed = [(s, at[s, m]["ms"]) for s in shapes for m in GRID_METHODS
+             if (at.get((s, m)) or {}).get("ms") is not None]
+    under = [s for s, ms in timed if ms < gemms[s] * floor[s]]
     return (f"- the floor: one read of the logits and one write of dlogits at the HBM's peak "
             f"({bytes_per_s / 1e12:.2f} TB/s, {LOGIT_BYTES_FLOOR} bytes a logit) put any loss "
             f"that leaves the GEMMs to cuBLAS at {min(floor.values()):.3f}-"
@@ -554,7 +559,9 @@ def floor_line(at: dict, shapes: list[str], bytes_per_s: float) -> str:
             f"{math.exp(statistics.fmean(map(math.log, floor.values()))):.3f}×); ≤ 1.05× is out "
             f"of reach at {len(long) - len(reach)} of the {len(long)} points whose GEMMs take "
             f"≥ 10 ms, and flce is within it at {within} of the other {len(reach)}; flce's time "
-            f"above its GEMMs is a median {statistics.median(above):.2f}× the floor's")
+            f"above its GEMMs is a median {statistics.median(above):.2f}× the floor's"
+            + (f"; {len(under)} runs at {len(set(under))} points came in under it, their GEMMs "
+               f"faster than the bare GEMMs back to back" if under else ""))
 
 
 def _clear_losses(at: dict, shapes: list, ours: str, peers) -> str:
