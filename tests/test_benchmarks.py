@@ -156,10 +156,10 @@ def test_a_cited_folder_needs_a_readme_naming_a_clean_commit(tmp_path):
 
 
 def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
-    """benchmarks/flce_grid.md (and the H100's grids) is what scripts.bench.flce renders from its
+    """benchmarks/flce_grid.md (and the H100's grids) is what scripts.lib.loss_grid renders from its
     JSON (no figure edited by hand), and README's results quote the H200 grid's geometric mean
     and fastest-count."""
-    from scripts.bench.flce import grid_markdown
+    from scripts.lib.loss_grid import grid_markdown
     for name in ("flce_grid_h100", "flce_grid_small_h100", "flce_grid_small_host_ahead_h100",
                  "flce_grid_host_ahead_h100", "flce_grid"):
         record = json.loads((BENCHMARKS / f"{name}.json").read_text())
@@ -233,7 +233,7 @@ def test_the_performance_pages_grid_table_is_the_reports():
 def test_a_resumed_grid_names_each_runs_commit():
     """A grid joined from runs at two commits says which points each measured (one run: no line),
     and a report written before points named their run is dated by its meta on --resume."""
-    from scripts.bench.flce import resumed_runs
+    from scripts.lib.loss_grid import resumed_runs
     point = lambda shape, git: {"shape": shape, "method": "bare_gemms", "git": git,
                                 "date": f"d-{git}"}
     assert resumed_runs([point("1x2x3", "aaa"), point("4x5x6", "aaa")]) == []
@@ -247,7 +247,7 @@ def test_a_whole_grid_report_names_the_points_it_has_not_measured_yet():
     """A --grid report without --shapes that lacks some of the grid's points (a call cut short,
     to be resumed) names them, so its counts are not read as the whole grid's; a report of the
     shapes given (--shapes) or of every point has no such line."""
-    from scripts.bench.flce import grid_shapes, unmeasured_lines
+    from scripts.lib.loss_grid import grid_shapes, unmeasured_lines
     shapes = grid_shapes()
     results = [{"shape": s, "method": m} for s in shapes[:-2] for m in ("bare_gemms", "flce")]
     whole = {"command": "python3 -m scripts.bench.flce --grid --resume --out x"}

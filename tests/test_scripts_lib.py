@@ -22,7 +22,7 @@ from scripts.bench import loss_kernels as bench_loss_kernels
 from scripts.bench import row_order as bench_row_order
 from scripts.bench import row_overlap as bench_row_overlap
 from scripts.bench import tune_rows_kernel as bench_tune_rows
-from scripts.lib import report, run_folders, timing
+from scripts.lib import loss_grid, report, run_folders, timing
 from scripts.lib.timing import median_ms
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,7 +182,7 @@ def test_a_loss_report_says_how_the_compiled_peer_was_compiled():
     assert said not in flce_report(CLEAN)
     grid = json.loads((REPO / "benchmarks" / "flce_grid.json").read_text())
     meta = {**grid["meta"], "compiled_peer": bench_flce.COMPILED_PEER}
-    assert said in bench_flce.grid_markdown(meta, grid["results"])
+    assert said in loss_grid.grid_markdown(meta, grid["results"])
 
 
 def chunk_sizes_report(meta):
@@ -556,13 +556,13 @@ def test_flce_grid_verdict_tells_clear_losses_from_the_rounds_spread():
                r("c", "liger", [11.0, 11.1, 11.2]), r("c", "flce_lean", []),
                r("d", "bare_gemms", [10.0] * 3), r("d", "flce", [10.3]), r("d", "liger", [10.0])]
     del results[-2]["rounds_ms"], results[-1]["rounds_ms"]  # d: a point from an older grid
-    text = "\n".join(bench_flce.grid_verdict(results))
+    text = "\n".join(loss_grid.grid_verdict(results))
     assert ("flce, flce_lean, unfused_compile, liger, cce: 1 of 4 points; at 1 of the 3 others "
             "a peer was faster in every round than flce in its fastest (1 of them measured "
             "without rounds): a\n") in text, text
     assert ("flce_lean time ≤ Liger's: 0 of 2 points; at 1 of the 2 others a peer was faster "
             "in every round than flce_lean in its fastest: a") in text, text
-    assert bench_flce._clear_losses({("x", "flce"): {"ms": 2.0}, ("x", "cce"): {"ms": 1.0}},
+    assert loss_grid._clear_losses({("x", "flce"): {"ms": 2.0}, ("x", "cce"): {"ms": 1.0}},
                                     ["x"], "flce", ["cce"]) == ""  # no rounds: nothing to add
 
 
@@ -595,19 +595,19 @@ def test_flce_grid_floor_is_one_read_and_one_write_of_the_logits_at_the_hbm_peak
                  "extra_mib": 1.0}]
     results = (point("2400000x8x5000", 100.0, 115.0) + point("1200000x8x1000", 50.0, 51.5)
                + point("12000x8x1000", 5.0, 5.02))
-    text = "\n".join(bench_flce.grid_verdict(results, "NVIDIA H200"))
+    text = "\n".join(loss_grid.grid_verdict(results, "NVIDIA H200"))
     geomean = (1.10 * 1.02 * 1.002) ** (1 / 3)
     assert (f"put any loss that leaves the GEMMs to cuBLAS at 1.002-1.100× its GEMMs (geometric "
             f"mean {geomean:.3f}×); ≤ 1.05× is out of reach at 1 of the 2 points whose GEMMs "
             "take ≥ 10 ms, and flce is within it at 1 of the other 1") in text
     # above the GEMMs over the floor: 15/10, 1.5/1, 0.02/0.01: the median 1.5
     assert text.endswith("a median 1.50× the floor's")
-    assert "the floor" not in "\n".join(bench_flce.grid_verdict(results, "some other GPU"))
+    assert "the floor" not in "\n".join(loss_grid.grid_verdict(results, "some other GPU"))
     # a run under the floor (GEMMs faster than the bare ones back to back) is counted, any method
     results[1]["ms"] = 109.0  # under 100 ms x 1.10
     results += [{"shape": "2400000x8x5000", "method": "liger", "ms": 108.0},
                 {"shape": "12000x8x1000", "method": "liger", "ms": 5.005}]
-    text = "\n".join(bench_flce.grid_verdict(results, "NVIDIA H200"))
+    text = "\n".join(loss_grid.grid_verdict(results, "NVIDIA H200"))
     assert text.endswith("; 3 runs at 2 points came in under it, their GEMMs faster than the "
                          "bare GEMMs back to back")
 
@@ -623,7 +623,7 @@ def test_flce_grid_verdict_counts_each_target():
                r("b", "flce", 10.8, 300),
                r("b", "flce_lean", 13.0, 80), r("b", "unfused_compile", 10.5, 200),
                r("b", "liger", 12.0, 70), r("b", "cce", 10.0, 10)]
-    text = "\n".join(bench_flce.grid_verdict(results))
+    text = "\n".join(loss_grid.grid_verdict(results))
     assert "1 of 2 (worst 1.080×)" in text
     assert f"geometric mean {(1.04 * 1.08) ** 0.5:.3f}×" in text
     assert "faster than unfused_compile: 1 of 2" in text
@@ -633,10 +633,10 @@ def test_flce_grid_verdict_counts_each_target():
     assert "≤ torch.compile's: 1 of 2 points; median ratio 0.88" in text
     assert "flce_lean memory ≤ Liger's: 1 of 2" in text and "flce_lean time ≤ Liger's: 1 of 2" in text
     meta = {**KERNEL_META, "dtype": "bfloat16"}
-    table = bench_flce.grid_markdown(meta, results)
+    table = loss_grid.grid_markdown(meta, results)
     assert "| b | one block | 10.00 (1 TFLOP/s) | 1.080× / 300 |" in table and "| OOM |" in table
     assert "| a | - | 10.00" in table  # a report from before the path was recorded
-    by_tokens = "\n".join(bench_flce.grid_by_tokens(results))
+    by_tokens = "\n".join(loss_grid.grid_by_tokens(results))
     assert "| a | 1.040 | 1/1 | 1/1 | 1/1 | 1/1 |" in by_tokens
     assert "| b | 1.080 | 0/1 | 0/1 | 1/1 | 0/1 |" in by_tokens
     assert "| all | 1.060 | 1/2 | 1/2 | 2/2 | 1/2 |" in by_tokens
@@ -771,10 +771,10 @@ def test_a_grid_timed_with_the_host_ahead_says_so_and_gives_the_hosts_time():
                 "tflops": 1.0, "host_ms": host}
     results = [r("bare_gemms", 2.0, 0.05), r("flce", 2.2, 0.4), r("unfused_compile", 2.4, 0.3)]
     meta = {**KERNEL_META, "dtype": "bfloat16", **bench_flce.timing_meta(True)}
-    table = bench_flce.grid_markdown(meta, results)
+    table = loss_grid.grid_markdown(meta, results)
     assert "with the host ahead" in table and "the GPU's alone" in table
     assert "(the largest): bare_gemms 0.05 (0.05), flce 0.40 (0.40), unfused_compile 0.30" in table
-    synced = bench_flce.grid_markdown({**KERNEL_META, "dtype": "bfloat16"},
+    synced = loss_grid.grid_markdown({**KERNEL_META, "dtype": "bfloat16"},
                                       [{k: v for k, v in x.items() if k != "host_ms"}
                                        for x in results])
     assert "host ahead" not in synced and "host's ms" not in synced

@@ -26,7 +26,8 @@ import torch  # noqa: E402
 import flce  # noqa: E402
 from flce.ops import float8_used, gemm_operands  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
-                                grid_shapes, hbm_peak, logit_traffic_ms, make_inputs, run_meta)
+                                make_inputs, run_meta)
+from scripts.lib.loss_grid import grid_shapes, hbm_peak, logit_traffic_ms  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
 
