@@ -26,7 +26,7 @@ runs the gradient pass with the per-token upstream gradient.
 chunks would hold SWEEP_MAX_TOKENS tokens or fewer and W is large (`uses_vocab_sweep`).
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -101,33 +101,65 @@ def sweep_buffer(x: Tensor, weight: Tensor, keep_stats: bool) -> tuple[Tensor, O
     return logits, raw[logits_bytes:].view(stat).view(2, N) if keep_stats else None
 
 
-def _slices(x: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Tensor):
-    """(vocab_start, its columns, their GEMM width, W_s, logits) per slice, the logits written
-    into buf (`sweep_buffer`) as a contiguous [N, GEMM width] view: W_s (and b_s) have zero rows
-    up to the GEMM width where the slice's rows are not whole 16-byte words (`ops.gemm_vocab`,
-    the last slice of an odd vocabulary), and the logits those columns, 0."""
+class _Slice(NamedTuple):
+    start: int           # its first class
+    cols: int            # its classes
+    w_s: Tensor          # [width, H]: W's rows, with zero rows up to the GEMM width
+    w_t: Tensor          # W_s.T
+    b_s: Optional[Tensor]
+    logits: Tensor       # [N, width], a view of the buffer
+    logits_t: Tensor     # its transpose
+    rows: Tensor         # logits[:, :cols], the columns the loss takes
+
+
+def _slices(x: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Tensor) -> list[_Slice]:
+    """The vocabulary's slices, their views made once a call for both passes: every slice but
+    the last is `cols` wide and shares one [N, cols] view of buf (`sweep_buffer`) for its
+    logits. The last slice's W_s (and b_s) has zero rows up to its GEMM width where its rows are
+    not whole 16-byte words (`ops.gemm_vocab`, an odd vocabulary), and its logits those
+    columns, 0. Views made per slice and pass (19-24 aten ops a slice) took the host longer than
+    the slices' GEMMs at a few thousand tokens (2048x1024x128256 on an H100: 10.2 ms of host a
+    call against 5.0 of GPU); what is left a slice is its GEMMs and its two launches."""
     N, V = x.shape[0], weight.shape[0]
     # buf holds N rows of sweep_columns (a multiple of 16: its own GEMM width), or of all V
     # padded to their GEMM width where one slice takes the whole vocabulary
     cols = min(V, buf.numel() // max(N, 1))
-    for start in range(0, V, cols):
-        end = min(start + cols, V)
-        w_s, b_s = gemm_operands(weight[start:end], None if bias is None else bias[start:end])
+    whole = buf[: N * cols].view(N, cols)
+    whole_t = whole.t()
+    w_parts, w_t_parts = weight.split(cols), weight.t().split(cols, dim=1)
+    b_parts = [None] * len(w_parts) if bias is None else bias.split(cols)
+    slices = []
+    for i, (w_s, w_t, b_s) in enumerate(zip(w_parts, w_t_parts, b_parts)):
+        n = w_s.shape[0]
+        w_s, b_s = gemm_operands(w_s, b_s)
         width = w_s.shape[0]
-        logits = buf[: N * width].view(N, width)
-        if b_s is None:
-            torch.mm(x, w_s.t(), out=logits)
-        else:
-            torch.addmm(b_s, x, w_s.t(), out=logits)
-        yield start, end - start, width, w_s, logits
+        if width != n:  # the last slice, padded to its GEMM width: a copy of W's rows
+            w_t = w_s.t()
+        if width == cols:
+            logits, logits_t = whole, whole_t
+        else:  # the last slice, narrower
+            logits = buf[: N * width].view(N, width)
+            logits_t = logits.t()
+        rows = logits if n == width else logits[:, :n]
+        slices.append(_Slice(i * cols, n, w_s, w_t, b_s, logits, logits_t, rows))
+    return slices
+
+
+def _logits_into(x: Tensor, s: _Slice) -> None:
+    if s.b_s is None:
+        torch.mm(x, s.w_t, out=s.logits)
+    else:
+        torch.addmm(s.b_s, x, s.w_t, out=s.logits)
 
 
 def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
                 opts: LossOptions, use_triton: bool, buf: Optional[Tensor] = None,
-                kept: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                kept: Optional[Tensor] = None, slices: Optional[list[_Slice]] = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
     """Forward: (per-token loss, row max, log sum exp(z - max)), the statistics over the whole
     vocabulary (fp32, float64 for float64 inputs); the last two are kept[0] and kept[1] where
-    kept is given (`sweep_buffer`), and the slices' logits go into buf if given."""
+    kept is given (`sweep_buffer`), and the slices' logits go into buf if given (slices: its
+    `_slices`, if made already)."""
     N, V = x.shape[0], weight.shape[0]
     stat = stat_dtype(x)
     if buf is None:
@@ -136,19 +168,21 @@ def sweep_stats(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor
     parts = torch.empty(1 + STATS_GROUP, N, 4, device=x.device, dtype=stat)
     parts[0, :, 0] = float("-inf")  # nothing combined yet: no max, no sums
     parts[0, :, 1:] = 0
+    slots = parts.unbind(0)
     if use_triton:
         from flce.kernels import launch_row_stats
     else:
         check_targets(target, opts, V)
     filled = 0
-    for start, cols, width, _, logits in _slices(x, weight, bias, buf):
-        rows = logits[:, :cols]
+    for s in slices or _slices(x, weight, bias, buf):
+        _logits_into(x, s)
         if use_triton:
-            launch_row_stats(rows, target, parts[1 + filled], opts, start, width=width)
+            launch_row_stats(s.rows, target, slots[1 + filled], opts, s.start,
+                             width=s.logits.shape[1])
         else:
-            parts[1 + filled] = slice_stats(rows, target, opts, start)
+            slots[1 + filled].copy_(slice_stats(s.rows, target, opts, s.start))
         filled += 1
-        if filled == STATS_GROUP or start + cols == V:
+        if filled == STATS_GROUP or s.start + s.cols == V:
             parts[0] = combine_slices(parts[: 1 + filled])
             filled = 0
     loss, log_s = loss_from_sums(parts[0, :, 0], parts[0, :, 1:].t(), target, opts, V)
@@ -162,41 +196,48 @@ def sweep_grads(row_weight: Tensor, x: Tensor, target: Tensor,
                 weight: Tensor, bias: Optional[Tensor], loss: Tensor,
                 stats: tuple[Tensor, Tensor], opts: LossOptions, use_triton: bool,
                 need_dx: bool, need_dw: bool, need_db: bool, buf: Optional[Tensor] = None,
-                db_dtype: Optional[torch.dtype] = None):
+                db_dtype: Optional[torch.dtype] = None, slices: Optional[list[_Slice]] = None):
     """Backward: (dx, dW, db), each None where not needed, in the dtypes of x, weight and bias.
     row_weight: fp32, 0-dim (the loss weight) or [N] (the upstream gradient of reduction
     "none"), folded into dlogits; loss: the per-token losses of forward (NaN rows, bad
     targets, give NaN gradients on the CPU path as the kernel's do); stats: `sweep_stats`';
-    buf: the buffer the slices' logits go into, if given (`sweep_buffer`); db_dtype: db's, if
-    not the bias's."""
+    buf: the buffer the slices' logits go into, if given (`sweep_buffer`; slices: its
+    `_slices`, if made already); db_dtype: db's, if not the bias's."""
     V = weight.shape[0]
     if buf is None:
         buf = sweep_buffer(x, weight, keep_stats=False)[0]
+    slices = slices or _slices(x, weight, bias, buf)
+    cols = slices[0].cols
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(weight) if need_dw else None
     db = torch.empty_like(bias, dtype=db_dtype) if need_db else None
+    dw_parts = dw.split(cols) if dw is not None else None
+    db_parts = db.split(cols) if db is not None else None
     if use_triton:
         from flce.kernels import launch_rows
-    for start, cols, width, w_s, logits in _slices(x, weight, bias, buf):
-        rows = logits[:, :cols]
+    for i, s in enumerate(slices):
+        _logits_into(x, s)
         if use_triton:
             # a gradient pass writes no loss: its loss_out (the row maxima) is left as it is
-            launch_rows(rows, target, stats[0], stats, row_weight, opts, True, True,
-                        vocab_start=start, vocab_total=V, width=width)
+            launch_rows(s.rows, target, stats[0], stats, row_weight, opts, True, True,
+                        vocab_start=s.start, vocab_total=V, width=s.logits.shape[1])
         else:
-            slice_grads(rows, target, loss, *stats, row_weight, opts, start, V)
+            slice_grads(s.rows, target, loss, *stats, row_weight, opts, s.start, V)
         if dx is not None:
-            if start:
-                dx.addmm_(logits, w_s)
+            if i:
+                dx.addmm_(s.logits, s.w_s)
             else:
-                torch.mm(logits, w_s, out=dx)
-        if dw is not None:
-            if width == cols:
-                torch.mm(logits.t(), x, out=dw[start:start + cols])
+                torch.mm(s.logits, s.w_s, out=dx)
+        if dw_parts is not None:
+            if s.rows is s.logits:
+                torch.mm(s.logits_t, x, out=dw_parts[i])
             else:
-                dw[start:start + cols] = unpadded(torch.mm(logits.t(), x), cols)
-        if db is not None:
-            db[start:start + cols] = rows.sum(0, dtype=stats[0].dtype)
+                dw_parts[i].copy_(unpadded(torch.mm(s.logits_t, x), s.cols))
+        if db_parts is not None:  # summed in the statistics' dtype, rounded once to db's
+            if db.dtype == stats[0].dtype:
+                torch.sum(s.rows, 0, dtype=db.dtype, out=db_parts[i])
+            else:
+                db_parts[i].copy_(s.rows.sum(0, dtype=stats[0].dtype))
     return dx, dw, db
 
 
@@ -209,8 +250,11 @@ def sweep_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor]
     One buffer holds the slices' logits and the row statistics between the passes, so that the
     peak, in the gradient pass, is the gradients, the per-token losses and that buffer."""
     buf, kept = sweep_buffer(x, weight, keep_stats=True)
-    loss, *stats = sweep_stats(x, target, weight, bias, opts, use_triton, buf, kept)
+    slices = _slices(x, weight, bias, buf)
+    loss, *stats = sweep_stats(x, target, weight, bias, opts, use_triton, buf, kept,
+                               slices=slices)
     # db in the statistics' dtype, as the chunked sweep's accumulator: backward rounds it once
     dx, dw, db = sweep_grads(row_weight, x, target, weight, bias, loss, tuple(stats),
-                             opts, use_triton, need_dx, need_dw, need_db, buf, stats[0].dtype)
+                             opts, use_triton, need_dx, need_dw, need_db, buf, stats[0].dtype,
+                             slices=slices)
     return loss, dx, dw, db

@@ -160,7 +160,8 @@ def test_lean_paths_force_each_path_and_restore_the_bounds(monkeypatch):
     import flce.vocab_sweep
     from flce_cases import float64_reference, loss_and_grads, make_inputs, rel_err
     swept, stats = [], flce.vocab_sweep.sweep_stats
-    monkeypatch.setattr(flce.vocab_sweep, "sweep_stats", lambda *a: swept.append(1) or stats(*a))
+    monkeypatch.setattr(flce.vocab_sweep, "sweep_stats",
+                        lambda *a, **kw: swept.append(1) or stats(*a, **kw))
     bounds = flce.vocab_sweep.SWEEP_MAX_TOKENS, flce.vocab_sweep.SWEEP_MIN_WEIGHT
     paths = bench_flce.methods(67, 24, 101, sweep=False, lean=True)
     for name, sweeps in (("flce_lean_chunks", False), ("flce_lean_slices", True)):
