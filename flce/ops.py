@@ -177,13 +177,21 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
     bf16_gemm_reads_w = fp8 is None or (dx is not None and not fp8.dx)  # logits, or dx
     w, b = gemm_operands(weight, bias) if bf16_gemm_reads_w else (weight, bias)
     w_t = w.t()
-    # no slice that changes nothing: at a few thousand tokens each view is host time per chunk
+    # views made once a call, and no slice that changes nothing: at a few thousand tokens each
+    # view is host time a chunk beside its three GEMMs (`split_rows`)
     trim = buf.shape[1] != width
-    for start in range(0, N, chunk_size):
-        end = min(start + chunk_size, N)
-        x_c, block = x[start:end], buf[: end - start]
-        logits = block[:, :width] if trim else block  # columns V.. hold 0 (W's padding rows)
-        rows = logits if width == V else logits[:, :V]
+    x_parts = x.split(chunk_size)
+    dx_parts = dx.split(chunk_size) if dx is not None and (fp8 is None or not fp8.dx) else None
+    views = {}  # chunk height -> (block, logits, rows, logits.T): the last chunk may be shorter
+    for i, x_c in enumerate(x_parts):
+        start = i * chunk_size
+        end = start + x_c.shape[0]
+        if x_c.shape[0] not in views:
+            block = buf if x_c.shape[0] == buf.shape[0] else buf[: x_c.shape[0]]
+            logits = block[:, :width] if trim else block  # columns V.. hold 0 (W's padding rows)
+            rows = logits if width == V else logits[:, :V]
+            views[x_c.shape[0]] = block, logits, rows, logits.t()
+        block, logits, rows, logits_t = views[x_c.shape[0]]
         if fp8 is not None:
             fp8.logits(x_c, out=block)
         elif b is None:
@@ -194,9 +202,9 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
         if dx is not None and fp8 is not None and fp8.dx:
             fp8.dx_into(dx[start:end], weight, start)
         elif dx is not None:
-            matmul_into(dx[start:end], logits, w, accumulate=False)
+            matmul_into(dx_parts[i], logits, w, accumulate=False)
         if dw_acc is not None:
-            matmul_into(dw_acc, logits.t(), x_c, accumulate=start > 0)
+            matmul_into(dw_acc, logits_t, x_c, accumulate=start > 0)
         if db_acc is not None:
             db_acc.add_(rows.sum(0, dtype=db_acc.dtype))
 
@@ -238,11 +246,15 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
         if fp8.dx and stats_given:  # the float8 scales need the max off the target: recompute
             stats, stats_given = None, False
 
+    # each chunk's rows of the per-token tensors, split once (`chunk_loop`'s views)
+    per_token = [target, loss, *(stats or ()), *([row_weight] if row_weight.dim() else [])]
+    chunks = list(zip(*(t.split(C) for t in per_token)))
+
     def row_pass(logits, start, end, width):
-        rw = row_weight if row_weight.dim() == 0 else row_weight[start:end]
-        rows(logits, target[start:end], loss[start:end],
-             None if stats is None else tuple(t[start:end] for t in stats), rw, opts,
-             stats_given, compute_grad,
+        target_c, loss_c, *rest = chunks[start // C]
+        stats_c = None if stats is None else (rest[0], rest[1])
+        rw = row_weight if row_weight.dim() == 0 else rest[-1]
+        rows(logits, target_c, loss_c, stats_c, rw, opts, stats_given, compute_grad,
              fp8_grad=fp8.grad_outputs(end - start) if fp8 is not None and fp8.dx else None,
              width=width)
 
