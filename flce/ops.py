@@ -178,7 +178,7 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
     w, b = gemm_operands(weight, bias) if bf16_gemm_reads_w else (weight, bias)
     w_t = w.t()
     # views made once a call, and no slice that changes nothing: at a few thousand tokens each
-    # view is host time a chunk beside its three GEMMs (`split_rows`)
+    # view is host time a chunk beside its three GEMMs (tests/test_flce_host_ops.py)
     trim = buf.shape[1] != width
     x_parts = x.split(chunk_size)
     dx_parts = dx.split(chunk_size) if dx is not None and (fp8 is None or not fp8.dx) else None
