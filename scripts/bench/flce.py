@@ -20,12 +20,12 @@ table into benchmarks/.
 the grid (`scripts/lib/loss_grid.py`, which also renders its report), each for about --seconds
 (3 rounds at least, at most --reps in whole blocks), in rounds that visit the bare GEMMs and
 every method once, in balanced orders (each run in each position and after each other run
-equally often), each settled by 50 ms of
-untimed calls before its timed one (`interleaved_rounds`; the JSON keeps every round's time,
-and the verdict says at which lost points a peer was faster in every round), and writes the
-report after every point: a run cut short by a time limit keeps what it measured, and --resume
-skips the points already in <out>.json (with --remeasure --shapes S, measures S again in their
-place: after a change that moves only those points). Where the logits do not fit, the bare-GEMM
+equally often), each settled by 50 ms of untimed calls before its timed one
+(`interleaved_rounds`; the JSON keeps every round's time, and the verdict says at which lost
+points a peer was faster in every round), and writes the report after every point: a run cut
+short by a time limit keeps what it measured, and --resume skips the points already in
+<out>.json (with --remeasure --shapes S, measures S again in their place: after a change that
+moves only those points). Where the logits do not fit, the bare-GEMM
 floor runs in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
 
@@ -41,10 +41,10 @@ import torch  # noqa: E402
 
 import flce  # noqa: E402
 from flce.ops import gemm_operands, pick_chunk_size  # noqa: E402
-from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
-                                write_report)
 from scripts.lib.loss_grid import (GRID_METHODS, HOST_AHEAD, grid_markdown,  # noqa: E402
                                    grid_shapes)
+from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
+                                write_report)
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
