@@ -632,7 +632,14 @@ def test_flce_grid_verdict_counts_each_target():
     assert "the fastest of flce, flce_lean, unfused_compile, liger, cce: 1 of 2 points" in text
     assert "faster than cce: 1 of 2" in text  # a peer that does not fit loses that point
     assert "≤ torch.compile's: 1 of 2 points; median ratio 0.88" in text
-    assert "flce_lean memory ≤ Liger's: 1 of 2" in text and "flce_lean time ≤ Liger's: 1 of 2" in text
+    assert "flce_lean memory ≤ Liger's: 1 of 2 points\n" in text + "\n"  # 10 MiB over: no slack
+    assert "flce_lean time ≤ Liger's: 1 of 2" in text
+    # 0.9 MiB over at b: within the caching allocator's slack, said so
+    results[8]["extra_mib"] = 70.9
+    slack = "\n".join(loss_grid.grid_verdict(results))
+    assert ("flce_lean memory ≤ Liger's: 1 of 2 points; at 1 of the 1 others by 1 MiB or less, "
+            "the caching allocator's slack") in slack
+    results[8]["extra_mib"] = 80
     meta = {**KERNEL_META, "dtype": "bfloat16"}
     table = loss_grid.grid_markdown(meta, results)
     assert "| b | one block | 10.00 (1 TFLOP/s) | 1.080× / 300 |" in table and "| OOM |" in table
