@@ -20,6 +20,10 @@ GRID_METHODS = ("flce", "flce_lean", "unfused_compile", "liger", "cce")
 # it reads the logits the logits GEMM wrote (2) and writes dlogits for the dx and dW GEMMs (2).
 LOGIT_BYTES_FLOOR = 4
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # the makers' peak figures
+# A block the caching allocator hands out may exceed the request by up to 1 MiB (the rest of a
+# cached block too small to split off), and the peak counts the block: two runs that ask for the
+# same bytes can differ by that much from one call to another.
+ALLOCATOR_SLACK_MIB = 1.0
 HOST_AHEAD = ("with the host ahead: each timed call is queued while a sleep kernel keeps the "
               "GPU busy (3x the call's host time, 5 ms at least), so the times are the GPU's "
               "alone, as in a training step whose host runs ahead of the GPU; without it a "
@@ -43,6 +47,8 @@ def logit_traffic_ms(shape: str, bytes_per_logit: float, bytes_per_s: float) -> 
 
 
 def grid_markdown(meta, results):
+    """The report of a grid's records: how it was timed, the verdict on the targets, flce by
+    tokens N, and a row per point (each method × its bare GEMMs' time / peak extra MiB)."""
     names = [m for m in ("bare_gemms", *GRID_METHODS) if any(r["method"] == m for r in results)]
     at = {(r["shape"], r["method"]): r for r in results}
     cell = lambda r: ("-" if r is None else "OOM" if r["ms"] is None else
@@ -143,12 +149,6 @@ def floor_line(at: dict, shapes: list[str], bytes_per_s: float) -> str:
             f"above its GEMMs is a median {statistics.median(above):.2f}× the floor's"
             + (f"; {len(under)} runs at {len(set(under))} points came in under it, their GEMMs "
                f"faster than the bare GEMMs back to back" if under else ""))
-
-
-# A block the caching allocator hands out may exceed the request by up to 1 MiB (the rest of a
-# cached block too small to split off), and the peak counts the block: two runs that ask for the
-# same bytes can differ by that much from one call to another.
-ALLOCATOR_SLACK_MIB = 1.0
 
 
 def _slack_losses(at: dict, shapes: list, ours: str, peer: str) -> str:
