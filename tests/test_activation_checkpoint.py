@@ -8,29 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from models.args import FLAVORS
 from models.llama import Llama
+from op_counts import OpCounts
 from parallelisms.activation_checkpoint import (ALWAYS_SAVED, _per_op_policy,
                                                 apply_activation_checkpointing)
 from parallelisms.compile import compile_blocks
 
 aten = torch.ops.aten
 PROJECTIONS = 7  # wq, wk, wv, wo, w1, w2, w3: a block's matmuls in forward
-
-
-class OpCounts(TorchDispatchMode):
-    """How many times each op ran (after autograd: forward's, backward's and recomputed ones)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def attention_ops(counts: Counter) -> int:

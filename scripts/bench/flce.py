@@ -25,8 +25,8 @@ equally often), each settled by 50 ms of untimed calls before its timed one
 points a peer was faster in every round), and writes the report after every point: a run cut
 short by a time limit keeps what it measured, and --resume skips the points already in
 <out>.json (with --remeasure --shapes S, measures S again in their place: after a change that
-moves only those points). Where the logits do not fit, the bare-GEMM
-floor runs in row blocks of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
+moves only those points). Where the logits do not fit, the bare-GEMM floor runs in row blocks
+of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 """
 
 import argparse
