@@ -23,8 +23,8 @@ from torch.distributed import distributed_c10d as c10d
 from components.config.parse import load_config, to_toml
 from components.config.schema import Comm, ConfigError
 from components.process import exit_without_teardown
-from test_eight_processes import free_port
 from launches import errors
+from ports import free_port
 from test_parallelisms import BASE, ROOT, metrics, torchrun
 
 TRAIN_TIMEOUT = 5  # s: a CPU step of the debug model takes a fraction of that, on a busy machine

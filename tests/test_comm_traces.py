@@ -19,7 +19,7 @@ from components import process
 from components.config.parse import load_config, to_toml
 from components.config.schema import Comm, ConfigError
 from components.lock import LOCK_FILE, DumpFolderInUse, FolderNotWritable, acquire, release
-from test_eight_processes import free_port
+from ports import free_port
 from test_lock import ARGS
 
 CPU_RUN = [*ARGS, "--training.steps", "1", "--checkpoint.enable_checkpoint", "false"]

@@ -9,7 +9,6 @@ costs 15-20 s on 2 idle CPU cores, nearly all of it starting them."""
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 import train
 from launches import errors
+from ports import free_port
 from test_parallelisms import BASE, metrics, torchrun, weights
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast subset
@@ -94,12 +94,6 @@ def test_checkpoint_of_8_resumes_at_fewer(fsdp8, tmp_path, nproc):
     else:
         torchrun(nproc, dump, *SMALL, *local_batch(nproc))
     assert_trains_like(fsdp8, dump, tmp_path, steps=range(3, STEPS + 1))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_of_4_hsdp_matches_one_process(single, tmp_path):

@@ -5,7 +5,6 @@ and a weight gradient holding one rank's partial sum; these check the loss, dx, 
 both styles against the unfused float64 loss on the whole batch."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,14 +17,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 import flce
 from components.process import exit_without_teardown
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss
+from ports import free_port
 
 OPTIONS = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 8.0, "ignore_index": -100}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, style_name, reduction, result_path, impl="torch", device="cpu"):
@@ -74,7 +68,7 @@ def _worker(rank, world, port, style_name, reduction, result_path, impl="torch",
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_loss_parallel_styles_match_float64(tmp_path, style, reduction):
     path = tmp_path / "result.pt"
-    mp.spawn(_worker, args=(2, _free_port(), style, reduction, str(path)), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), style, reduction, str(path)), nprocs=2)
     r = torch.load(path)
     torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-10, atol=1e-12)
     for g in ("dx", "dw", "db"):
@@ -88,7 +82,7 @@ def test_loss_parallel_styles_match_float64(tmp_path, style, reduction):
 def test_loss_parallel_styles_triton_kernels(tmp_path, style):
     """The Triton kernels (vocab offset, statistics pass) in fp32 against float64."""
     path = tmp_path / "result.pt"
-    mp.spawn(_worker, args=(2, _free_port(), style, "mean", str(path), "triton"), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), style, "mean", str(path), "triton"), nprocs=2)
     r = torch.load(path)
     torch.testing.assert_close(r["loss"].double(), r["ref_loss"], rtol=1e-5, atol=1e-6)
     for g in ("dx", "dw", "db"):
@@ -100,7 +94,7 @@ def test_loss_parallel_styles_triton_kernels(tmp_path, style):
 def test_loss_parallel_styles_triton_on_cuda(tmp_path, style):
     """The same on two GPUs with NCCL: the compiled Triton kernels."""
     path = tmp_path / "result.pt"
-    mp.spawn(_worker, args=(2, _free_port(), style, "mean", str(path), "triton", "cuda"), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), style, "mean", str(path), "triton", "cuda"), nprocs=2)
     r = torch.load(path)
     torch.testing.assert_close(r["loss"].double(), r["ref_loss"], rtol=1e-5, atol=1e-6)
     for g in ("dx", "dw", "db"):
@@ -173,7 +167,7 @@ def test_loss_parallel_with_empty_and_uneven_shards(tmp_path):
     cases = [c for c in SMALL_SHARDS
              if c[0] == "torch" or os.environ.get("TRITON_INTERPRET") == "1"]
     path = tmp_path / "result.pt"
-    mp.spawn(_small_shards_worker, args=(4, _free_port(), str(path), cases), nprocs=4)
+    mp.spawn(_small_shards_worker, args=(4, free_port(), str(path), cases), nprocs=4)
     results = torch.load(path)
     assert list(results) == cases
     for case, (got, expected) in results.items():

@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -59,12 +60,6 @@ def losses(dump: Path) -> dict[int, float]:
     text = path.read_text() if path.exists() else ""
     rows = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_conf(folder: Path, node: str) -> str:
