@@ -265,7 +265,7 @@ def test_a_grid_resumed_with_remeasure_measures_those_points_again_in_their_rows
     shapes given are measured again, their earlier records dropped, and a point measured last
     goes back to its row (by N, H, V), so the table keeps the grid's order. A report of
     another GPU (torch, triton, dtype, timing) is not resumed."""
-    from scripts.bench.flce import grid_plan, in_grid_order
+    from scripts.bench.flce import grid_plan, in_grid_order, timing_meta
     record = lambda shape, method: {"shape": shape, "method": method}  # noqa: E731
     setup = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "dtype": "bfloat16"}
     earlier = {"meta": {**setup, "git": "aaa", "date": "d-aaa"},
@@ -286,6 +286,10 @@ def test_a_grid_resumed_with_remeasure_measures_those_points_again_in_their_rows
     with pytest.raises(SystemExit, match="host_ahead is False, this run's True"):
         grid_plan(earlier, ["2x1x3"], False, {**setup, "host_ahead": True})
     assert len(grid_plan(earlier, ["2x1x3"], False, {**setup, "host_ahead": False})[0]) == 6
+    # nor one whose host-ahead sleep was each run's own with one a point
+    ahead = {**earlier, "meta": {**earlier["meta"], "host_ahead": True}}
+    with pytest.raises(SystemExit, match="ahead_sleep is None, this run's 'one a point'"):
+        grid_plan(ahead, ["2x1x3"], False, {**setup, **timing_meta(True)})
     again = [record("2x1x30", "bare_gemms"), record("2x1x30", "flce")]
     ordered = [(r["shape"], r["method"]) for r in in_grid_order(kept + again)]
     assert ordered == [("2x1x3", "bare_gemms"), ("2x1x3", "flce"), ("2x1x30", "bare_gemms"),

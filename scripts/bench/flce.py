@@ -363,7 +363,7 @@ def time_point(bare: dict, fns: dict, x, t, w, seconds: float, reps: int,
 
 def timing_meta(host_ahead: bool) -> dict:
     return {"timing": TIMING + (f"; {HOST_AHEAD}" if host_ahead else ""),
-            "host_ahead": host_ahead}
+            "host_ahead": host_ahead, **({"ahead_sleep": AHEAD_SLEEP} if host_ahead else {})}
 
 
 def method_records(shape, fns, ms, mib, rounds, floor_ms, host=None) -> list[dict]:
@@ -387,7 +387,11 @@ def run_meta(origin: dict, dtype: str) -> dict:
 
 
 # a grid resumed keeps these of its report (reports from before host_ahead timed synchronised)
-RESUMED_SETUP = {"gpu": None, "torch": None, "triton": None, "dtype": None, "host_ahead": False}
+# the sleep ahead of each timed call with the host ahead: one for every run at a point
+# (`timing.ahead_sleep_ms`); reports without the key gave each run its own
+AHEAD_SLEEP = "one a point"
+RESUMED_SETUP = {"gpu": None, "torch": None, "triton": None, "dtype": None, "host_ahead": False,
+                 "ahead_sleep": None}
 
 
 def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool, meta: dict

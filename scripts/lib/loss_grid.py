@@ -25,7 +25,8 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # the makers' pea
 # same bytes can differ by that much from one call to another.
 ALLOCATOR_SLACK_MIB = 1.0
 HOST_AHEAD = ("with the host ahead: each timed call is queued while a sleep kernel keeps the "
-              "GPU busy (3x the call's host time, 5 ms at least), so the times are the GPU's "
+              "GPU busy (the same sleep for every run at a point: 3x the longest host time of "
+              "a call of any of them, within 5-60 ms), so the times are the GPU's "
               "alone, as in a training step whose host runs ahead of the GPU; without it a "
               "synchronised call starts on an idle GPU and includes whatever the host's launches "
               "lag behind the kernels (`scripts.lib.timing.ahead_ms`)")
@@ -46,6 +47,13 @@ def logit_traffic_ms(shape: str, bytes_per_logit: float, bytes_per_s: float) -> 
     return bytes_per_logit * N * V / bytes_per_s * 1e3
 
 
+def ahead_timing(meta) -> str:
+    """How the report's own run timed with the host ahead (the sleep's rule changed since)."""
+    timing = meta.get("timing", "")
+    return timing[timing.index("with the host ahead"):] if "with the host ahead" in timing \
+        else HOST_AHEAD
+
+
 def grid_markdown(meta, results):
     """The report of a grid's records: how it was timed, the verdict on the targets, flce by
     tokens N, and a row per point (each method × its bare GEMMs' time / peak extra MiB)."""
@@ -58,7 +66,7 @@ def grid_markdown(meta, results):
              "Forward+backward at each N×H×V: the bare GEMMs in ms; each method as × the bare "
              "GEMMs' time / peak extra MiB (OOM: does not fit in the GPU's memory)."
              + (f" {meta['compiled_peer']}." if meta.get("compiled_peer") else "")
-             + (f" Timed {HOST_AHEAD}." if meta.get("host_ahead") else ""), "",
+             + (f" Timed {ahead_timing(meta)}." if meta.get("host_ahead") else ""), "",
              *resumed_runs(results), *unmeasured_lines(meta, results), *host_lines(results, names),
              *grid_verdict(results, meta["gpu"]), "", "By tokens N:", "",
              *grid_by_tokens(results), "",

@@ -13,7 +13,8 @@ import torch
 
 SETTLE_MS = 50.0  # untimed calls before each timed one (interleaved_ms)
 AHEAD_MIN_MS = 5.0  # the GPU sleeps at least this long while the host queues a timed call ...
-AHEAD_HOST_FACTOR = 3.0  # ... and this many times the longest host time of its settling calls
+AHEAD_HOST_FACTOR = 3.0  # ... this many times the longest host time of a call at the point ...
+AHEAD_MAX_MS = 60.0  # ... and at most this long (a call that synchronises gains nothing from more)
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, *, cuda: bool = True,
@@ -133,6 +134,29 @@ def block_rounds(n: int) -> int:
     return n if n % 2 == 0 else 2 * n
 
 
+def ahead_sleep_ms(runs: dict) -> float:
+    """How long the GPU sleeps before every run's timed call at one point when the host runs
+    ahead: AHEAD_HOST_FACTOR x the longest host time of a call of any of the runs (one call
+    each, synchronised), within AHEAD_MIN_MS and AHEAD_MAX_MS. The same for every run: an idle
+    GPU regains clock headroom, so a run timed after a longer sleep ran faster. Each run's own
+    3x had Liger-Kernel, whose call synchronises (its host time about its GPU time, 350 ms at
+    131072x2048x128256), timed after a second's sleep and flce after 11 ms: on an H100 Liger
+    then took 305 ms against flce's 331, with their kernels at 321 and 324 ms under the
+    profiler (`loss_kernels_large_n_h100.md`). A run out of memory here counts for nothing."""
+    longest = 0.0
+    for run in runs.values():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            run()
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            continue
+        longest = max(longest, time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return min(AHEAD_MAX_MS, max(AHEAD_MIN_MS, AHEAD_HOST_FACTOR * longest * 1e3))
+
+
 def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: float = SETTLE_MS,
                        seed: int = 0, host_ahead: bool = False,
                        host: Optional[dict] = None) -> dict:
@@ -153,31 +177,30 @@ def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: flo
     timed alone after the rounds (one value: the median of those calls), or gets [] if it does
     not fit alone either.
 
-    host_ahead: each timed call is `ahead_ms`'s, the GPU kept asleep for AHEAD_HOST_FACTOR x the
-    longest host time of the visit's settling calls (AHEAD_MIN_MS at least) while the host queues
-    it: the GPU's time alone, which a synchronised call exceeds where the host launches kernels
-    more slowly than the GPU runs them (a few thousand tokens). `host`, a dict, receives each
-    run's host ms of its timed calls (with host_ahead), in the order of the rounds."""
+    host_ahead: each timed call is `ahead_ms`'s, the GPU kept asleep while the host queues it:
+    the GPU's time alone, which a synchronised call exceeds where the host launches kernels more
+    slowly than the GPU runs them (a few thousand tokens). The sleep is one for every run at the
+    point (`ahead_sleep_ms`). `host`, a dict, receives each run's host ms of its timed calls (with
+    host_ahead), in the order of the rounds."""
     times = {name: [] for name in runs}
     if host is not None:
         host.update({name: [] for name in runs})
     alone = []
     names = list(runs)
     orders = balanced_orders(len(names), seed)
+    sleep_ms = ahead_sleep_ms(runs) if host_ahead else 0.0
 
     def visit(name) -> float:
-        run, longest = runs[name], 0.0
+        run = runs[name]
         end = time.perf_counter() + settle_ms / 1e3
         while True:  # once at least
-            t0 = time.perf_counter()
             run()
-            longest = max(longest, time.perf_counter() - t0)
             torch.cuda.synchronize()
             if time.perf_counter() >= end:
                 break
         if not host_ahead:
             return median_ms(run, warmup=0, reps=1)
-        gpu, host_ms = ahead_ms(run, max(AHEAD_MIN_MS, AHEAD_HOST_FACTOR * longest * 1e3))
+        gpu, host_ms = ahead_ms(run, sleep_ms)
         if host is not None:
             host[name].append(host_ms)
         return gpu
