@@ -198,8 +198,11 @@ def test_a_kernel_report_is_its_jsons_render(name, module):
 FIGURE = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?)")
 
 
+SHAPE = re.compile(r"\b(\d+)x(\d+)x(\d+)\b")  # a report's N x H x V, README's N×H×V
+
+
 def _figures(text: str) -> set[float]:
-    return {float(f.replace(",", "")) for f in FIGURE.findall(text)}
+    return {float(f.replace(",", "")) for f in FIGURE.findall(SHAPE.sub(r"\1×\2×\3", text))}
 
 
 def test_the_readmes_figures_are_in_the_reports_it_cites():
