@@ -32,8 +32,9 @@ JOBS=${JOBS:-$((cores < 16 ? cores : 16))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 echo "scripts/test_gpu.sh: $gpus GPU(s), $JOBS workers"
-# pytest's own count line goes with a second -q (this passes one): say the outcome regardless
+# pytest's own count line goes with a second -q (this passes one): say the outcome regardless.
+# -rfEs: failures, errors and why each skipped test skipped (on one GPU: the two-GPU ones)
 status=0
-"$PYTHON" -m pytest -n "$JOBS" -p no:cacheprovider -q -rfE "$@" || status=$?
+"$PYTHON" -m pytest -n "$JOBS" -p no:cacheprovider -q -rfEs "$@" || status=$?
 echo "scripts/test_gpu.sh: pytest exit status $status on $gpus GPU(s) (0: no test failed)"
 exit "$status"
