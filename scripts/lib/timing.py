@@ -137,12 +137,14 @@ def block_rounds(n: int) -> int:
 def ahead_sleep_ms(runs: dict) -> float:
     """How long the GPU sleeps before every run's timed call at one point when the host runs
     ahead: AHEAD_HOST_FACTOR x the longest host time of a call of any of the runs (one call
-    each, synchronised), within AHEAD_MIN_MS and AHEAD_MAX_MS. The same for every run: an idle
-    GPU regains clock headroom, so a run timed after a longer sleep ran faster. Each run's own
-    3x had Liger-Kernel, whose call synchronises (its host time about its GPU time, 350 ms at
-    131072x2048x128256), timed after a second's sleep and flce after 11 ms: on an H100 Liger
-    then took 305 ms against flce's 331, with their kernels at 321 and 324 ms under the
-    profiler (`loss_kernels_large_n_h100.md`). A run out of memory here counts for nothing."""
+    each, synchronised), within AHEAD_MIN_MS and AHEAD_MAX_MS. The same for every run, since
+    the sleep's length moves the call after it (the GPU's clocks after an idle spell,
+    presumably): each run's own 3x had Liger-Kernel, whose call synchronises (its host time
+    about its GPU time, 350 ms at 131072x2048x128256), timed after a second's sleep and flce
+    after 11 ms, and on an H100 Liger took 298.7 ms against flce's 330.5; with one 60 ms sleep
+    for both, 309.8 against 313.0 (`flce_large_n_{own,one}_sleep_h100.md`, one call); their
+    kernels take 321 and 324 ms under the profiler (`loss_kernels_large_n_h100.md`). A run out
+    of memory here counts for nothing."""
     longest = 0.0
     for run in runs.values():
         torch.cuda.synchronize()
