@@ -953,3 +953,28 @@ def test_a_shipped_peer_run_lists_torchtitan_runs_parse_as_torchtitan_reads_them
         assert ("float8" in name) == (cfg.model.converters == ["quantize.linear.float8"])
         assert float8.enable_fsdp_float8_all_gather == name.endswith("_ag")
         assert cfg.training.seq_len == args.seq_len and cfg.compile.enable
+
+
+def test_the_peak_extra_memory_is_the_bytes_asked_for_not_the_blocks_handed_out(monkeypatch):
+    """The caching allocator may hand out a cached block up to 1 MiB larger than asked for; the
+    allocated-bytes peak counted it, so two losses asking for the same buffers came out up to
+    0.9 MiB apart. The requested-bytes peak above the bytes requested before the call is what
+    the call asked for."""
+    MiB = 1 << 20
+    stats = {"requested_bytes.all.current": 100 * MiB, "requested_bytes.all.peak": 100 * MiB,
+             "allocated_bytes.all.current": 101 * MiB, "allocated_bytes.all.peak": 101 * MiB}
+
+    def run():  # asks for 40 MiB, handed a 41 MiB block, then frees it
+        stats["requested_bytes.all.peak"] = stats["requested_bytes.all.current"] + 40 * MiB
+        stats["allocated_bytes.all.peak"] = stats["allocated_bytes.all.current"] + 41 * MiB
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: dict(stats))
+    monkeypatch.setattr(torch.cuda, "memory_allocated",
+                        lambda *a, **k: stats["allocated_bytes.all.current"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda *a, **k: stats["allocated_bytes.all.peak"])
+    x = torch.ones(2, requires_grad=True)
+    x.grad = torch.ones(2)
+    assert bench_flce.peak_extra_mib(run, x) == 40.0
+    assert x.grad is None  # the run's gradients count as its own
