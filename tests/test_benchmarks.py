@@ -293,6 +293,11 @@ def test_a_grid_resumed_with_remeasure_measures_those_points_again_in_their_rows
     ahead = {**earlier, "meta": {**earlier["meta"], "host_ahead": True}}
     with pytest.raises(SystemExit, match="ahead_sleep is None, this run's 'one a point'"):
         grid_plan(ahead, ["2x1x3"], False, {**setup, **timing_meta(True)})
+    # nor one whose extra memory was the allocated bytes with the requested ones
+    with pytest.raises(SystemExit, match="targets is 'extra memory = peak allocated"):
+        allocated = {**earlier["meta"], "targets": "extra memory = peak allocated"}
+        grid_plan({**earlier, "meta": allocated}, ["2x1x3"], False,
+                  {**setup, "targets": "extra memory = peak bytes requested"})
     again = [record("2x1x30", "bare_gemms"), record("2x1x30", "flce")]
     ordered = [(r["shape"], r["method"]) for r in in_grid_order(kept + again)]
     assert ordered == [("2x1x3", "bare_gemms"), ("2x1x3", "flce"), ("2x1x30", "bare_gemms"),

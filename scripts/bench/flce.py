@@ -396,7 +396,7 @@ def run_meta(origin: dict, dtype: str) -> dict:
 # (`timing.ahead_sleep_ms`); reports without the key gave each run its own
 AHEAD_SLEEP = "one a point"
 RESUMED_SETUP = {"gpu": None, "torch": None, "triton": None, "dtype": None, "host_ahead": False,
-                 "ahead_sleep": None}
+                 "ahead_sleep": None, "targets": None}  # targets: how extra memory is counted
 
 
 def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool, meta: dict
