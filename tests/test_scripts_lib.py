@@ -978,3 +978,17 @@ def test_the_peak_extra_memory_is_the_bytes_asked_for_not_the_blocks_handed_out(
     x.grad = torch.ones(2)
     assert bench_flce.peak_extra_mib(run, x) == 40.0
     assert x.grad is None  # the run's gradients count as its own
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the caching allocator)")
+def test_the_peak_extra_memory_on_cuda_is_what_the_call_asked_for():
+    """On the real allocator: a call that asks for 3 MiB + 1 byte and 5 MiB + 3 bytes at once,
+    beside a tensor kept from before, peaks at their sum to the byte."""
+    kept = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+
+    def run():
+        a = torch.empty(3 * (1 << 20) + 1, dtype=torch.uint8, device="cuda")
+        b = torch.empty(5 * (1 << 20) + 3, dtype=torch.uint8, device="cuda")
+        del a, b
+    assert bench_flce.peak_extra_mib(run) == (8 * (1 << 20) + 4) / (1 << 20)
+    del kept
