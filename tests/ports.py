@@ -13,7 +13,7 @@ import random
 import socket
 from pathlib import Path
 
-LOWEST = 10_000  # above the registered services most machines run
+LOWEST = 10_000  # most services listen below this (one in use above it is passed over anyway)
 BLOCKS = 64  # one per xdist worker (gw0, gw1, ...); more workers share blocks
 
 
