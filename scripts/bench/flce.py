@@ -45,7 +45,7 @@ from scripts.lib.loss_grid import (GRID_METHODS, HOST_AHEAD, grid_markdown,  # n
                                    grid_shapes)
 from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
                                 write_report)
-from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
+from scripts.lib.timing import AHEAD_SLEEP, SETTLE_MS, interleaved_rounds, medians  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 FLOOR_LOGITS_BYTES = 4 << 30
@@ -392,9 +392,8 @@ def run_meta(origin: dict, dtype: str) -> dict:
 
 
 # a grid resumed keeps these of its report (reports from before host_ahead timed synchronised)
-# the sleep ahead of each timed call with the host ahead: one for every run at a point
-# (`timing.ahead_sleep_ms`); reports without the key gave each run its own
-AHEAD_SLEEP = "one a point"
+# ahead_sleep: the rule of the sleep ahead of each timed call with the host ahead
+# (`timing.AHEAD_SLEEP`); reports without the key gave each run its own
 RESUMED_SETUP = {"gpu": None, "torch": None, "triton": None, "dtype": None, "host_ahead": False,
                  "ahead_sleep": None, "targets": None}  # targets: how extra memory is counted
 

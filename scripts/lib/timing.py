@@ -15,6 +15,7 @@ SETTLE_MS = 50.0  # untimed calls before each timed one (interleaved_ms)
 AHEAD_MIN_MS = 5.0  # the GPU sleeps at least this long while the host queues a timed call ...
 AHEAD_HOST_FACTOR = 3.0  # ... this many times the longest host time of a call at the point ...
 AHEAD_MAX_MS = 60.0  # ... and at most this long (a call that synchronises gains nothing from more)
+AHEAD_SLEEP = "one a point"  # the rule's name in a report's meta (`ahead_sleep_ms`)
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, *, cuda: bool = True,
