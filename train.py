@@ -58,7 +58,7 @@ from parallelisms.context_parallel import NoSharding, SequenceSharding, check_co
 from parallelisms.fsdp import apply_fsdp, precompute_float8_scales
 from parallelisms.init import init_as_on_one_device
 from parallelisms.mesh import ParallelDims
-from parallelisms.tp import apply_tp, check_tp_degree
+from parallelisms.tp import apply_tp, check_loss_parallel, check_tp_degree
 
 
 def log(msg: str) -> None:
@@ -360,6 +360,9 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         check_metrics_backends(cfg.metrics)
         args = model_args(cfg, tokenizer.vocab_size, dims)
         TrainingLoss(cfg.loss)
+        if dims.tp > 1:
+            check_loss_parallel(cfg.loss.parallel, cfg.loss.impl, cfg.loss.memory_lean,
+                                cfg.loss.float8)
         if cfg.loss.memory_lean and cfg.loss.impl != "flce":
             log(f"warning: [loss] memory_lean = true applies to impl = \"flce\" only; "
                 f"impl = {cfg.loss.impl!r} ignores it")

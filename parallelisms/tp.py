@@ -69,19 +69,27 @@ def _styles(*linears: nn.Module) -> tuple[type, type, type]:
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str) -> None:
+def check_loss_parallel(loss_parallel: str, impl: str, memory_lean: bool, float8: str) -> None:
+    """Refuse, before anything is built, a [loss] setting the loss's tensor-parallel style
+    cannot honour (train.py checks it with the config; apply_tp again)."""
     if loss_parallel not in LOSS_PARALLEL:
         raise ValueError(f"[loss] parallel = {loss_parallel!r}: expected one of {LOSS_PARALLEL}")
-    loss = model_with_loss.loss
-    if loss_parallel == "vocab" and loss.impl not in ("flce", "unfused"):
-        raise ValueError(f"[loss] impl = {loss.impl!r} has no vocab-parallel form: use \"flce\" "
+    if loss_parallel != "vocab":
+        return
+    if impl not in ("flce", "unfused"):
+        raise ValueError(f"[loss] impl = {impl!r} has no vocab-parallel form: use \"flce\" "
                          "or \"unfused\" with [loss] parallel = \"vocab\"")
-    if loss_parallel == "vocab" and loss.memory_lean:
+    if memory_lean:
         raise ValueError("[loss] memory_lean has no vocab-parallel form (that loss keeps only its "
                          "vocabulary slice's dW): set it false with [loss] parallel = \"vocab\"")
-    if loss_parallel == "vocab" and loss.float8 != "none":
-        raise ValueError(f"[loss] float8 = {loss.float8!r} has no vocab-parallel form yet: use "
+    if float8 != "none":
+        raise ValueError(f"[loss] float8 = {float8!r} has no vocab-parallel form yet: use "
                          "[loss] parallel = \"sequence\" or float8 = \"none\"")
+
+
+def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str) -> None:
+    loss = model_with_loss.loss
+    check_loss_parallel(loss_parallel, loss.impl, loss.memory_lean, loss.float8)
     model = model_with_loss.model
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),

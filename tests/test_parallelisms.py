@@ -255,3 +255,22 @@ def test_train_refuses_tp_degree_before_building(tmp_path):
     assert line in run.stderr, run.stderr[-3000:]
     assert "SIGABRT" not in run.stderr and "Signal 6 " not in run.stderr
     assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("loss_keys, message", [
+    (["--loss.impl", "torch_chunked"], r"\[loss\] impl = 'torch_chunked' has no vocab-parallel"),
+    (["--loss.memory_lean", "true"], r"\[loss\] memory_lean has no vocab-parallel form"),
+    (["--loss.float8", "logits"], r"\[loss\] float8 = 'logits' has no vocab-parallel form"),
+])
+def test_train_refuses_a_loss_tp_cannot_honour_before_building(tmp_path, loss_keys, message):
+    """These were tracebacks from apply_tp on every rank, after the model was built; now they
+    are config errors (one line) before anything is built or written."""
+    from components.config.parse import is_config_error, load_config
+    cfg = load_config([*BASE, "--job.dump_folder", str(tmp_path), "--loss.parallel", "vocab",
+                       "--parallelism.tensor_parallel_degree", "2", *loss_keys])
+    with pytest.raises(ValueError, match=message) as refused:
+        train.check_before_building(cfg, 0, 2, torch.device("cpu"))
+    assert is_config_error(refused.value)
+    assert not (tmp_path / "config.toml").exists()
+    cfg.parallelism.tensor_parallel_degree = 1  # the vocab style is not applied: a warning only
+    train.check_before_building(cfg, 0, 1, torch.device("cpu"))
