@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(opts, name)
             if value is not None and value < least:
                 raise ValueError(f"--{name.replace('_', '-')} {value}: expected >= {least}")
+        if opts.json and (Path(opts.json).is_dir() or not Path(opts.json).parent.is_dir()):
+            # checked before the evaluation, which may take long, not when writing its result
+            raise ValueError(f"--json {opts.json}: not a file in an existing folder")
         device = pick_device(opts.device)
         loaded = checkpoints.load_model(opts.checkpoint, device, pick_dtype(opts.dtype, device),
                                         tokenizer_path=opts.tokenizer)

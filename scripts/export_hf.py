@@ -235,6 +235,10 @@ def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
     is an earlier export: --out naming a run's dump folder or another checkpoint by mistake must
     not delete it."""
     if not out_dir.exists() and not out_dir.is_symlink():
+        above = next((d for d in out_dir.parents if d.exists()), None)
+        if above is not None and not above.is_dir():
+            raise FileExistsError(f"output {str(out_dir)!r}: {str(above)!r} is a file, not a "
+                                  "folder; pick another --out")
         return
     if not out_dir.is_dir() or out_dir.is_symlink():
         raise FileExistsError(f"output {str(out_dir)!r} exists and is not a folder: not replacing "
@@ -270,7 +274,10 @@ def parse_size(text: str) -> int:
         raise ValueError(f"size {text!r}: expected e.g. 5GB, 500MB or 2GiB")
     number, unit, binary = match.groups()
     base = 1024 if binary else 1000
-    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+    size = int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+    if size < 1:
+        raise ValueError(f"size {text!r}: expected at least one byte")
+    return size
 
 
 # ----------------------------------------------------------------------------------------- CLI
@@ -340,11 +347,16 @@ def main(argv: list[str] | None = None) -> int:
                   "gets none", file=sys.stderr)
         bos = opts.bos_id if opts.bos_id is not None else getattr(tokenizer, "bos_id", None)
         eos = opts.eos_id if opts.eos_id is not None else getattr(tokenizer, "eos_id", None)
+        for role, given in (("bos", opts.bos_id), ("eos", opts.eos_id)):
+            if given is not None and not 0 <= given < args.vocab_size:
+                raise ValueError(f"--{role}-id {given}: not a token id of the model (0 to "
+                                 f"{args.vocab_size - 1})")
+        max_shard_bytes = parse_size(opts.max_shard_size)
         extra = tokenizer_files(tokenizer, args.max_seq_len) if tokenizer is not None else {}
         state = checkpoints.load_model_state(folder)
         out = export(state, args, opts.out, opts.dtype, bos_token_id=bos, eos_token_id=eos,
                      overwrite=opts.overwrite, extra_files=extra,
-                     max_shard_bytes=parse_size(opts.max_shard_size), source=str(folder))
+                     max_shard_bytes=max_shard_bytes, source=str(folder))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 1

@@ -176,6 +176,17 @@ def test_options_below_their_least_value_are_refused(run, capsys, option, value,
     assert f"{option} {value}: expected >= {least}" in capsys.readouterr().err
 
 
+def test_a_json_path_that_cannot_be_written_is_refused_before_evaluating(run, tmp_path, capsys):
+    """It failed with a traceback when writing, after the evaluation had run."""
+    (tmp_path / "a_file").write_text("")
+    for path in (tmp_path / "no_folder" / "x.json", tmp_path / "a_file" / "x.json", tmp_path):
+        assert load_script("evaluate").main(["--checkpoint", str(run["dump"] / "checkpoint"),
+                                             "--json", str(path)]) == 1
+        out, err = capsys.readouterr()
+        assert err == f"evaluate: error: --json {path}: not a file in an existing folder\n"
+        assert out == ""  # nothing evaluated
+
+
 @pytest.mark.slow
 def test_evaluate_reproduces_a_two_rank_runs_validation(tmp_path, capsys):
     """Each data-parallel rank validates its own share of the documents: evaluating rank 0's

@@ -566,6 +566,31 @@ def test_shard_size_parsing():
     assert export_hf.parse_size("1000") == 1000
     with pytest.raises(ValueError, match="expected e.g. 5GB"):
         export_hf.parse_size("lots")
+    with pytest.raises(ValueError, match="'0': expected at least one byte"):
+        export_hf.parse_size("0")  # was a shard per tensor
+
+
+@pytest.mark.parametrize("option, value", [("--bos-id", "300"), ("--eos-id", "-1")])
+def test_a_token_id_outside_the_vocabulary_is_refused(tmp_path, capsys, option, value):
+    """config.json got it as given, and generation from the folder then failed."""
+    torch.save(_debug_state(), tmp_path / "model.pt")
+    assert export_hf.main(["--checkpoint", str(tmp_path / "model.pt"), "--flavor", "debug",
+                           "--vocab-size", "300", "--out", str(tmp_path / "hf"),
+                           option, value]) == 1
+    assert capsys.readouterr().err.endswith(f"export_hf: error: {option} {value}: not a token "
+                                            "id of the model (0 to 299)\n")
+    _assert_nothing_written(tmp_path)
+
+
+def test_an_out_below_a_file_says_so(tmp_path, capsys):
+    torch.save(_debug_state(), tmp_path / "model.pt")
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "hf"
+    assert export_hf.main(["--checkpoint", str(tmp_path / "model.pt"), "--flavor", "debug",
+                           "--out", str(out)]) == 1
+    assert capsys.readouterr().err == (f"export_hf: error: output '{out}': "
+                                       f"'{tmp_path / 'a_file'}' is a file, not a folder; pick "
+                                       "another --out\n")
 
 
 def test_damaged_files_name_themselves(tmp_path, capsys):

@@ -305,6 +305,15 @@ def test_generate_script_reads_an_exported_folder_and_names_bad_input(checkpoint
 
     assert generate_script.main(["--checkpoint", str(tmp_path / "nope"), *argv]) == 1
     assert "does not exist" in capsys.readouterr().err
+    # --tokenizer naming no file: it was ignored for a byte-tokenizer run, and for a folder
+    # with its own tokenizer.json the error said the folder had none
+    missing = str(tmp_path / "missing.json")
+    assert generate_script.main(["--checkpoint", str(out), "--tokenizer", missing, *argv]) == 1
+    assert capsys.readouterr().err == f"generate: error: --tokenizer {missing}: no such file\n"
+    assert generate_script.main(["--checkpoint", str(checkpoint), "--tokenizer", missing,
+                                 *argv]) == 1
+    assert (f"generate: error: --tokenizer {missing}: the run trained with [tokenizer] name = "
+            "'byte', which reads no file" in capsys.readouterr().err)
     assert generate_script.main(["--checkpoint", str(checkpoint), "--top-p", "1.5"]) == 1
     assert "top_p=1.5" in capsys.readouterr().err
     assert generate_script.main(["--checkpoint", str(checkpoint), "--batch-size", "0"]) == 1

@@ -158,6 +158,10 @@ def run_config(folder: Path) -> JobConfig | None:
 
 def run_tokenizer(cfg: JobConfig, path: str | None = None):
     """The run's tokenizer ([tokenizer]); path replaces [tokenizer] path when given."""
+    if path and cfg.tokenizer.name != "hf":
+        # build_tokenizer would drop it: the run's own tokenizer, the option silently unused
+        raise ValueError(f"--tokenizer {path}: the run trained with [tokenizer] name = "
+                         f"{cfg.tokenizer.name!r}, which reads no file: leave --tokenizer out")
     tokenizer_path = path or cfg.tokenizer.path
     if (cfg.tokenizer.name == "hf" and tokenizer_path
             and not Path(tokenizer_path).expanduser().exists()):
@@ -200,6 +204,8 @@ class LoadedModel:
 
 def hf_tokenizer(folder: Path, path: str | None = None) -> HFTokenizer:
     """A Hugging Face folder's tokenizer.json, bos/eos from its config.json when it names them."""
+    if path and not Path(path).is_file():
+        raise FileNotFoundError(f"--tokenizer {path}: no such file")
     path = Path(path) if path else folder / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no tokenizer.json: pass --tokenizer PATH")
