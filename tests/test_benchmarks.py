@@ -161,7 +161,7 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
     and fastest-count."""
     from scripts.lib.loss_grid import grid_markdown
     for name in ("flce_grid_h100", "flce_grid_small_h100", "flce_grid_small_host_ahead_h100",
-                 "flce_grid_host_ahead_h100", "flce_grid"):
+                 "flce_grid_host_ahead_h100", "flce_grid_host_ahead_one_sleep_h100", "flce_grid"):
         record = json.loads((BENCHMARKS / f"{name}.json").read_text())
         report = grid_markdown(record["meta"], record["results"])
         assert (BENCHMARKS / f"{name}.md").read_text() == report, name
@@ -289,10 +289,14 @@ def test_a_grid_resumed_with_remeasure_measures_those_points_again_in_their_rows
     with pytest.raises(SystemExit, match="host_ahead is False, this run's True"):
         grid_plan(earlier, ["2x1x3"], False, {**setup, "host_ahead": True})
     assert len(grid_plan(earlier, ["2x1x3"], False, {**setup, "host_ahead": False})[0]) == 6
-    # nor one whose host-ahead sleep was each run's own with one a point
+    # nor one whose GPU slept ahead of each timed call (each run its own sleep, or one for
+    # all) with the GEMMs that keep it busy
     ahead = {**earlier, "meta": {**earlier["meta"], "host_ahead": True}}
-    with pytest.raises(SystemExit, match="ahead_sleep is None, this run's 'one a point'"):
+    with pytest.raises(SystemExit, match="ahead_fill is None, this run's 'GEMMs, one length"):
         grid_plan(ahead, ["2x1x3"], False, {**setup, **timing_meta(True)})
+    one_sleep = {**earlier, "meta": {**ahead["meta"], "ahead_sleep": "one a point"}}
+    with pytest.raises(SystemExit, match="ahead_fill is None, this run's 'GEMMs, one length"):
+        grid_plan(one_sleep, ["2x1x3"], False, {**setup, **timing_meta(True)})
     # nor one whose extra memory was the allocated bytes with the requested ones
     with pytest.raises(SystemExit, match="targets is 'extra memory = peak allocated"):
         allocated = {**earlier["meta"], "targets": "extra memory = peak allocated"}

@@ -711,13 +711,14 @@ def test_interleaved_rounds_fill_whole_blocks_up_to_max_reps(monkeypatch):
     assert len(timing.interleaved_rounds(runs, 1.0, 20, settle_ms=0.0)["a"]) == 20
 
 
-def test_interleaved_rounds_with_the_host_ahead_time_the_gpu_behind_a_long_enough_sleep(
+def test_interleaved_rounds_with_the_host_ahead_time_the_gpu_behind_long_enough_gemms(
         monkeypatch):
-    """host_ahead: each timed call is ahead_ms's, whose sleep is 3x the longest host time of a
-    call of any run at the point, the same for all (5 ms at least); the rounds get its GPU time
+    """host_ahead: each timed call is ahead_ms's, whose GEMMs ahead of it last 3x the longest
+    host time of a call of any run at the point, as long for all (5 ms at least); the rounds get
+    its GPU time
     and `host` its host time. Without host_ahead the timed call is a synchronised one
     (median_ms), as before."""
-    clock, slept = [0.0], []
+    clock, led = [0.0], []
     host_s = {"fast": 0.0005, "slow": 0.004}
 
     def run_of(name):
@@ -729,8 +730,8 @@ def test_interleaved_rounds_with_the_host_ahead_time_the_gpu_behind_a_long_enoug
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: pytest.fail("synchronised"))
 
-    def ahead(fn, sleep_ms):
-        slept.append(sleep_ms)
+    def ahead(fn, lead_ms):
+        led.append(lead_ms)
         fn()
         return 0.25, 0.75
     monkeypatch.setattr(timing, "ahead_ms", ahead)
@@ -738,27 +739,27 @@ def test_interleaved_rounds_with_the_host_ahead_time_the_gpu_behind_a_long_enoug
     rounds = timing.interleaved_rounds(runs, 0.0, 4, settle_ms=10.0, host_ahead=True, host=host)
     assert rounds == {"fast": [0.25] * 4, "slow": [0.25] * 4}  # 3 rounds at least: 2 blocks
     assert host == {"fast": [0.75] * 4, "slow": [0.75] * 4}
-    assert slept == pytest.approx([12.0] * 8)  # 3 x the slow run's 4 ms, for the fast one too
+    assert led == pytest.approx([12.0] * 8)  # 3 x the slow run's 4 ms, for the fast one too
     monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
-    monkeypatch.setattr(timing, "ahead_ms", lambda fn, sleep_ms: pytest.fail("host ahead"))
+    monkeypatch.setattr(timing, "ahead_ms", lambda fn, lead_ms: pytest.fail("host ahead"))
     assert timing.interleaved_rounds(runs, 0.0, 4, settle_ms=10.0) == {"fast": [1.0] * 4,
                                                                        "slow": [1.0] * 4}
 
 
-@pytest.mark.parametrize("host_s, sleep_ms", [(0.0005, 5.0), (0.01, 30.0), (0.35, 60.0)])
-def test_the_sleep_ahead_of_every_timed_call_is_one_a_point_within_5_and_60_ms(
-        monkeypatch, host_s, sleep_ms):
+@pytest.mark.parametrize("host_s, lead_ms", [(0.0005, 5.0), (0.01, 30.0), (0.35, 60.0)])
+def test_the_gemms_ahead_of_every_timed_call_are_as_long_for_every_run_within_5_and_60_ms(
+        monkeypatch, host_s, lead_ms):
     """A run whose call synchronises (its host time its GPU time) had its own sleep 3x that, a
     second at 350 ms, against the others' few ms: Liger-Kernel then timed 10.7% faster than flce
     on an H100, and 1.0% with one sleep for both (their kernels 0.8% apart)."""
-    clock, slept = [0.0], []
+    clock, led = [0.0], []
     runs = {"short": lambda: clock.__setitem__(0, clock[0] + 0.0001),
             "long": lambda: clock.__setitem__(0, clock[0] + host_s)}
     monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(timing, "ahead_ms", lambda fn, ms: (slept.append(ms), fn(), (1.0, 0.1))[2])
+    monkeypatch.setattr(timing, "ahead_ms", lambda fn, ms: (led.append(ms), fn(), (1.0, 0.1))[2])
     timing.interleaved_rounds(runs, 0.0, 4, settle_ms=0.0, host_ahead=True)
-    assert slept == pytest.approx([sleep_ms] * 8)
+    assert led == pytest.approx([lead_ms] * 8)
 
 
 @pytest.mark.parametrize("host_ahead", [False, True])
@@ -770,7 +771,7 @@ def test_a_run_out_of_memory_in_the_rounds_is_timed_alone_after_them(monkeypatch
     def run_of(name):
         def run():
             calls[name] += 1
-            if name == "big" and calls[name] <= 1 + host_ahead:  # with the sleep's own call
+            if name == "big" and calls[name] <= 1 + host_ahead:  # with the lead's own call
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             clock[0] += 0.001
         return run
@@ -780,7 +781,7 @@ def test_a_run_out_of_memory_in_the_rounds_is_timed_alone_after_them(monkeypatch
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(timing, "median_ms", lambda fn, warmup, reps: (fn(), 1.0)[1])
     monkeypatch.setattr(timing, "timed_ms", lambda fn, seconds, max_reps: (fn(), 7.0)[1])
-    monkeypatch.setattr(timing, "ahead_ms", lambda fn, sleep_ms: (fn(), (2.0, 0.5))[1])
+    monkeypatch.setattr(timing, "ahead_ms", lambda fn, lead_ms: (fn(), (2.0, 0.5))[1])
     host = {}
     rounds = timing.interleaved_rounds(runs, 0.0, 4, settle_ms=0.0, host_ahead=host_ahead,
                                        host=host)
@@ -992,3 +993,21 @@ def test_the_peak_extra_memory_on_cuda_is_what_the_call_asked_for():
         del a, b
     assert bench_flce.peak_extra_mib(run) == (8 * (1 << 20) + 4) / (1 << 20)
     del kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GEMMs)")
+def test_the_gemms_ahead_of_a_timed_call_keep_the_gpu_busy_about_as_long_as_asked():
+    """The host-ahead timing's lead: GEMMs that last about the ms asked for, so that a call
+    queued behind them is timed alone (the host's time to queue it not counted)."""
+    timing.gpu_fill(1.0)  # the operands made and one GEMM timed
+    for ms in (5.0, 30.0):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        timing.gpu_fill(ms)
+        end.record()
+        torch.cuda.synchronize()
+        assert 0.5 * ms < start.elapsed_time(end) < 2.0 * ms
+    x = torch.ones(8, device="cuda")
+    gpu, host = timing.ahead_ms(lambda: x.add_(1), 20.0)
+    assert gpu < 5.0 and host < 20.0

@@ -45,7 +45,7 @@ from scripts.lib.loss_grid import (GRID_METHODS, HOST_AHEAD, grid_markdown,  # n
                                    grid_shapes)
 from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
                                 write_report)
-from scripts.lib.timing import AHEAD_SLEEP, SETTLE_MS, interleaved_rounds, medians  # noqa: E402
+from scripts.lib.timing import AHEAD_FILL, SETTLE_MS, interleaved_rounds, medians  # noqa: E402
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 FLOOR_LOGITS_BYTES = 4 << 30
@@ -282,10 +282,10 @@ def main():
                    help="with --grid --resume --shapes: measure those shapes again, replacing "
                         "their records in <out>.json (a change that moves only some points)")
     p.add_argument("--host-ahead", action="store_true",
-                   help="time each call with its kernels queued behind a sleep kernel: the GPU's "
-                        "time alone, as in a step whose host runs ahead (at a few thousand "
-                        "tokens a synchronised call also times the host's launches); the "
-                        "records get the host's ms a call")
+                   help="time each call with its kernels queued behind GEMMs that keep the "
+                        "GPU busy: its time alone, as in a step whose host runs ahead (at a "
+                        "few thousand tokens a synchronised call also times the host's launches);"
+                        " the records get the host's ms a call")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="about this long timing each method at each shape")
     p.add_argument("--out", default=None, help="output path without suffix (default: "
@@ -367,7 +367,7 @@ def time_point(bare: dict, fns: dict, x, t, w, seconds: float, reps: int,
 
 def timing_meta(host_ahead: bool) -> dict:
     return {"timing": TIMING + (f"; {HOST_AHEAD}" if host_ahead else ""),
-            "host_ahead": host_ahead, **({"ahead_sleep": AHEAD_SLEEP} if host_ahead else {})}
+            "host_ahead": host_ahead, **({"ahead_fill": AHEAD_FILL} if host_ahead else {})}
 
 
 def method_records(shape, fns, ms, mib, rounds, floor_ms, host=None) -> list[dict]:
@@ -392,10 +392,12 @@ def run_meta(origin: dict, dtype: str) -> dict:
 
 
 # a grid resumed keeps these of its report (reports from before host_ahead timed synchronised)
-# ahead_sleep: the rule of the sleep ahead of each timed call with the host ahead
-# (`timing.AHEAD_SLEEP`); reports without the key gave each run its own
+# ahead_fill: the rule of the GEMMs ahead of each timed call with the host ahead
+# (`timing.AHEAD_FILL`); earlier reports slept the GPU instead, each run its own sleep, or one
+# for all (ahead_sleep "one a point", 86d920c-328388a)
 RESUMED_SETUP = {"gpu": None, "torch": None, "triton": None, "dtype": None, "host_ahead": False,
-                 "ahead_sleep": None, "targets": None}  # targets: how extra memory is counted
+                 "ahead_fill": None, "ahead_sleep": None,
+                 "targets": None}  # targets: how extra memory is counted
 
 
 def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool, meta: dict

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from scripts.bench.flce import fwd_bwd, gemm_floor, make_inputs, methods, run_meta  # noqa: E402
 from scripts.bench.summarize_trace import KINDS, kind_of  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import ahead_ms, median_ms  # noqa: E402
+from scripts.lib.timing import ahead_ms, gpu_sleep, median_ms  # noqa: E402
 
 TOP = 6  # kernels listed per run
 HOST_TRIALS = 10
@@ -70,7 +70,7 @@ def host_ms(run, trials: int = HOST_TRIALS) -> float:
     queued before it keeps the GPU busy (`timing.ahead_ms`): no launch waits for the GPU, and one
     call's launches are far fewer than the queue holds. A call that synchronizes with the GPU
     shows as the sleep's length (tens of ms)."""
-    return statistics.median(ahead_ms(run, HOST_SLEEP_MS)[1] for _ in range(trials))
+    return statistics.median(ahead_ms(run, HOST_SLEEP_MS, gpu_sleep)[1] for _ in range(trials))
 
 
 def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:

@@ -25,9 +25,9 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}  # the makers' pea
 # same bytes can differ by that much from one call to another. Reports whose meta "targets"
 # says "requested" count the bytes asked for instead (`bench.flce.peak_extra_mib`) and have none.
 ALLOCATOR_SLACK_MIB = 1.0
-HOST_AHEAD = ("with the host ahead: each timed call is queued while a sleep kernel keeps the "
-              "GPU busy (the same sleep for every run at a point: 3x the longest host time of "
-              "a call of any of them, within 5-60 ms), so the times are the GPU's "
+HOST_AHEAD = ("with the host ahead: each timed call is queued while bf16 GEMMs keep the GPU "
+              "busy, at its clocks under load (as long for every run at a point: 3x the longest "
+              "host time of a call of any of them, within 5-60 ms), so the times are the GPU's "
               "alone, as in a training step whose host runs ahead of the GPU; without it a "
               "synchronised call starts on an idle GPU and includes whatever the host's launches "
               "lag behind the kernels (`scripts.lib.timing.ahead_ms`)")
@@ -49,7 +49,7 @@ def logit_traffic_ms(shape: str, bytes_per_logit: float, bytes_per_s: float) -> 
 
 
 def ahead_timing(meta) -> str:
-    """How the report's own run timed with the host ahead (the sleep's rule changed since):
+    """How the report's own run timed with the host ahead (the rule changed since):
     the host-ahead part of its meta's timing (`bench.flce.timing_meta`)."""
     return meta["timing"][meta["timing"].index("with the host ahead"):]
 

@@ -12,10 +12,11 @@ from typing import Callable, Optional
 import torch
 
 SETTLE_MS = 50.0  # untimed calls before each timed one (interleaved_ms)
-AHEAD_MIN_MS = 5.0  # the GPU sleeps at least this long while the host queues a timed call ...
+AHEAD_MIN_MS = 5.0  # GEMMs keep the GPU busy at least this long while the host queues a call ...
 AHEAD_HOST_FACTOR = 3.0  # ... this many times the longest host time of a call at the point ...
 AHEAD_MAX_MS = 60.0  # ... and at most this long (a call that synchronises gains nothing from more)
-AHEAD_SLEEP = "one a point"  # the rule's name in a report's meta (`ahead_sleep_ms`)
+AHEAD_FILL = "GEMMs, one length a point"  # the rule's name in a report's meta (`ahead_fill_ms`)
+FILL_SIZE = 4096  # the filler's GEMMs: bf16 FILL_SIZE^3, 0.19 ms on an H100
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, *, cuda: bool = True,
@@ -65,7 +66,8 @@ _cycles_per_ms: list = []
 
 def gpu_sleep(ms: float) -> None:
     """Queue a kernel that keeps the GPU busy for about `ms` (torch.cuda._sleep counts clock
-    cycles: their rate is measured once)."""
+    cycles: their rate is measured once), its SMs idle: for timing the host while the GPU is
+    busy (`bench.loss_kernels`), not the GPU's work after it (`gpu_fill`)."""
     if not _cycles_per_ms:
         cycles = 10_000_000
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,15 +80,45 @@ def gpu_sleep(ms: float) -> None:
     torch.cuda._sleep(int(ms * _cycles_per_ms[0]))
 
 
-def ahead_ms(fn: Callable[[], object], sleep_ms: float) -> tuple[float, float]:
-    """(the GPU's ms, the host's ms) of one call of fn made while a sleep kernel queued before it
-    keeps the GPU busy for sleep_ms: the host queues the call's kernels before the GPU reaches
-    them, so CUDA events around the call time the kernels back to back (the gaps between them on
-    the GPU included, the host's time to launch them not), as in a training step whose host runs
-    ahead. Where the host's time comes near sleep_ms (a call that synchronises, or a longer
-    sleep was needed) the GPU waited for the host within it."""
+_fill: list = []
+
+
+def gpu_fill(ms: float) -> None:
+    """Queue bf16 GEMMs that keep the GPU busy for about `ms`, at the clocks and power of full
+    load, as the model's GEMMs keep it before the loss in a training step. A sleep kernel
+    (`gpu_sleep`) idles the SMs instead, and a call after it starts with the headroom of an idle
+    GPU: on an H100, with 60 ms of sleep ahead of every call, the bare GEMMs of the grid's
+    points with N <= 16384 ran at a median 777-801 TFLOP/s, against 707-717 after 5 ms and
+    672-683 synchronised (`flce_grid_host_ahead_one_sleep_h100.md`, `flce_grid_host_ahead_h100`,
+    `flce_grid_h100`), and flce's memory-bound part does not speed up with the clocks. The
+    operands (3 x 32 MiB) are made once, and one GEMM's time is measured once."""
+    if not _fill:
+        a = torch.randn(FILL_SIZE, FILL_SIZE, device="cuda", dtype=torch.bfloat16)
+        b, out = torch.randn_like(a), torch.empty_like(a)
+        for _ in range(20):  # the clocks down to their loaded level first
+            torch.mm(a, b, out=out)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            torch.mm(a, b, out=out)
+        end.record()
+        torch.cuda.synchronize()
+        _fill.append((a, b, out, max(start.elapsed_time(end) / 20, 1e-3)))
+    a, b, out, gemm_ms = _fill[0]
+    for _ in range(max(1, round(ms / gemm_ms))):
+        torch.mm(a, b, out=out)
+
+
+def ahead_ms(fn: Callable[[], object], lead_ms: float,
+             lead: Callable[[float], None] = gpu_fill) -> tuple[float, float]:
+    """(the GPU's ms, the host's ms) of one call of fn made while work queued before it keeps
+    the GPU busy for lead_ms (`gpu_fill`'s GEMMs, or `gpu_sleep`): the host queues the call's
+    kernels before the GPU reaches them, so CUDA events around the call time the kernels back to
+    back (the gaps between them on the GPU included, the host's time to launch them not), as in
+    a training step whose host runs ahead. Where the host's time comes near lead_ms (a call that
+    synchronises, or a longer lead was needed) the GPU waited for the host within it."""
     torch.cuda.synchronize()
-    gpu_sleep(sleep_ms)
+    lead(lead_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter()
@@ -135,17 +167,16 @@ def block_rounds(n: int) -> int:
     return n if n % 2 == 0 else 2 * n
 
 
-def ahead_sleep_ms(runs: dict) -> float:
-    """How long the GPU sleeps before every run's timed call at one point when the host runs
-    ahead: AHEAD_HOST_FACTOR x the longest host time of a call of any of the runs (one call
-    each, synchronised), within AHEAD_MIN_MS and AHEAD_MAX_MS. The same for every run, since
-    the sleep's length moves the call after it (the GPU's clocks after an idle spell,
-    presumably): each run's own 3x had Liger-Kernel, whose call synchronises (its host time
-    about its GPU time, 350 ms at 131072x2048x128256), timed after a second's sleep and flce
-    after 11 ms, and on an H100 Liger took 298.7 ms against flce's 330.5; with one 60 ms sleep
-    for both, 309.8 against 313.0 (`flce_large_n_{own,one}_sleep_h100.md`, one call); their
-    kernels take 321 and 324 ms under the profiler (`loss_kernels_large_n_h100.md`). A run out
-    of memory here counts for nothing."""
+def ahead_fill_ms(runs: dict) -> float:
+    """How long the GPU is kept busy (`gpu_fill`) before every run's timed call at one point when
+    the host runs ahead: AHEAD_HOST_FACTOR x the longest host time of a call of any of the runs
+    (one call each, synchronised), within AHEAD_MIN_MS and AHEAD_MAX_MS. The same for every run:
+    with a sleep kernel ahead, its length moved the call after it, and each run's own 3x had
+    Liger-Kernel, whose call synchronises (its host time about its GPU time, 350 ms at
+    131072x2048x128256), timed after a second's sleep and flce after 11 ms: on an H100 Liger
+    took 298.7 ms against flce's 330.5; with one 60 ms sleep for both, 309.8 against 313.0
+    (`flce_large_n_{own,one}_sleep_h100.md`, one call); their kernels take 321 and 324 ms under
+    the profiler (`loss_kernels_large_n_h100.md`). A run out of memory here counts for nothing."""
     longest = 0.0
     for run in runs.values():
         torch.cuda.synchronize()
@@ -180,18 +211,18 @@ def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: flo
     timed alone after the rounds (one value: the median of those calls), or gets [] if it does
     not fit alone either.
 
-    host_ahead: each timed call is `ahead_ms`'s, the GPU kept asleep while the host queues it:
-    the GPU's time alone, which a synchronised call exceeds where the host launches kernels more
-    slowly than the GPU runs them (a few thousand tokens). The sleep is one for every run at the
-    point (`ahead_sleep_ms`). `host`, a dict, receives each run's host ms of its timed calls (with
-    host_ahead), in the order of the rounds."""
+    host_ahead: each timed call is `ahead_ms`'s, the GPU kept busy by GEMMs while the host queues
+    it: the GPU's time alone, which a synchronised call exceeds where the host launches kernels
+    more slowly than the GPU runs them (a few thousand tokens). The GEMMs' length is one for
+    every run at the point (`ahead_fill_ms`). `host`, a dict, receives each run's host ms of its
+    timed calls (with host_ahead), in the order of the rounds."""
     times = {name: [] for name in runs}
     if host is not None:
         host.update({name: [] for name in runs})
     alone = []
     names = list(runs)
     orders = balanced_orders(len(names), seed)
-    sleep_ms = ahead_sleep_ms(runs) if host_ahead else 0.0
+    lead_ms = ahead_fill_ms(runs) if host_ahead else 0.0
 
     def visit(name) -> float:
         run = runs[name]
@@ -203,7 +234,7 @@ def interleaved_rounds(runs: dict, seconds: float, max_reps: int, settle_ms: flo
                 break
         if not host_ahead:
             return median_ms(run, warmup=0, reps=1)
-        gpu, host_ms = ahead_ms(run, sleep_ms)
+        gpu, host_ms = ahead_ms(run, lead_ms)
         if host is not None:
             host[name].append(host_ms)
         return gpu
