@@ -122,7 +122,8 @@ class Training:
     nan_policy: NanPolicy = "skip"
     """A step with a non-finite loss or gradient norm: "skip" its update, with a warning, or "stop".
 
-    Either way no weights are updated from it and no checkpoint is written after it."""
+    Either way no weights are updated from it. Under "skip" checkpoints go on (holding the
+    weights from before it); a run that stops for bad steps writes no checkpoint at that step."""
     max_bad_steps: int = 5
     """Under nan_policy "skip": this many non-finite steps in a row stop the run."""
 
