@@ -6,6 +6,7 @@ curves of runs that differ only in `impl` are comparable.
 """
 
 import dataclasses
+import math
 import typing
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -26,6 +27,13 @@ class TrainingLoss(nn.Module):
         if cfg.impl not in IMPLS:
             raise ValueError(f"[loss] impl = {cfg.impl!r}: expected one of {IMPLS}")
         self.impl = cfg.impl
+        # 0 is "none" here, where flce's API takes None, which a config cannot say
+        if not (cfg.softcap == 0 or math.isfinite(cfg.softcap) and cfg.softcap > 0):
+            raise ValueError(f"[loss] softcap = {cfg.softcap}: expected 0 (none) or a finite "
+                             "number > 0")
+        if cfg.chunk_size < 0:
+            raise ValueError(f"[loss] chunk_size = {cfg.chunk_size}: expected 0 (automatic) or a "
+                             "number of tokens > 0")
         try:  # flce's own checks, here rather than at the first step
             # sums: the trainer always divides by the global token count (normalizer)
             self.options = flce.LossOptions(IGNORE_INDEX, cfg.label_smoothing, cfg.logit_scale,

@@ -449,7 +449,9 @@ def test_model_name_takes_torchtitans_llama3():
     (["--loss.label_smoothing", "1.5"], ValueError,
      "config error: [loss] label_smoothing=1.5: must be in [0, 1]"),
     (["--loss.chunk_size", "-4"], ValueError,
-     "config error: [loss] chunk_size=-4: must be None or a positive int"),
+     "config error: [loss] chunk_size = -4: expected 0 (automatic) or a number of tokens > 0"),
+    (["--loss.softcap", "-1"], ValueError,  # said "None or ...", which a config cannot write
+     "config error: [loss] softcap = -1.0: expected 0 (none) or a finite number > 0"),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
       "abc"], ValueError, "config error: [activation_checkpoint] selective_ac_option = 'abc'"),
     (["--model.sdpa_backend", "cudnn", "--training.device", "cpu"], ValueError,
