@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.val_every < 0 or args.workers < 1 or args.unit_mb <= 0:
         parser.error("--val-every must be >= 0, --workers >= 1 and --unit-mb > 0")
+    if args.val_every == 1:  # the trainer refuses it too ([data] val_every)
+        parser.error("--val-every 1 would hold out every document, leaving none to train on: "
+                     "0 (none) or 2 and more")
     return args
 
 

@@ -403,3 +403,15 @@ def test_a_folder_begun_under_older_document_rules_is_finished_only_if_done(tmp_
     error = capsys.readouterr().err
     assert "was begun by an older prepare_data, which counted other texts as documents" in error
     assert "(document rules 1, now 2" in error
+
+
+def test_val_every_1_is_refused_before_reading(tmp_path, capsys):
+    """It held out every document, then failed with "no training documents", and the run it
+    began refused the corrected command as begun with other settings."""
+    write_jsonl(tmp_path / "a.jsonl", ["some text"])
+    with pytest.raises(SystemExit) as refused:
+        prepare("--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out", tmp_path / "out",
+                "--val-every", 1)
+    assert refused.value.code == 2
+    assert "--val-every 1 would hold out every document" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -290,8 +290,9 @@ def build_shard_batches(data: Data, training: Training, *, split: str, tokenizer
                                    f"the model's vocab size {max_token_id}")
         if split != "train" and not index["splits"].get(split, {}).get("tokens"):
             raise ShardFormatError(f"{folder}: no {split} documents (prepared with --val-every "
-                                   f"{index['val_every']}); prepare with a held-out split or set "
-                                   f"[validation] enable = false")
+                                   f"{index['val_every']}); prepare with a held-out split, or "
+                                   "go without one ([validation] enable = false when training, "
+                                   "--split train for scripts.evaluate)")
         shards.append(TokenShards(folder, split, index))
     return ShardBatches(shards, [w for _, w in sources], training.seq_len,
                         training.local_batch_size,
