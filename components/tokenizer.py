@@ -84,12 +84,20 @@ class HFTokenizer:
             self.path = self.path / TOKENIZER_FILE
         elif not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {self.path}")
-        self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # the library raises a bare Exception for a malformed file
+            raise ValueError(f"tokenizer file {self.path}: not a tokenizer.json the tokenizers "
+                             f"library can read ({' '.join(str(e).split())})") from None
         # A document's text is text: "<s>" or "<|endoftext|>" written in it (HTML, code about
         # tokenizers) is encoded as its characters, not as the special id that frames documents,
         # as ByteTokenizer and torchtitan's tiktoken do. Added tokens that are not special match.
         self._tokenizer.encode_special_tokens = True
-        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        # the ids, not how many there are: a vocabulary with gaps (ids past its size) must
+        # still fit the model's rows, which the trainer checks against this before any batch
+        ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
+        self.vocab_size: int = max(self._tokenizer.get_vocab_size(with_added_tokens=True),
+                                   max(ids, default=-1) + 1)
         config, framing = self._config_specials(), self._framing_specials()
         self.found: dict[str, str] = {}
         self.bos_id: int = self._resolve("bos", bos_token, config["bos"], framing["bos"],

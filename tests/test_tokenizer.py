@@ -110,6 +110,23 @@ def test_hf_tokenizer_errors_name_the_file_the_keys_and_the_specials(tmp_path, r
                        r"has no such token \(its special tokens: '<pad>', '<s>', '<doc_end>'\)"):
         build_tokenizer("hf", str(path), bos_token="<BOS>", eos_token="<s>")
     assert build_tokenizer("hf", str(path), eos_token="<doc_end>").eos_id == 2
+    # a file the tokenizers library cannot read was its bare Exception, a traceback naming no file
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer file .*bad\.json: not a tokenizer\.json the "
+                       r"tokenizers library can read \(key must be a string"):
+        build_tokenizer("hf", str(tmp_path / "bad.json"))
+
+
+def test_hf_tokenizer_vocab_size_covers_ids_past_the_count(tmp_path):
+    """A vocabulary with gaps (21 entries, specials at 600 and 601) counted 21 ids: the check
+    against the model's rows passed, and the first batch failed on id 600 with a traceback."""
+    vocab = {f"w{i}": i for i in range(19)} | {"<s>": 600, "</s>": 601}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    loaded = HFTokenizer(tmp_path / "tokenizer.json")
+    assert (loaded.vocab_size, loaded.bos_id, loaded.eos_id) == (602, 600, 601)
+    assert len(loaded.byte_lengths()) == 602
 
 
 def test_hf_tokenizer_takes_bos_eos_from_tokenizer_config_json(tmp_path, rng):
