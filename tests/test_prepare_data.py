@@ -415,3 +415,20 @@ def test_val_every_1_is_refused_before_reading(tmp_path, capsys):
     assert refused.value.code == 2
     assert "--val-every 1 would hold out every document" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_of_the_users_is_refused(tmp_path, capsys):
+    """Its files mixed with the shards, and a later run with other settings was refused with
+    "delete it: it holds only this preparation's work", which would have deleted them."""
+    write_jsonl(tmp_path / "a.jsonl", ["some text", "more text", "and more"])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert prepare("--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out",
+                   tmp_path / "mine", "--val-every", 0, "--no-progress") == 1
+    assert (f"{tmp_path / 'mine'} holds notes.txt and no prepare.json: not a folder prepare_data "
+            "began; write to a new or empty --out") in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    # an empty folder is the user's choice of place, and is written
+    (tmp_path / "empty").mkdir()
+    assert prepare("--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out",
+                   tmp_path / "empty", "--val-every", 0, "--no-progress") == 0

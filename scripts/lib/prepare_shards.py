@@ -380,6 +380,19 @@ def _clean_leftovers(out: Path) -> None:
             leftover.unlink()
 
 
+def _check_ours(out: Path) -> None:
+    """Refuse a folder of the user's (files, no prepare.json): they would mix with the shards,
+    and a later run with other settings is refused with "delete it: it holds only this
+    preparation's work". Empty, or holding only a killed run's lock, it is written."""
+    if not out.is_dir() or (out / PLAN).is_file():
+        return
+    theirs = sorted(p.name for p in out.iterdir() if p.name != "prepare.lock")
+    if theirs:
+        shown = ", ".join(theirs[:5]) + (f", ... ({len(theirs)} in all)" if len(theirs) > 5 else "")
+        raise PrepareError(f"{out} holds {shown} and no {PLAN}: not a folder prepare_data began; "
+                           "write to a new or empty --out")
+
+
 @contextlib.contextmanager
 def _locked(out: Path):
     """One run per folder: prepare.lock names its holder; a killed holder's lock (its workers die
@@ -410,6 +423,7 @@ def prepare(out: Path, plan: Plan, tokenizer, workers: int, progress_bar: bool =
             log=print) -> dict:
     """Tokenize what is not done yet and write index.json; returns the index."""
     settings = plan.settings
+    _check_ours(out)
     with _locked(out):
         units = reconcile(out, settings, plan.units, plan.files)
         _clean_leftovers(out)
