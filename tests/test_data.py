@@ -654,3 +654,28 @@ def test_forked_workers_do_not_finalize_what_they_inherit(tmp_path, frozen):
         gc.collect()
     by = marks.read_text().split()
     assert (str(child.pid) in by) is not frozen and str(os.getpid()) in by
+
+
+@pytest.mark.parametrize("layout", ["folders", "files"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_folder_laid_out_in_splits_keeps_them_apart(tmp_path, layout, streaming):
+    """train/ and validation/ (or train.jsonl, validation.jsonl, test.jsonl), as `datasets`
+    reads a folder: all went into one training corpus, the validation documents trained on and
+    a held-out split drawn from the mixture, the test split trained on too."""
+    corpus = tmp_path / "corpus"
+    texts = {"train": [f"train doc {i}" for i in range(12)],
+             "validation": [f"validation doc {i}" for i in range(5)],
+             "test": [f"test doc {i}" for i in range(4)]}
+    for split, docs in texts.items():
+        path = corpus / split / "part-0.jsonl" if layout == "folders" else corpus / f"{split}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    read = {split: [d["text"] for d in load_documents(str(corpus), split, streaming=streaming,
+                                                      cache_dir=tmp_path / "cache")]
+            for split in ("train", "validation")}
+    assert read == {"train": texts["train"], "validation": texts["validation"]}
+    # a file outside the layout's splits is named, not trained on or dropped unsaid
+    (corpus / "stray.jsonl").write_text(json.dumps({"text": "stray"}) + "\n")
+    with pytest.raises(ValueError, match=r"laid out in splits \(.*\), but .*stray\.jsonl is in "
+                       "none of them"):
+        load_documents(str(corpus), "train", cache_dir=tmp_path / "cache")

@@ -432,3 +432,16 @@ def test_an_out_folder_of_the_users_is_refused(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert prepare("--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out",
                    tmp_path / "empty", "--val-every", 0, "--no-progress") == 0
+
+
+def test_a_source_folder_laid_out_in_splits_is_refused(tmp_path, capsys):
+    """Its validation (and test) documents went into the one corpus prepare_data holds a split
+    out of: trained on, silently."""
+    for split in ("train", "validation"):
+        write_jsonl(tmp_path / "corpus" / f"{split}.jsonl", [f"{split} text {i}" for i in range(3)])
+    assert prepare("--source", tmp_path / "corpus", "--tokenizer", "byte", "--out",
+                   tmp_path / "out", "--no-progress") == 1
+    assert ("laid out in splits (validation beside train), which prepare_data does not keep apart"
+            in capsys.readouterr().err)
+    assert prepare("--source", tmp_path / "corpus" / "train.jsonl", "--tokenizer", "byte",
+                   "--out", tmp_path / "out", "--val-every", 0, "--no-progress") == 0

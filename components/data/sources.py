@@ -122,8 +122,9 @@ def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str,
         return _load_local([embedded_corpus(cache_dir)], streaming, cache_dir), False
     path = Path(source).expanduser()
     if path.exists():
-        files = check_files(_data_files(path), text_field, on_bad_document, cache_dir)
-        return _load_local(files, streaming, cache_dir), False
+        by_split = {split: check_files(files, text_field, on_bad_document, cache_dir)
+                    for split, files in split_files(path).items()}
+        return _load_local(by_split, streaming, cache_dir), False
     if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
         raise FileNotFoundError(f"data source not found: {path}")
     import datasets
@@ -156,6 +157,46 @@ def _data_files(path: Path) -> list[Path]:
     return files
 
 
+def splits_of(folder: Path, files: list[Path]) -> tuple[dict[str, list[Path]], list[Path]]:
+    """({split: its files}, the files in none) of files under folder, by the splits the folder's
+    layout names as `datasets` finds them (train/, validation/, test/ folders, or train.jsonl,
+    validation.jsonl, ... files, and their other names: `datasets.data_files.get_data_patterns`);
+    ({}, files) where it names none that holds one of them."""
+    from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+    try:
+        patterns = get_data_patterns(str(folder))
+    except EmptyDatasetError:
+        return {}, list(files)
+    if {str(k): v for k, v in patterns.items()} == {"train": ["**"]}:
+        return {}, list(files)
+    resolved = DataFilesDict.from_patterns(patterns, base_path=str(folder))
+    ours = {f.resolve(): f for f in files}
+    by_split = {str(split): [ours[f] for f in sorted({Path(u).resolve() for u in found} & set(ours))]
+                for split, found in resolved.items()}
+    by_split = {split: found for split, found in by_split.items() if found}
+    placed = {f for found in by_split.values() for f in found}
+    return by_split, [f for f in files if f not in placed]
+
+
+def split_files(path: Path) -> dict[str, list[Path]]:
+    """A local source's files by split. A folder laid out in splits (`splits_of`) keeps them
+    apart: its validation split is the validation documents, and its test split is never
+    trained on (they went into one training corpus before). Any other source is one "train"
+    split. A file such a layout leaves in no split is an error, not left out unsaid."""
+    files = _data_files(path)
+    if path.is_file():
+        return {"train": files}
+    by_split, unplaced = splits_of(path, files)
+    if not by_split:
+        return {"train": files}
+    if unplaced:
+        more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
+        raise ValueError(f"{path}: laid out in splits ({', '.join(by_split)}), but {unplaced[0]} "
+                         f"is in none of them{more}: move it into a split's folder, or point "
+                         "[data] source at one split")
+    return by_split
+
+
 def _refuse_saved_dataset(path: Path) -> None:
     """A save_to_disk folder holds Arrow files and JSON metadata: read as a folder of data files,
     its dataset_info.json was the first "document", and invalid."""
@@ -168,15 +209,18 @@ def _refuse_saved_dataset(path: Path) -> None:
                          "--out SHARDS` and set [data] source = SHARDS")
 
 
-def _load_local(files: list[Path], streaming: bool, cache_dir: Path):
+def _load_local(files: list[Path] | dict[str, list[Path]], streaming: bool, cache_dir: Path):
+    """files: one "train" split's, or {split: its files}."""
     import datasets
-    builder = BUILDER_BY_SUFFIX[files[0].suffix]
+    by_split = files if isinstance(files, dict) else {"train": files}
+    builder = BUILDER_BY_SUFFIX[next(iter(by_split.values()))[0].suffix]
     # The text builder makes a paragraph of only whitespace a document too: a .txt file that has
     # any comes here as check_files' copy without them.
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
     with _no_progress_bars():
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files],
+        return datasets.load_dataset(builder, data_files={split: [str(f) for f in found]
+                                                          for split, found in by_split.items()},
                                      streaming=streaming, cache_dir=str(cache_dir / "datasets"),
                                      **options)
 

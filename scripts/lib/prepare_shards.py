@@ -33,6 +33,7 @@ from components.data.checks import (DOCUMENT_RULES, NAMED, BadDocumentError, Mis
 from components.data.document_tokens import (bind_to_parent, frame_texts, inherited_objects_frozen,
                                              worker_context)
 from components.data import SPLITS
+from components.data.sources import splits_of
 from components.data.shards import (FORMAT, INDEX, PLAN, VERSION, ShardFormatError, ShardWriter,
                                     token_dtype)
 
@@ -80,8 +81,16 @@ def local_files(sources: list[str], out: Path | None = None) -> list[Path]:
         found = []
         for match in map(Path, matches):
             if match.is_dir():
-                found += sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in SUFFIXES
-                                and not any(part.startswith(".") for part in p.relative_to(match).parts))
+                inside = sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in SUFFIXES
+                                and not any(part.startswith(".") for part in p.relative_to(match).parts)
+                                and (out is None or not p.resolve().is_relative_to(out)))
+                splits = [split for split in splits_of(match, inside)[0] if split != "train"]
+                if splits:  # they went into one corpus, its held-out split drawn from all of them
+                    raise PrepareError(f"--source {source}: laid out in splits ({', '.join(splits)} "
+                                       "beside train), which prepare_data does not keep apart (it "
+                                       "holds out every --val-every-th document of what it reads): "
+                                       "give it the train split's files alone")
+                found += inside
             elif match.suffix in SUFFIXES:
                 found.append(match)
             elif not glob.has_magic(expanded):
