@@ -30,8 +30,8 @@ from components.bad_steps import BadSteps, too_many_bad_steps
 from components.checkpoint import (Checkpointer, ResumePoint, check_resumed_tokenizer,
                                    find_resume_point, list_checkpoints)
 from components.config.docs import help_text
-from components.config.parse import (config_changes, config_checks, load_config, refusal_line,
-                                     resolve_global_batch, to_toml, wants_help)
+from components.config.parse import (config_changes, config_checks, is_config_error, load_config,
+                                     refusal_line, resolve_global_batch, to_toml, wants_help)
 from components.config.schema import ConfigError, JobConfig
 from components.data.build import build_data
 from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, check_fp8_device,
@@ -481,13 +481,42 @@ def build_datasets(cfg: JobConfig, tokenizer: Tokenizer, args: LlamaArgs, dims: 
     """This rank's training batches, and the validation when [validation] enable."""
     share = dict(tokenizer=tokenizer, dp_rank=dims.dp_rank(rank), dp_world=dims.dp,
                  max_token_id=args.vocab_size)
-    with config_checks():  # data mistakes (a wrong path, shards of another tokenizer) too
-        train_batches = build_data(cfg.data, cfg.training, split="train", **share)
-        validation = (Validation(cfg, build_data(cfg.data, cfg.training, split="validation", **share),
-                                 tokenizer, args.vocab_size, device, shard)
-                      if cfg.validation.enable else None)
+    failure = train_batches = validation = None
+    try:
+        with config_checks():  # data mistakes (a wrong path, shards of another tokenizer) too
+            train_batches = build_data(cfg.data, cfg.training, split="train", **share)
+            validation = (Validation(cfg, build_data(cfg.data, cfg.training, split="validation",
+                                                     **share),
+                                     tokenizer, args.vocab_size, device, shard)
+                          if cfg.validation.enable else None)
+    except Exception as e:
+        failure = e
+    raise_on_every_rank(failure)  # a rank's share may be empty while the others' are not
     log(train_batches.describe())
     return train_batches, validation
+
+
+def raise_on_every_rank(error: BaseException | None) -> None:
+    """After a setup step that may fail on some ranks alone, every rank raises the first failing
+    rank's error (the failing rank its own), so that local rank 0 prints it in one line. Before,
+    rank 0 went on into a collective and said only that gloo's peer had closed the connection."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (" ".join(str(error).split()), is_config_error(error),
+                                       getattr(error, "user_error", False))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if error is not None:
+        raise error
+    rank, failed = next(((r, e) for r, e in enumerate(everyone) if e is not None), (None, None))
+    if failed is None:
+        return
+    message, from_config, user_error = failed
+    agreed = (ValueError if from_config or user_error else RuntimeError)(f"rank {rank}: {message}")
+    agreed.from_config, agreed.user_error = from_config, user_error
+    raise agreed
 
 
 def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: StopRequest) -> int:

@@ -274,3 +274,25 @@ def test_train_refuses_a_loss_tp_cannot_honour_before_building(tmp_path, loss_ke
     assert not (tmp_path / "config.toml").exists()
     cfg.parallelism.tensor_parallel_degree = 1  # the vocab style is not applied: a warning only
     train.check_before_building(cfg, 0, 1, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_a_data_error_of_one_rank_alone_is_said_by_local_rank_0(tmp_path):
+    """A validation split of one document over two data-parallel ranks: rank 1's share is empty.
+    Rank 0 went on into a collective and said only that gloo's peer had closed the connection;
+    rank 1's one line was never printed (only local rank 0 prints)."""
+    import json
+    source = tmp_path / "short.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(5)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(ROOT / "train.py"), *BASE,
+                          "--data.synthetic", "false", "--data.source", str(source),
+                          "--validation.enable", "true", "--validation.freq", "2",
+                          "--validation.steps", "1", "--job.dump_folder", str(tmp_path / "run")],
+                         cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
+    assert run.returncode == 1  # torchrun's status when a trainer exits 2
+    line = ("config error: rank 1: data-parallel rank 1 of 2 gets no documents: there are only 1 "
+            "(for a held-out validation split, a smaller [data] val_every holds out more)\n")
+    assert line in run.stderr, run.stderr[-3000:]
+    assert "Connection closed" not in run.stderr
