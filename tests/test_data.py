@@ -679,3 +679,17 @@ def test_a_folder_laid_out_in_splits_keeps_them_apart(tmp_path, layout, streamin
     with pytest.raises(ValueError, match=r"laid out in splits \(.*\), but .*stray\.jsonl is in "
                        "none of them"):
         load_documents(str(corpus), "train", cache_dir=tmp_path / "cache")
+
+
+def test_a_stream_that_leaves_a_rank_no_document_is_a_users_error(tmp_path):
+    """One document, held out for validation: the stream's training share is empty. It was a
+    plain ValueError from the data thread, a traceback that named no cause."""
+    from components.data.windows import EmptyStreamShare
+    path = write_jsonl(tmp_path / "one.jsonl", ["only one document"])
+    batches = build_data(Data(source=str(path), streaming=True, cache_dir=str(tmp_path / "cache")),
+                         Training(seq_len=8, local_batch_size=1), split="train", tokenizer=BYTE)
+    with pytest.raises(EmptyStreamShare, match="gets no documents from the stream .* a source of "
+                       "one document leaves none to train on") as error:
+        next(iter(batches))
+    assert error.value.user_error
+    batches.close()

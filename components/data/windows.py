@@ -35,6 +35,12 @@ class DataStateMismatch(ValueError):
     user_error = True  # one line and exit status 2 from train.py, no traceback
 
 
+class EmptyStreamShare(ValueError):
+    """A rank's share of a streamed source holds no document (found at the first batch, in the
+    data thread: a stream's length is known only by reading it)."""
+    user_error = True  # one line and exit status 2 from train.py, no traceback
+
+
 def _is_rank_share(_example: dict, index: int, dp_rank: int, dp_world: int) -> bool:
     return index % dp_world == dp_rank
 
@@ -180,8 +186,10 @@ class TokenWindows:
                     yield (epoch, count), count, None, texts
                     count += len(examples)
                 if count == 0:
-                    raise ValueError(f"data-parallel rank {self.dp_rank} of {self.dp_world} gets no "
-                                     f"documents from the stream")
+                    raise EmptyStreamShare(
+                        f"data-parallel rank {self.dp_rank} of {self.dp_world} gets no documents "
+                        "from the stream (the held-out validation split takes document 0 and every "
+                        "[data] val_every-th: a source of one document leaves none to train on)")
             epoch, document = epoch + 1, 0
 
     def _text_of(self, example: dict, document: int):
