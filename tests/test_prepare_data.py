@@ -127,6 +127,12 @@ def test_another_tokenizer_or_other_settings_are_refused(tmp_path, rng, capsys):
     capsys.readouterr()
     assert prepare(*args, "--tokenizer", tmp_path / "other.json") == 1
     assert "was begun with other settings (tokenizer: " in capsys.readouterr().err
+    # the same tokenizer from another path (a copy, its folder) is the same setting, as the
+    # trainer, comparing fingerprints, takes it: it was refused as "other settings"
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "tokenizer.json").write_bytes((tmp_path / "tokenizer.json").read_bytes())
+    assert prepare(*args, "--tokenizer", tmp_path / "copy") == 0
+    assert "complete already" in capsys.readouterr().out
     assert prepare(*args, "--tokenizer", "byte") == 1
     assert prepare(*args, "--tokenizer", tmp_path / "tokenizer.json", "--val-every", 7) == 1
     assert "val_every: 100 -> 7" in capsys.readouterr().err

@@ -317,11 +317,19 @@ def settings_for(tokenizer: dict, text_field: str, val_every: int, on_bad_docume
             "unit_bytes": unit_bytes, "dtype": token_dtype(tokenizer["vocab_size"]).name, "source": source}
 
 
+def without_path(record: dict | None) -> dict | None:
+    return None if record is None else {k: v for k, v in record.items() if k != "path"}
+
+
 def _differences(old: dict, new: dict, keys=("tokenizer", "text_field", "val_every", "on_bad_document",
                                              "unit_bytes", "dtype")) -> list[str]:
     out = []
+    # a tokenizer is its tokens and ids (the fingerprint), not where its file lies: the same
+    # file copied elsewhere, or its folder given instead, was refused as other settings
+    same = lambda key: (without_path(old.get(key)) == without_path(new.get(key))  # noqa: E731
+                        if key == "tokenizer" else old.get(key) == new.get(key))
     for key in keys:
-        if old.get(key) != new.get(key):
+        if not same(key):
             if key == "tokenizer":
                 what = lambda t: f"{t.get('path') or t.get('name')} (vocab {t.get('vocab_size')})"  # noqa: E731
                 out.append(f"tokenizer: {what(old[key])} -> {what(new[key])}"
