@@ -693,3 +693,19 @@ def test_a_stream_that_leaves_a_rank_no_document_is_a_users_error(tmp_path):
         next(iter(batches))
     assert error.value.user_error
     batches.close()
+
+
+@pytest.mark.parametrize("encoding", ["dictionary", "string_view"])
+def test_a_parquet_text_column_dictionary_encoded_or_a_view_is_text(tmp_path, encoding):
+    """A pandas category column (dictionary<string>) or a string_view one: `datasets` and
+    prepare_data read them as text, the trainer refused them ("holds dictionary<...>, not text").
+    Their empty texts are still found."""
+    texts = ["alpha beta", "gamma", "", "delta epsilon", "alpha beta"]
+    column = pa.array(texts)
+    column = column.dictionary_encode() if encoding == "dictionary" else column.cast(pa.string_view())
+    pq.write_table(pa.table({"text": column}), tmp_path / "c.parquet")
+    with pytest.raises(BadDocumentError, match=r"row 2: field 'text' is empty"):
+        load_documents(str(tmp_path / "c.parquet"), "train", cache_dir=tmp_path / "cache")
+    documents = load_documents(str(tmp_path / "c.parquet"), "train", cache_dir=tmp_path / "cache",
+                               on_bad_document="skip")
+    assert [d["text"] for d in documents] == ["gamma", "delta epsilon", "alpha beta"]

@@ -199,6 +199,16 @@ class _StreamCheck:
 _stream_checks: dict[tuple, _StreamCheck] = {}
 
 
+def _is_text_type(kind) -> bool:
+    """An Arrow type of text: string, large_string, string_view, or a dictionary of strings (a
+    pandas category column), which `datasets` reads as text."""
+    import pyarrow as pa
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda _: False)(kind))
+
+
 def _no_text(texts):
     """For each text of an Arrow string array: whether text_problem finds it bad (null, empty or
     only whitespace; pyarrow's utf8_is_space and str.isspace agree on every code point)."""
@@ -311,12 +321,22 @@ def _scan_parquet(path: Path, text_field: str, out: BinaryIO | None = None) -> F
             raise MissingTextField(f"{path}: the documents have no field {text_field!r} (their fields: "
                                    f"{', '.join(parquet.schema_arrow.names)}); set [data] text_field")
         kind = parquet.schema_arrow.field(text_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        if not _is_text_type(kind):
             raise BadDocumentError(f"{path}: column {text_field!r} holds {kind}, not text; set [data] "
                                    "text_field to the column of the documents' text")
+        plain = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        schema = parquet.schema_arrow
+        if not plain:  # dictionary-encoded or string_view: read as plain text from here on
+            schema = schema.set(schema.get_field_index(text_field),
+                                pa.field(text_field, pa.large_string()))
         if out is not None:  # the copy keeps every column: a dataset may use the others
-            writer = pq.ParquetWriter(out, parquet.schema_arrow)
+            writer = pq.ParquetWriter(out, schema)
         for batch in parquet.iter_batches(columns=None if out else [text_field]):
+            if not plain:
+                batch = pa.RecordBatch.from_arrays(
+                    [c.cast(pa.large_string()) if name == text_field else c
+                     for name, c in zip(batch.schema.names, batch.columns)],
+                    names=batch.schema.names)
             texts = batch.column(text_field)
             bad = _no_text(texts)
             rows = np.flatnonzero(bad.to_numpy(zero_copy_only=False))
