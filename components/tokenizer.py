@@ -150,20 +150,27 @@ class HFTokenizer:
             if token_id is None:
                 raise ValueError(f"{key} = {named!r}: {self.path} has no such token"
                                  + self._specials_hint())
-            self.found[role] = f"{named!r} (id {token_id}, {key})"
+            self.found[role] = f"{named!r} (id {token_id}, {key}{self._ordinary(token_id)})"
             return token_id
         candidates = [(config, "tokenizer_config.json"), (framing, "the post-processor")]
         candidates += [(name, "a common name") for name in defaults]
         for candidate, source in candidates:
             token_id = self._tokenizer.token_to_id(candidate) if candidate else None
             if token_id is not None:
-                self.found[role] = f"{candidate!r} (id {token_id}, {source})"
+                self.found[role] = f"{candidate!r} (id {token_id}, {source}{self._ordinary(token_id)})"
                 return token_id
         raise ValueError(
             f"{self.path}: no {role} token found (not in a tokenizer_config.json beside it nor in "
             f"its post-processor; none of {', '.join(map(repr, defaults))}): name the one that "
             f"marks a document's {'start' if role == 'bos' else 'end'} with --tokenizer.{role}_token"
             + self._specials_hint())
+
+    def _ordinary(self, token_id: int) -> str:
+        """A warning for a bos/eos that is not an added token: a text's own words encode to it
+        too, and then read as a document's boundary ("", else)."""
+        if token_id in self._tokenizer.get_added_tokens_decoder():
+            return ""
+        return "; warning: an ordinary token of the vocabulary, which a text's own words may encode to"
 
     def _specials_hint(self) -> str:
         specials = [t.content for t in self._tokenizer.get_added_tokens_decoder().values()

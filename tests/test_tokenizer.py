@@ -85,6 +85,14 @@ def test_hf_tokenizer_vocab_size_counts_added_tokens_and_names_can_be_given(tmp_
 
     # Config defaults of "" mean "not given".
     assert build_tokenizer("hf", str(path), bos_token="", eos_token="").eos_id == default.eos_id
+    assert "warning" not in default.describe() + named.describe()
+    # an ordinary token as a boundary: a text's own words may encode to it, now said in the line
+    # the trainer logs (it was taken without a word)
+    ordinary = next(t for t, i in trained.get_vocab().items() if i > 300 and t.isalpha())
+    word_bos = build_tokenizer("hf", str(path), bos_token=ordinary)
+    assert (f"bos {ordinary!r} (id {trained.token_to_id(ordinary)}, [tokenizer] bos_token; "
+            "warning: an ordinary token of the vocabulary, which a text's own words may encode "
+            "to), eos '<|end_of_text|>'") in word_bos.describe()
 
 
 def test_hf_tokenizer_with_one_endoftext_token_uses_it_for_both_ends(tmp_path, rng):
