@@ -485,7 +485,8 @@ def test_settings_checked_before_the_model_is_built_are_config_errors(tmp_path, 
     (["--training.max_bad_steps", "0"], r"\[training\] max_bad_steps = 0: must be >= 1"),
     (["--checkpoint.load_step", "-5"], r"\[checkpoint\] load_step = -5: must be a step >= 0"),
     # these two named no section; the tokenizer file was silently not read
-    (["--data.val_every", "1"], r"\[data\] val_every = 1: must be >= 2"),
+    (["--data.val_every", "1"], r"\[data\] val_every = 1: must be 0 \(none held out\) or >= 2"),
+    (["--data.val_every", "-2"], r"\[data\] val_every = -2: must be 0 \(none held out\) or >= 2"),
     (["--model.vocab_size", "-3"], r"\[model\] vocab_size = -3: must be >= 1, or 0"),
     (["--tokenizer.path", "tok.json"], r"\[tokenizer\] path = 'tok.json' is set, but name = "
                                        r"\"byte\" reads no file"),

@@ -709,3 +709,18 @@ def test_a_parquet_text_column_dictionary_encoded_or_a_view_is_text(tmp_path, en
     documents = load_documents(str(tmp_path / "c.parquet"), "train", cache_dir=tmp_path / "cache",
                                on_bad_document="skip")
     assert [d["text"] for d in documents] == ["gamma", "delta epsilon", "alpha beta"]
+
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_val_every_0_holds_no_document_out(tmp_path, streaming):
+    """With validation off, every 100th document was still held out of training, and a source of
+    one document could not train at all ([data] val_every had to be >= 2)."""
+    path = write_jsonl(tmp_path / "docs.jsonl", [f"document {i}" for i in range(5)])
+    documents = load_documents(str(path), "train", streaming=streaming, val_every=0,
+                               cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in documents] == [f"document {i}" for i in range(5)]
+    with pytest.raises(ValueError, match=r"no validation split, and \[data\] val_every = 0 holds "
+                       r"no document out for one: set \[validation\] enable = false"):
+        load_documents(str(path), "validation", streaming=streaming, val_every=0,
+                       cache_dir=tmp_path / "cache")

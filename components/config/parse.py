@@ -239,9 +239,9 @@ def check_values(cfg: JobConfig) -> None:
                           "wavelengths), or 0 for the flavor's")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
-    if cfg.data.val_every < 2:
-        raise ConfigError(f"[data] val_every = {cfg.data.val_every}: must be >= 2 (every n-th "
-                          "document is held out; 1 would hold out all)")
+    if cfg.data.val_every < 0 or cfg.data.val_every == 1:
+        raise ConfigError(f"[data] val_every = {cfg.data.val_every}: must be 0 (none held out) "
+                          "or >= 2 (every n-th document is held out; 1 would hold out all)")
     if cfg.model.vocab_size < 0:
         raise ConfigError(f"[model] vocab_size = {cfg.model.vocab_size}: must be >= 1, or 0 for "
                           "the flavor's")

@@ -203,9 +203,11 @@ class Data:
     synthetic: bool = False
     """Random tokens instead of text, for throughput runs."""
     val_every: int = 100
-    """Text sources: every n-th document is held out for validation.
+    """Text sources: every n-th document is held out for validation; 0: none (all train).
 
-    Token shards hold theirs out when they are prepared (scripts.prepare_data --val-every)."""
+    A source with a validation split of its own uses that instead; 0 with [validation] enable
+    and no such split is an error. Token shards hold theirs out when they are prepared
+    (scripts.prepare_data --val-every)."""
     num_workers: int = 2
     """Text sources: tokenizer processes per rank, running ahead of training; 0: the loader's
     background thread.

@@ -96,8 +96,9 @@ def load_documents(source: str, split: str, text_field: str = "text", streaming:
     on_bad_document: what a document of a local .jsonl/.json/.txt/.parquet file that is not UTF-8,
     not JSON or without text, or a row of a Hub dataset without text, does: "error" names it,
     "skip" leaves it out with a warning."""
-    if val_every < 2:
-        raise ValueError(f"val_every={val_every}: must be >= 2 (1 would hold out every document)")
+    if val_every < 0 or val_every == 1:
+        raise ValueError(f"val_every={val_every}: must be 0 (none held out) or >= 2 (1 would "
+                         "hold out every document)")
     cache_dir = Path(cache_dir).expanduser()
     splits, by_name = _load_splits(source, streaming, cache_dir, text_field, on_bad_document)
 
@@ -250,10 +251,17 @@ def _pick_split(splits, split: str, val_every: int, source: str, pick) -> Docume
     if "train" not in splits:
         raise ValueError(f"{source}: no 'train' split to hold validation documents out of "
                          f"(it has {', '.join(splits)})")
+    if val_every == 0:  # nothing held out
+        if split == "validation":
+            raise ValueError(f"{source}: no validation split, and [data] val_every = 0 holds no "
+                             "document out for one: set [validation] enable = false, or val_every "
+                             ">= 2")
+        return pick("train")
     documents = _hold_out(pick("train"), val_every, validation=(split == "validation"))
     if split == "train" and not is_stream(documents) and not len(documents):
         raise ValueError(f"{source}: no training documents: it has one, and document 0 always goes to "
-                         f"the held-out validation split (so does every [data] val_every-th)")
+                         f"the held-out validation split (so does every [data] val_every-th; 0 "
+                         "holds none out)")
     return documents
 
 
