@@ -11,6 +11,8 @@ folders of them and globs; --hf-dataset a Hugging Face dataset (a hub name, a lo
 data files, or one saved with save_to_disk), read whole (--hf-streaming: file by file, without
 a local copy). Documents are framed [bos] + tokens + [eos] and tokenized by --workers processes.
 Every --val-every-th document (by a hash of its text) goes to the validation split; 0: none.
+A source folder laid out in splits (train/, validation/, test/, or train.jsonl, ...) keeps its
+own: its validation files are the validation split, its test split is left out.
 
 The same command again resumes a killed run (finished units are kept) and does nothing on a
 finished folder; a folder begun with another tokenizer or other settings is refused. The format
@@ -29,8 +31,8 @@ from components.data.checks import ON_BAD_DOCUMENT, MissingTextField  # noqa: E4
 from components.data.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from scripts.lib.prepare_shards import (Plan, PrepareError, file_units, hf_units,  # noqa: E402
-                                        listing, load_hf, local_files, prepare, settings_for,
-                                        tokenizer_record, usable_cpus)
+                                        layout_splits, listing, load_hf, local_files, prepare,
+                                        settings_for, tokenizer_record, usable_cpus)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,8 +86,14 @@ def main(argv=None) -> int:
         dataset, files = None, None
         if args.source:
             paths = local_files(args.source, out=args.out)
+            fixed, left_out = layout_splits(args.source, paths)
+            if left_out:
+                print(f"prepare_data: leaving out {len(left_out)} file(s) of a split other than train "
+                      f"and validation (e.g. {left_out[0]})", file=sys.stderr)
+                paths = [p for p in paths if p not in set(left_out)]
             files = listing(paths)
-            units = [u for number, path in enumerate(paths) for u in file_units(number, path, unit_bytes)]
+            units = [u for number, path in enumerate(paths)
+                     for u in file_units(number, path, unit_bytes, fixed.get(path, ""))]
             source = {"files": files}
         else:
             dataset = load_hf(args.hf_dataset, args.hf_subset, args.hf_split, args.hf_streaming)

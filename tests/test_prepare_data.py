@@ -440,14 +440,24 @@ def test_an_out_folder_of_the_users_is_refused(tmp_path, capsys):
                    tmp_path / "empty", "--val-every", 0, "--no-progress") == 0
 
 
-def test_a_source_folder_laid_out_in_splits_is_refused(tmp_path, capsys):
-    """Its validation (and test) documents went into the one corpus prepare_data holds a split
-    out of: trained on, silently."""
-    for split in ("train", "validation"):
-        write_jsonl(tmp_path / "corpus" / f"{split}.jsonl", [f"{split} text {i}" for i in range(3)])
+def test_a_source_folder_laid_out_in_splits_keeps_them_apart(tmp_path, capsys):
+    """Its validation and test documents went into the one corpus prepare_data holds a split out
+    of by hash: trained on, silently. Now the validation shards are the folder's validation split,
+    the train shards its train split whole, and the test split is left out, said so."""
+    texts = {split: [f"{split} text number {i}" for i in range(n)]
+             for split, n in (("train", 9), ("validation", 4), ("test", 3))}
+    for split, docs in texts.items():
+        write_jsonl(tmp_path / "corpus" / split / "part.jsonl", docs)
     assert prepare("--source", tmp_path / "corpus", "--tokenizer", "byte", "--out",
-                   tmp_path / "out", "--no-progress") == 1
-    assert ("laid out in splits (validation beside train), which prepare_data does not keep apart"
-            in capsys.readouterr().err)
-    assert prepare("--source", tmp_path / "corpus" / "train.jsonl", "--tokenizer", "byte",
-                   "--out", tmp_path / "out", "--val-every", 0, "--no-progress") == 0
+                   tmp_path / "out", "--no-progress", "--workers", 1) == 0
+    assert "leaving out 1 file(s) of a split other than train and validation" in \
+        capsys.readouterr().err
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    framed_tokens = lambda docs: sum(len(t.encode()) + 2 for t in docs)  # noqa: E731
+    assert index["splits"]["train"]["tokens"] == framed_tokens(texts["train"])
+    assert index["splits"]["validation"]["tokens"] == framed_tokens(texts["validation"])
+    # a file in none of the layout's splits is named
+    write_jsonl(tmp_path / "corpus" / "stray.jsonl", ["stray"])
+    assert prepare("--source", tmp_path / "corpus", "--tokenizer", "byte", "--out",
+                   tmp_path / "out2", "--no-progress") == 1
+    assert "stray.jsonl is in none of them" in capsys.readouterr().err

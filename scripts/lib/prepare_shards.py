@@ -54,6 +54,8 @@ class Unit:
     start: int = 0  # jsonl: first byte; parquet: first row group; rows: first row; stream: its shard
     stop: int = 0
     size: int = 0  # bytes to read, as far as known before reading (the progress bar's)
+    split: str = ""  # every document into this split (a source folder laid out in splits), or
+    #                  "": each by the hash of its text (`held_out`)
 
 
 def held_out(text: str, val_every: int) -> bool:
@@ -81,16 +83,9 @@ def local_files(sources: list[str], out: Path | None = None) -> list[Path]:
         found = []
         for match in map(Path, matches):
             if match.is_dir():
-                inside = sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in SUFFIXES
+                found += sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in SUFFIXES
                                 and not any(part.startswith(".") for part in p.relative_to(match).parts)
                                 and (out is None or not p.resolve().is_relative_to(out)))
-                splits = [split for split in splits_of(match, inside)[0] if split != "train"]
-                if splits:  # they went into one corpus, its held-out split drawn from all of them
-                    raise PrepareError(f"--source {source}: laid out in splits ({', '.join(splits)} "
-                                       "beside train), which prepare_data does not keep apart (it "
-                                       "holds out every --val-every-th document of what it reads): "
-                                       "give it the train split's files alone")
-                found += inside
             elif match.suffix in SUFFIXES:
                 found.append(match)
             elif not glob.has_magic(expanded):
@@ -104,7 +99,47 @@ def local_files(sources: list[str], out: Path | None = None) -> list[Path]:
     return sorted(set(p.resolve() for p in files))
 
 
-def file_units(number: int, path: Path, unit_bytes: int) -> list[Unit]:
+def layout_splits(sources: list[str], files: list[Path]) -> tuple[dict[Path, str], list[Path]]:
+    """({file: the split its units write}, the files left out) for the source folders laid out in
+    splits as `datasets` reads them (train/, validation/, test/ or train.jsonl, ...;
+    `components.data.sources.splits_of`): with a validation split, its files are the validation
+    shards and the train split's are all training (nothing held out by hash); without one, the
+    train split's documents are held out by hash as any source's. Other splits (test) are left
+    out. A file of such a folder in none of its splits is an error. Files of other sources are
+    not in the dict (split by hash)."""
+    fixed, left_out = {}, []
+    for source in sources:
+        folder = Path(os.path.expanduser(source))
+        if glob.has_magic(str(folder)) or not folder.is_dir():
+            continue
+        inside = [f for f in files if f.is_relative_to(folder.resolve())]
+        by_split, unplaced = splits_of(folder.resolve(), inside)
+        if not by_split:
+            continue
+        if unplaced:
+            raise PrepareError(f"--source {source}: laid out in splits ({', '.join(by_split)}), but "
+                               f"{unplaced[0]} is in none of them: move it into a split's folder, "
+                               "or give --source one split")
+        own_validation = "validation" in by_split
+        for split, split_files in by_split.items():
+            for f in split_files:
+                if split == "train":
+                    fixed[f] = "train" if own_validation else ""
+                elif split == "validation":
+                    fixed[f] = "validation"
+                else:
+                    left_out.append(f)
+    return fixed, left_out
+
+
+def file_units(number: int, path: Path, unit_bytes: int, split: str = "") -> list[Unit]:
+    units = _file_units(number, path, unit_bytes)
+    for unit in units:
+        unit.split = split
+    return units
+
+
+def _file_units(number: int, path: Path, unit_bytes: int) -> list[Unit]:
     size = path.stat().st_size
     name = lambda part: f"{number:05d}-{part:05d}"  # noqa: E731
     if path.suffix == ".parquet":
@@ -254,7 +289,8 @@ def prepare_unit(unit: Unit) -> dict:
             batch.append(text)
             batch_bytes += size
             if batch_bytes >= BATCH_BYTES:
-                tokens = _write_batch(batch, writers, tokenizer, settings["val_every"], report)
+                tokens = _write_batch(batch, writers, tokenizer, settings["val_every"], report,
+                                      unit.split)
                 _fault_point(unit.name)
                 if progress is not None:
                     with progress.get_lock():
@@ -262,7 +298,7 @@ def prepare_unit(unit: Unit) -> dict:
                         progress_tokens.value += tokens
                 counted += batch_bytes
                 batch, batch_bytes = [], 0
-        tokens = _write_batch(batch, writers, tokenizer, settings["val_every"], report)
+        tokens = _write_batch(batch, writers, tokenizer, settings["val_every"], report, unit.split)
         _fault_point(unit.name)
         report["bytes"] = counted + batch_bytes
         if progress is not None:  # the unit's estimated size is what the bar counts in the end
@@ -278,10 +314,12 @@ def prepare_unit(unit: Unit) -> dict:
     return report
 
 
-def _write_batch(texts: list[str], writers: dict, tokenizer, val_every: int, report: dict) -> int:
-    """Returns the number of tokens written."""
+def _write_batch(texts: list[str], writers: dict, tokenizer, val_every: int, report: dict,
+                 split: str = "") -> int:
+    """Returns the number of tokens written. split: every text into it, or "": each by its hash."""
     written = 0
-    validation = [held_out(t, val_every) for t in texts]
+    validation = ([split == "validation"] * len(texts) if split else
+                  [held_out(t, val_every) for t in texts])
     for split, wanted in (("train", False), ("validation", True)):
         chosen = [t for t, v in zip(texts, validation) if v == wanted]
         if chosen:
