@@ -89,7 +89,7 @@ def from_hf(state: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
                 value = permute_from_hf(value, args.n_kv_heads)
             out[f"layers.{i}.{ours}"] = value
     out["norm.weight"] = state["model.norm.weight"]
-    # tied: transformers ignores an lm_head.weight the folder may hold anyway
+    # tied: an lm_head.weight the folder may hold equals the embedding (check_hf_state)
     out["output.weight"] = (out["tok_embeddings.weight"] if args.tie_embeddings
                             else state["lm_head.weight"])
     return out
@@ -138,6 +138,14 @@ def check_hf_state(state: dict[str, Tensor], args: LlamaArgs, where: str) -> Non
         if not value.is_floating_point():
             problems.append(f"{key} has dtype {value.dtype}, expected a floating-point type")
             break
+    head, embedding = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if (args.tie_embeddings and not problems and head is not None and embedding is not None
+            and not torch.equal(head, embedding.to(head.dtype))):
+        # transformers 4 ties them (the embedding wins), transformers 5 unties them (the head
+        # wins): a folder that two versions read as two models is refused, not guessed at
+        problems.append("lm_head.weight differs from model.embed_tokens.weight though config.json "
+                        "ties them (tie_word_embeddings): set tie_word_embeddings false to load "
+                        "it untied, or drop lm_head.weight to tie")
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
 
@@ -255,7 +263,10 @@ def read_safetensors(folder: str | os.PathLike) -> dict[str, Tensor]:
     from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
-    if (folder / INDEX).is_file():
+    # the single file first, as transformers looks (an index beside it is a stale leftover)
+    if (folder / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    elif (folder / INDEX).is_file():
         try:
             weight_map = json.loads((folder / INDEX).read_text()).get("weight_map")
         except (ValueError, AttributeError) as e:  # cut short, not JSON, or not an object
@@ -267,8 +278,6 @@ def read_safetensors(folder: str | os.PathLike) -> dict[str, Tensor]:
             if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
                 raise ValueError(f"{folder / INDEX}: names {name!r}, not a file name in the "
                                  "folder; not reading outside it")
-    elif (folder / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
     else:
         raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX}")
     tensors = {}

@@ -10,6 +10,7 @@ transformers' init so that attention is sharp and a wrong RoPE layout shows in t
 
 import copy as copy_module
 import dataclasses
+import shutil
 import json
 import os
 import re
@@ -216,6 +217,35 @@ def test_unsupported_configs_and_broken_folders_are_named(tmp_path):
         hf.load_hf_weights(folder, args)
 
 
+def test_a_tied_folder_with_its_own_differing_lm_head_is_refused(tmp_path):
+    """transformers 4 ties such a folder (the embedding wins), transformers 5 unties it (the head
+    wins); this Llama took the embedding without a word, 5.4 off transformers 5's logits."""
+    from safetensors.torch import load_file, save_file
+    folder = save(hf_model(tie=True), tmp_path / "hf")
+    args = hf.args_from_hf_config(hf.read_config(folder))
+    tensors = load_file(folder / hf.SINGLE_FILE)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, folder / hf.SINGLE_FILE)
+    hf.load_hf_weights(folder, args)  # an equal copy is what tying means: loaded
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.01
+    save_file(tensors, folder / hf.SINGLE_FILE)
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight "
+                       r"though config\.json ties them"):
+        hf.load_hf_weights(folder, args)
+
+
+def test_a_single_file_beside_a_stale_index_is_read_as_transformers_reads_it(tmp_path):
+    """model.safetensors and an index with its shards: transformers reads the single file; this
+    Llama read the index's shards, other weights without a word."""
+    model = hf_model()
+    folder = save(model, tmp_path / "hf", shard="200KB")
+    assert (folder / hf.INDEX).is_file()
+    save(hf_model(seed=5), tmp_path / "single")
+    (folder / hf.SINGLE_FILE).write_bytes((tmp_path / "single" / hf.SINGLE_FILE).read_bytes())
+    assert max_logit_diff(our_model(folder), load_float32(folder)) < LOGIT_TOL
+    assert max_logit_diff(our_model(folder), model) > 1e-2  # not the shards' weights
+
+
 # ---------------------------------------------------------------------------------- the trainer
 
 TRAIN = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
@@ -352,3 +382,20 @@ def test_continued_pretraining_from_an_export_takes_its_tokenizer_and_vocab(tmp_
         logits = trained.logits(trained(inputs))
     expected = F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten()).item()
     assert abs(first_loss(dump) - expected) < 1e-5
+    assert "warning: [tokenizer] is not the tokenizer" not in out
+
+    # [tokenizer] set to another than the folder's (another BPE, or the folder's own file with
+    # bos and eos swapped): trained on without a word; a DCP checkpoint warned
+    train_tokenizer(tmp_path / "other.json", rng, vocab_size=350)
+    for other in (["--tokenizer.name", "hf", "--tokenizer.path", str(tmp_path / "other.json")],
+                  ["--tokenizer.name", "hf", "--tokenizer.path", str(folder),
+                   "--tokenizer.bos_token", "<|end_of_text|>",
+                   "--tokenizer.eos_token", "<|begin_of_text|>"]):
+        assert train.main(argv + ["--checkpoint.initial_load_path", str(folder),
+                                  "--model.vocab_size", "600", "--training.steps", "1",
+                                  "--job.dump_folder", str(tmp_path / "other"), *other]) == 0
+        shutil.rmtree(tmp_path / "other")
+        assert (f"warning: [tokenizer] is not the tokenizer of [checkpoint] initial_load_path "
+                f"{folder} (its tokenizer.json: {tokenizer.vocab_size} ids, bos "
+                f"{tokenizer.bos_id}, eos {tokenizer.eos_id}): the model's embeddings are read as "
+                "this tokenizer's ids") in capsys.readouterr().out
