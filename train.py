@@ -36,7 +36,7 @@ from components.config.schema import ConfigError, JobConfig
 from components.data.build import build_data
 from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, check_fp8_device,
                                        convert_to_float8, ignored_settings)
-from components.initial_load import take_settings_from_initial_load
+from components.initial_load import other_tokenizer_warning, take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
 from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_metrics_backends,
@@ -357,6 +357,9 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         resume = find_resume_point(cfg.checkpoint, dump / cfg.checkpoint.folder)
         if resume.step is not None:
             check_resumed_tokenizer(resume.found[resume.step], tokenizer.fingerprint())
+        elif note := other_tokenizer_warning(cfg.checkpoint.initial_load_path,
+                                             tokenizer.fingerprint()):
+            log(note)
         check_metrics_backends(cfg.metrics)
         args = model_args(cfg, tokenizer.vocab_size, dims)
         TrainingLoss(cfg.loss)

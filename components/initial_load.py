@@ -11,7 +11,8 @@ from typing import Callable
 import tokenizers
 
 from components.config.schema import JobConfig, Tokenizer
-from components.tokenizer import TOKENIZER_FILE, byte_tokenizer_json
+from components.tokenizer import (TOKENIZER_FILE, ByteTokenizer, HFTokenizer,
+                                  byte_tokenizer_json)
 from models import hf
 
 
@@ -45,6 +46,32 @@ def take_settings_from_initial_load(cfg: JobConfig, log: Callable[[str], None]) 
     if taken:
         log(f"from [checkpoint] initial_load_path {folder} (the run does not set them): "
             + "; ".join(taken))
+
+
+def other_tokenizer_warning(initial_load_path: str, fingerprint: str) -> str | None:
+    """A warning line when the run's tokenizer (its fingerprint) is not the tokenizer.json of a
+    Hugging Face folder it starts from, with config.json's bos/eos ids: the embeddings are then
+    read as other tokens' (a new tokenizer may be meant: a DCP checkpoint gets the same warning).
+    None where they agree or the folder has no tokenizer.json to compare."""
+    folder = Path(initial_load_path)
+    file = folder / TOKENIZER_FILE
+    if not initial_load_path or not hf.is_hf_folder(folder) or not file.is_file():
+        return None
+    if _is_byte_tokenizer(file):
+        theirs = ByteTokenizer()
+    else:
+        config, vocab = hf.read_config(folder), tokenizers.Tokenizer.from_file(str(file))
+        names = {f"{role}_token": vocab.id_to_token(config[f"{role}_token_id"])
+                 for role in ("bos", "eos") if isinstance(config.get(f"{role}_token_id"), int)}
+        try:
+            theirs = HFTokenizer(file, **{k: v for k, v in names.items() if v is not None})
+        except ValueError:  # no bos/eos it can tell: nothing to compare against
+            return None
+    if theirs.fingerprint() == fingerprint:
+        return None
+    return (f"warning: [tokenizer] is not the tokenizer of [checkpoint] initial_load_path {folder} "
+            f"(its {TOKENIZER_FILE}: {theirs.vocab_size} ids, bos {theirs.bos_id}, eos "
+            f"{theirs.eos_id}): the model's embeddings are read as this tokenizer's ids")
 
 
 def _is_byte_tokenizer(path: Path) -> bool:
