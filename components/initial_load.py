@@ -57,16 +57,16 @@ def other_tokenizer_warning(initial_load_path: str, fingerprint: str) -> str | N
     file = folder / TOKENIZER_FILE
     if not initial_load_path or not hf.is_hf_folder(folder) or not file.is_file():
         return None
-    if _is_byte_tokenizer(file):
-        theirs = ByteTokenizer()
-    else:
-        config, vocab = hf.read_config(folder), tokenizers.Tokenizer.from_file(str(file))
-        names = {f"{role}_token": vocab.id_to_token(config[f"{role}_token_id"])
-                 for role in ("bos", "eos") if isinstance(config.get(f"{role}_token_id"), int)}
-        try:
+    try:
+        if _is_byte_tokenizer(file):
+            theirs = ByteTokenizer()
+        else:
+            config, vocab = hf.read_config(folder), tokenizers.Tokenizer.from_file(str(file))
+            names = {f"{role}_token": vocab.id_to_token(config[f"{role}_token_id"])
+                     for role in ("bos", "eos") if isinstance(config.get(f"{role}_token_id"), int)}
             theirs = HFTokenizer(file, **{k: v for k, v in names.items() if v is not None})
-        except ValueError:  # no bos/eos it can tell: nothing to compare against
-            return None
+    except Exception:  # a file it cannot read, or no bos/eos it can tell: nothing to compare
+        return None
     if theirs.fingerprint() == fingerprint:
         return None
     return (f"warning: [tokenizer] is not the tokenizer of [checkpoint] initial_load_path {folder} "
