@@ -357,9 +357,9 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         resume = find_resume_point(cfg.checkpoint, dump / cfg.checkpoint.folder)
         if resume.step is not None:
             check_resumed_tokenizer(resume.found[resume.step], tokenizer.fingerprint())
-        elif note := other_tokenizer_warning(cfg.checkpoint.initial_load_path,
-                                             tokenizer.fingerprint()):
-            log(note)
+        elif rank == 0 and (note := other_tokenizer_warning(cfg.checkpoint.initial_load_path,
+                                                            tokenizer.fingerprint())):
+            log(note)  # read by rank 0 alone, which says it
         check_metrics_backends(cfg.metrics)
         args = model_args(cfg, tokenizer.vocab_size, dims)
         TrainingLoss(cfg.loss)

@@ -28,13 +28,9 @@ def take_settings_from_initial_load(cfg: JobConfig, log: Callable[[str], None]) 
     tokenizer_file = folder / TOKENIZER_FILE
     if cfg.tokenizer == Tokenizer() and tokenizer_file.is_file() and not _is_byte_tokenizer(
             tokenizer_file):
-        file = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         cfg.tokenizer.name, cfg.tokenizer.path = "hf", str(folder)
-        for role in ("bos", "eos"):  # config.json's ids are the ones the model was trained with
-            token_id = config.get(f"{role}_token_id")
-            token = file.id_to_token(token_id) if isinstance(token_id, int) else None
-            if token is not None:
-                setattr(cfg.tokenizer, f"{role}_token", token)
+        for key, token in config_special_tokens(config, tokenizer_file).items():
+            setattr(cfg.tokenizer, key, token)
         taken.append(f'[tokenizer] name = "hf", path = "{folder}"'
                      + "".join(f", {role}_token = {getattr(cfg.tokenizer, role + '_token')!r}"
                                for role in ("bos", "eos")
@@ -46,6 +42,16 @@ def take_settings_from_initial_load(cfg: JobConfig, log: Callable[[str], None]) 
     if taken:
         log(f"from [checkpoint] initial_load_path {folder} (the run does not set them): "
             + "; ".join(taken))
+
+
+def config_special_tokens(config: dict, tokenizer_file: Path) -> dict[str, str]:
+    """{"bos_token": ..., "eos_token": ...}: the tokens a Hugging Face folder's config.json names
+    by id (the ids the model was trained with, which win over the usual token names), for those
+    it names that tokenizer_file has."""
+    file = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    names = {f"{role}_token": file.id_to_token(config[f"{role}_token_id"])
+             for role in ("bos", "eos") if isinstance(config.get(f"{role}_token_id"), int)}
+    return {key: token for key, token in names.items() if token is not None}
 
 
 def other_tokenizer_warning(initial_load_path: str, fingerprint: str) -> str | None:
@@ -61,10 +67,7 @@ def other_tokenizer_warning(initial_load_path: str, fingerprint: str) -> str | N
         if _is_byte_tokenizer(file):
             theirs = ByteTokenizer()
         else:
-            config, vocab = hf.read_config(folder), tokenizers.Tokenizer.from_file(str(file))
-            names = {f"{role}_token": vocab.id_to_token(config[f"{role}_token_id"])
-                     for role in ("bos", "eos") if isinstance(config.get(f"{role}_token_id"), int)}
-            theirs = HFTokenizer(file, **{k: v for k, v in names.items() if v is not None})
+            theirs = HFTokenizer(file, **config_special_tokens(hf.read_config(folder), file))
     except Exception:  # a file it cannot read, or no bos/eos it can tell: nothing to compare
         return None
     if theirs.fingerprint() == fingerprint:

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
             if left_out:
                 print(f"prepare_data: leaving out {len(left_out)} file(s) of a split other than train "
                       f"and validation (e.g. {left_out[0]})", file=sys.stderr)
-                paths = [p for p in paths if p not in set(left_out)]
+                dropped = set(left_out)
+                paths = [p for p in paths if p not in dropped]
             files = listing(paths)
             units = [u for number, path in enumerate(paths)
                      for u in file_units(number, path, unit_bytes, fixed.get(path, ""))]

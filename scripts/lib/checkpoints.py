@@ -20,7 +20,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import tokenizers
 import torch
 from torch import Tensor
 
@@ -29,6 +28,7 @@ from components.checkpoint import list_checkpoints, saved_tokenizer
 from components.checkpoint_manifest import find_damage
 from components.config.schema import JobConfig
 from components.config.parse import load_config
+from components.initial_load import config_special_tokens
 from components.tokenizer import HFTokenizer, build_tokenizer
 from models import Llama, LlamaArgs, build_rope_cache
 from models import hf
@@ -209,13 +209,7 @@ def hf_tokenizer(folder: Path, path: str | None = None) -> HFTokenizer:
     path = Path(path) if path else folder / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no tokenizer.json: pass --tokenizer PATH")
-    config = hf.read_config(folder)
-    names = {}
-    for role in ("bos", "eos"):  # config.json's ids win over the usual token names
-        if isinstance(config.get(f"{role}_token_id"), int):
-            names[f"{role}_token"] = tokenizers.Tokenizer.from_file(str(path)).id_to_token(
-                config[f"{role}_token_id"])
-    return HFTokenizer(path, **names)
+    return HFTokenizer(path, **config_special_tokens(hf.read_config(folder), path))
 
 
 def _trained_tokenizer(folder: Path, config: JobConfig | None) -> tuple[str, int, str] | None:

@@ -84,8 +84,7 @@ def local_files(sources: list[str], out: Path | None = None) -> list[Path]:
         for match in map(Path, matches):
             if match.is_dir():
                 found += sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in SUFFIXES
-                                and not any(part.startswith(".") for part in p.relative_to(match).parts)
-                                and (out is None or not p.resolve().is_relative_to(out)))
+                                and not any(part.startswith(".") for part in p.relative_to(match).parts))
             elif match.suffix in SUFFIXES:
                 found.append(match)
             elif not glob.has_magic(expanded):
@@ -315,10 +314,11 @@ def prepare_unit(unit: Unit) -> dict:
 
 
 def _write_batch(texts: list[str], writers: dict, tokenizer, val_every: int, report: dict,
-                 split: str = "") -> int:
-    """Returns the number of tokens written. split: every text into it, or "": each by its hash."""
+                 fixed_split: str = "") -> int:
+    """Returns the number of tokens written. fixed_split: every text into it, or "": each by its
+    hash."""
     written = 0
-    validation = ([split == "validation"] * len(texts) if split else
+    validation = ([fixed_split == "validation"] * len(texts) if fixed_split else
                   [held_out(t, val_every) for t in texts])
     for split, wanted in (("train", False), ("validation", True)):
         chosen = [t for t, v in zip(texts, validation) if v == wanted]
