@@ -998,7 +998,10 @@ def test_the_peak_extra_memory_on_cuda_is_what_the_call_asked_for():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GEMMs)")
 def test_the_gemms_ahead_of_a_timed_call_keep_the_gpu_busy_about_as_long_as_asked():
     """The host-ahead timing's lead: GEMMs that last about the ms asked for, so that a call
-    queued behind them is timed alone (the host's time to queue it not counted)."""
+    queued behind them is timed alone (the host's time to queue it not counted). scripts/test_gpu.sh
+    shares the GPU among its workers: another's kernels can lengthen a lead, never shorten it,
+    and a GEMM timed while they ran must not shorten the leads after (the calibration did, once:
+    a 5 ms lead measured 2.08 ms)."""
     timing.gpu_fill(1.0)  # the operands made and one GEMM timed
     for ms in (5.0, 30.0):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -1007,7 +1010,7 @@ def test_the_gemms_ahead_of_a_timed_call_keep_the_gpu_busy_about_as_long_as_aske
         timing.gpu_fill(ms)
         end.record()
         torch.cuda.synchronize()
-        assert 0.5 * ms < start.elapsed_time(end) < 2.0 * ms
+        assert 0.5 * ms < start.elapsed_time(end) < 4.0 * ms  # longer: another worker's kernels
     x = torch.ones(8, device="cuda")
     gpu, host = timing.ahead_ms(lambda: x.add_(1), 20.0)
     assert gpu < 5.0 and host < 20.0
