@@ -161,7 +161,8 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
     and fastest-count."""
     from scripts.lib.loss_grid import grid_markdown
     for name in ("flce_grid_h100", "flce_grid_small_h100", "flce_grid_small_host_ahead_h100",
-                 "flce_grid_host_ahead_h100", "flce_grid_host_ahead_one_sleep_h100", "flce_grid"):
+                 "flce_grid_host_ahead_h100", "flce_grid_host_ahead_one_sleep_h100",
+                 "flce_grid_host_ahead_busy_h100", "flce_grid"):
         record = json.loads((BENCHMARKS / f"{name}.json").read_text())
         report = grid_markdown(record["meta"], record["results"])
         assert (BENCHMARKS / f"{name}.md").read_text() == report, name
