@@ -66,6 +66,13 @@ def _opts(ignore_index, label_smoothing, logit_scale, z_loss, softcap) -> LossOp
     return LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap)
 
 
+def _dense_like(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A fake gradient as the real ops make it: contiguous whatever the input's strides
+    (`empty_like` keeps a transposed x's or W's, and Inductor then asserts them on the real
+    gradient)."""
+    return t.new_empty(t.shape, dtype=dtype or t.dtype)
+
+
 def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_empty(_EMPTY) if t is None else t
 
@@ -102,10 +109,10 @@ def _(x, target, weight, bias, loss_weight, ignore_index, label_smoothing, logit
       softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw, need_db):
     acc = weight.dtype if lean else torch.promote_types(torch.float32, weight.dtype)
     return (x.new_empty((), dtype=stat_dtype(x)),
-            torch.empty_like(x, dtype=x.dtype if lean else stat_dtype(x)) if need_dx
+            _dense_like(x, x.dtype if lean else stat_dtype(x)) if need_dx
             else x.new_empty(_EMPTY),
-            torch.empty_like(weight, dtype=acc) if need_dw else weight.new_empty(_EMPTY),
-            torch.empty_like(bias, dtype=stat_dtype(x)) if need_db else weight.new_empty(_EMPTY))
+            _dense_like(weight, acc) if need_dw else weight.new_empty(_EMPTY),
+            _dense_like(bias, stat_dtype(x)) if need_db else weight.new_empty(_EMPTY))
 
 
 @_op("block_forward", mutates_args=())
@@ -164,9 +171,9 @@ def block_backward(
 def _(logits, row_weight, row_scale, x, target, weight, bias, row_max, log_sum, off_max,
       w_col_absmax, ignore_index, label_smoothing, logit_scale, z_loss, softcap, float8,
       use_triton, need_dx, need_dw, need_db, release_stats):
-    return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
-            torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
-            torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
+    return (_dense_like(x) if need_dx else x.new_empty(_EMPTY),
+            _dense_like(weight) if need_dw else weight.new_empty(_EMPTY),
+            _dense_like(bias) if need_db else weight.new_empty(_EMPTY))
 
 
 @_op("token_losses", mutates_args=())
@@ -217,9 +224,9 @@ def token_losses_backward(
 def _(grad, x, target, weight, bias, row_max, log_sum, ignore_index, label_smoothing,
       logit_scale, z_loss, softcap, chunk_size, lean, float8, use_triton, need_dx, need_dw,
       need_db):
-    return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
-            torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
-            torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
+    return (_dense_like(x) if need_dx else x.new_empty(_EMPTY),
+            _dense_like(weight) if need_dw else weight.new_empty(_EMPTY),
+            _dense_like(bias) if need_db else weight.new_empty(_EMPTY))
 
 
 @_op("sweep_forward", mutates_args=())
@@ -259,9 +266,9 @@ def sweep_backward(
 @sweep_backward.register_fake
 def _(row_weight, x, target, weight, bias, loss, row_max, log_sum, ignore_index,
       label_smoothing, logit_scale, z_loss, softcap, use_triton, need_dx, need_dw, need_db):
-    return (torch.empty_like(x) if need_dx else x.new_empty(_EMPTY),
-            torch.empty_like(weight) if need_dw else weight.new_empty(_EMPTY),
-            torch.empty_like(bias) if need_db else weight.new_empty(_EMPTY))
+    return (_dense_like(x) if need_dx else x.new_empty(_EMPTY),
+            _dense_like(weight) if need_dw else weight.new_empty(_EMPTY),
+            _dense_like(bias) if need_db else weight.new_empty(_EMPTY))
 
 
 @_op("weighted_sum", mutates_args=())

@@ -332,7 +332,7 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
                 t.untyped_storage().resize_(0)
     dx = dw = db = None
     if fp8 is not None:
-        dx = torch.empty_like(x)
+        dx = x.new_empty(x.shape)
         if N:
             fp8.dx_into(dx, weight, 0)
     elif need_dx:

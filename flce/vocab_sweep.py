@@ -208,9 +208,9 @@ def sweep_grads(row_weight: Tensor, x: Tensor, target: Tensor,
         buf = sweep_buffer(x, weight, keep_stats=False)[0]
     slices = slices or _slices(x, weight, bias, buf)
     cols = slices[0].cols
-    dx = torch.empty_like(x) if need_dx else None
-    dw = torch.empty_like(weight) if need_dw else None
-    db = torch.empty_like(bias, dtype=db_dtype) if need_db else None
+    dx = x.new_empty(x.shape) if need_dx else None  # contiguous, as the other paths' gradients
+    dw = weight.new_empty(weight.shape) if need_dw else None
+    db = bias.new_empty(bias.shape, dtype=db_dtype) if need_db else None
     dw_parts = dw.split(cols) if dw is not None else None
     db_parts = db.split(cols) if db is not None else None
     if use_triton:

@@ -98,3 +98,39 @@ def test_the_op_names_change_with_flces_sources(tmp_path):
     ops = copy / "ops.py"
     ops.write_text(ops.read_text() + "MIN_CHUNK_TOKENS = 4096  # another flce\n")
     assert source_digest(copy) != source_digest(package)
+
+
+@pytest.mark.parametrize("transposed", ["x", "weight"])
+@pytest.mark.parametrize("path", [
+    {}, {"chunk_size": 8}, {"memory_lean": True}, {"memory_lean": True, "sweep": True},
+    {"reduction": "none"}], ids=["one_block", "chunks", "lean_chunks", "lean_slices", "none"])
+def test_inside_torch_compile_with_transposed_inputs(transposed, path, monkeypatch):
+    """A head stored [H, V] and passed as W.t() (or an x transposed): the fake gradients copied
+    the input's strides (`empty_like`) while the real ones are contiguous, and Inductor's stride
+    assertion failed the compiled step on every path (`expected ... stride 8==1`)."""
+    path = dict(path)
+    if path.pop("sweep", False):
+        monkeypatch.setattr(flce.vocab_sweep, "SWEEP_MIN_WEIGHT", 0)
+    torch._dynamo.reset()
+    N, H, V = 21, 8, 40
+    x, t, w, b = make_inputs(N, H, V, "cpu", torch.float32)
+    x_in = x.detach().t().contiguous().t().requires_grad_() if transposed == "x" else x
+    w_in = w.detach().t().contiguous().t().requires_grad_() if transposed == "weight" else w
+    assert not (x_in if transposed == "x" else w_in).is_contiguous()
+    upstream = torch.rand(N, dtype=torch.float64) + 0.5
+
+    def loss_of(fn, *args):
+        loss = fn(*args, reduction=path.get("reduction", "mean"),
+                  **{k: v for k, v in path.items() if k != "reduction"})
+        return (loss.double() * upstream).sum() if loss.dim() else loss.double()
+
+    compiled = torch.compile(flce.fused_linear_cross_entropy, fullgraph=True)
+    got = loss_of(compiled, x_in, t, w_in, b)
+    got_grads = torch.autograd.grad(got, (x_in, w_in, b))
+    xd, wd, bd = (a.detach().double().requires_grad_() for a in (x, w, b))
+    losses = torch.nn.functional.cross_entropy(xd @ wd.t() + bd, t, reduction="none")
+    kept = (t != -100).sum()
+    ref = (losses * upstream).sum() if path.get("reduction") == "none" else losses.sum() / kept
+    ref_grads = torch.autograd.grad(ref, (xd, wd, bd))
+    assert rel_err(got, ref) <= 1e-6
+    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got_grads, ref_grads))
