@@ -56,6 +56,9 @@ def acquire(folder: Path, what: str = "dump folder", key: str = "--job.dump_fold
     descriptor (None where the filesystem cannot lock). Raises DumpFolderInUse when another
     process holds it, FolderNotWritable when it cannot be created or written (read-only)."""
     path = folder / LOCK_FILE
+    if path.is_symlink():  # its holder's text would be written into, then truncate, its target
+        raise FolderNotWritable(f"{what} {folder} holds {LOCK_FILE} as a symbolic link (to "
+                                f"{os.readlink(path)}): remove it, or set another {key}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         return lock_file(path, lambda holder: DumpFolderInUse(
@@ -74,7 +77,7 @@ def lock_file(path: Path, in_use: Callable[[str], Exception]) -> Optional[int]:
     the lock: they must close the descriptor (or it outlives this process)."""
     import fcntl  # POSIX only, like the rest of the trainer
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -116,16 +119,25 @@ def release(fd: Optional[int]) -> None:
         os.close(fd)
 
 
-def _refuse_a_live_runs_folder(checkpoints: Path) -> None:
+def _refuse_a_live_runs_folder(checkpoints: Path, own: Optional[Path] = None) -> None:
     """A checkpoint folder inside another run's dump folder (its default <dump>/checkpoint, say)
     is that run's, whose lock covers its dump folder only: while it runs, this one would commit
-    into its folder. Probed with a shared lock, which writes nothing (a finished run's folder
-    may be read, e.g. to resume its checkpoints from a new dump folder)."""
+    into its folder and prune its steps. Probed with a shared lock, which writes nothing (a
+    finished run's folder may be read, e.g. to resume its checkpoints from a new dump folder).
+    own: this run's dump folder, where the checkpoint folder lies inside it: the folders from
+    the checkpoint folder up to it (itself left out) are probed, those above are not this
+    run's concern (runs may be nested in a parent run's dump folder, their checkpoints apart)."""
     import fcntl
 
-    for parent in checkpoints.resolve().parents:
+    resolved = checkpoints.resolve()
+    if own is None:
+        probed = list(resolved.parents)
+    else:
+        own = own.resolve()
+        probed = [p for p in (resolved, *resolved.parents) if p.is_relative_to(own) and p != own]
+    for parent in probed:
         try:
-            fd = os.open(parent / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(parent / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
@@ -149,17 +161,18 @@ def dump_folder_lock(folder: str | Path, rank: int, checkpoint_folder: str | Pat
     (another filesystem): two runs with their own dump folders would otherwise commit into
     one and move each other's steps aside."""
     locks = {Path(folder): ("dump folder", "--job.dump_folder")}
-    outside = None
+    checkpoints = own = None
     if checkpoint_folder is not None:
         checkpoints = Path(folder) / checkpoint_folder
-        if not checkpoints.resolve().is_relative_to(Path(folder).resolve()):
+        if checkpoints.resolve().is_relative_to(Path(folder).resolve()):
+            own = Path(folder)  # a run nested inside this one's dump folder may hold part of it
+        else:
             locks[checkpoints] = ("checkpoint folder", "--checkpoint.folder")
-            outside = checkpoints
     fds, error = [], None
     if rank == 0:
         try:
-            if outside is not None:
-                _refuse_a_live_runs_folder(outside)
+            if checkpoints is not None:
+                _refuse_a_live_runs_folder(checkpoints, own)
             for path, (what, key) in locks.items():
                 fds.append(acquire(path, what, key))
         except Exception as e:  # in use, or the folder cannot be created

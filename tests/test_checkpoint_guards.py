@@ -157,6 +157,43 @@ def test_a_checkpoint_folder_in_a_live_runs_dump_folder_is_refused(tmp_path):
         assert (tmp_path / "a" / lock.LOCK_FILE).read_text() == ""  # probed, not written
 
 
+def test_a_checkpoint_folder_in_a_live_run_nested_in_this_dump_folder_is_refused(tmp_path):
+    """Run A in <d>/a, run B in <d> with [checkpoint] folder a/checkpoint: inside B's own dump
+    folder, so only B's lock was taken, and B resumed from A's live steps, pruned them
+    (keep_latest_k) and crashed renaming onto a step A had committed. A live run's folder nested
+    in this one's is refused; a run nested in another's dump folder, checkpoints apart, is not."""
+    theirs = tmp_path / "a" / "checkpoint"
+    with lock.dump_folder_lock(tmp_path / "a", 0, "checkpoint"):
+        with pytest.raises(lock.DumpFolderInUse, match=rf"checkpoint folder {theirs} lies in the "
+                                                       rf"dump folder {tmp_path / 'a'} of a run in "
+                                                       r"progress \(pid \d+"):
+            with lock.dump_folder_lock(tmp_path, 0, "a/checkpoint"):
+                pass
+        assert not (tmp_path / lock.LOCK_FILE).exists()  # refused before taking its own lock
+        with lock.dump_folder_lock(tmp_path / "a" / "sweep", 0, "checkpoint"):
+            pass
+    with lock.dump_folder_lock(tmp_path, 0, "a/checkpoint"):  # A ended: its steps may be resumed
+        pass
+
+
+@pytest.mark.parametrize("where", ["dump", "checkpoints"])
+def test_a_run_lock_that_is_a_symlink_is_refused_not_written_through(tmp_path, where):
+    """A run.lock planted as a symbolic link (in a checkpoint folder from someone else, resumed
+    from a new dump folder) had the holder's pid written into its target, then truncated: any
+    file the user could write was emptied."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    folder = tmp_path / ("run" if where == "dump" else "ckpt")
+    folder.mkdir()
+    (folder / lock.LOCK_FILE).symlink_to(victim)
+    what = "dump folder" if where == "dump" else "checkpoint folder"
+    with pytest.raises(lock.FolderNotWritable, match=rf"{what} {folder} holds run.lock as a "
+                                                     r"symbolic link \(to .*victim.txt\): remove"):
+        with lock.dump_folder_lock(tmp_path / "run", 0, tmp_path / "ckpt"):
+            pass
+    assert victim.read_text() == "precious"
+
+
 def test_a_dump_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(lock.FolderNotWritable) as refused:
