@@ -152,6 +152,18 @@ def _refuse_a_live_runs_folder(checkpoints: Path, own: Optional[Path] = None) ->
             os.close(fd)
 
 
+def _refuse_a_file_on_the_way(checkpoints: Path, own: Path) -> None:
+    """The checkpoint folder inside the dump folder is made at the first save, hours in: a file
+    at its path (or above it) is a config error now, not a traceback then."""
+    checkpoints, own = checkpoints.resolve(), own.resolve()
+    for part in (checkpoints, *checkpoints.parents):
+        if part == own or not part.is_relative_to(own):
+            break
+        if part.exists() and not part.is_dir():
+            raise FolderNotWritable(f"checkpoint folder {checkpoints} cannot be made: {part} is a "
+                                    "file; set another --checkpoint.folder")
+
+
 @contextmanager
 def dump_folder_lock(folder: str | Path, rank: int, checkpoint_folder: str | Path | None = None
                      ) -> Iterator[None]:
@@ -171,6 +183,8 @@ def dump_folder_lock(folder: str | Path, rank: int, checkpoint_folder: str | Pat
     fds, error = [], None
     if rank == 0:
         try:
+            if own is not None:
+                _refuse_a_file_on_the_way(checkpoints, own)
             if checkpoints is not None:
                 _refuse_a_live_runs_folder(checkpoints, own)
             for path, (what, key) in locks.items():

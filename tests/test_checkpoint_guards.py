@@ -15,7 +15,7 @@ import torch
 import train
 from components import lock, safe_dcp
 from components.checkpoint_manifest import find_damage
-from components.config.parse import refusal_line
+from components.config.parse import load_config, refusal_line
 from test_checkpoint import BASE, losses
 
 
@@ -192,6 +192,27 @@ def test_a_run_lock_that_is_a_symlink_is_refused_not_written_through(tmp_path, w
         with lock.dump_folder_lock(tmp_path / "run", 0, tmp_path / "ckpt"):
             pass
     assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("folder", ["ckfile", "ckfile/inner"])
+def test_a_checkpoint_folder_at_a_file_is_refused_before_training(tmp_path, folder):
+    """[checkpoint] folder inside the dump folder at a path a file holds: the run trained until
+    its first save, then died there with a NotADirectoryError traceback."""
+    (tmp_path / "ckfile").write_text("the user's")
+    with pytest.raises(lock.FolderNotWritable) as refused:
+        with lock.dump_folder_lock(tmp_path, 0, folder):
+            pass
+    assert refusal_line(refused.value) == (
+        f"error: checkpoint folder {tmp_path / folder} cannot be made: {tmp_path / 'ckfile'} is "
+        "a file; set another --checkpoint.folder")
+    assert (tmp_path / "ckfile").read_text() == "the user's"
+
+
+def test_a_tilde_in_the_checkpoint_folder_is_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
+    cfg = load_config(["--config", str(config), "--checkpoint.folder", "~/ckx"])
+    assert cfg.checkpoint.folder == str(tmp_path / "ckx")
 
 
 def test_a_dump_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):

@@ -419,8 +419,8 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
 
 # Keys that name a file or folder: a leading ~ is the home folder, as in a shell (TOML files and
 # `--key=~/x` arguments never see a shell's expansion).
-PATH_KEYS = (("job", "dump_folder"), ("checkpoint", "initial_load_path"), ("tokenizer", "path"),
-             ("data", "source"), ("data", "cache_dir"))
+PATH_KEYS = (("job", "dump_folder"), ("checkpoint", "folder"), ("checkpoint", "initial_load_path"),
+             ("tokenizer", "path"), ("data", "source"), ("data", "cache_dir"))
 
 
 def _expand_home(cfg: JobConfig) -> None:
