@@ -826,6 +826,23 @@ def test_fresh_run_folder_makes_clears_its_own_and_refuses_the_rest(tmp_path):
         run_folders.fresh_run_folder(tmp_path / "file")
 
 
+@pytest.mark.parametrize("target", ["marked", "missing"])
+def test_a_symlinked_run_folder_is_refused_in_one_line(tmp_path, target):
+    """`run_folders fresh LINK` to a marked folder was rmtree's traceback ("Cannot call rmtree
+    on a symbolic link"); to a missing one it made the folder through the link."""
+    real = tmp_path / "real"
+    if target == "marked":
+        run_folders.fresh_run_folder(real)
+        (real / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "link").symlink_to(real)
+    result = subprocess.run([sys.executable, "-m", "scripts.lib.run_folders", "fresh",
+                             str(tmp_path / "link")], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2
+    assert result.stderr == (f"error: {tmp_path / 'link'} is a symbolic link (to {real}), not a "
+                             "run folder: not clearing it; name the folder itself\n")
+    assert (real / "metrics.jsonl").is_file() if target == "marked" else not real.exists()
+
+
 def test_run_folders_command_checks_every_folder_before_clearing_any(tmp_path):
     ours = run_folders.fresh_run_folder(tmp_path / "ours")
     (ours / "metrics.jsonl").write_text("{}\n")

@@ -20,6 +20,9 @@ MARKER = ".scratch-run"
 def check_clearable(path: Path | str) -> None:
     """Raise FileExistsError unless path is absent, an empty folder, or a folder MARKER marks."""
     path = Path(path)
+    if path.is_symlink():  # clearing one would clear, or refuse, what it points to
+        raise FileExistsError(f"{path} is a symbolic link (to {path.readlink()}), not a run "
+                              "folder: not clearing it; name the folder itself")
     if not path.exists():
         return
     if not path.is_dir():
