@@ -335,9 +335,10 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
     """What would otherwise fail only after the model is built, as config errors (one line, exit
     2): the parallel degrees, the tokenizer, the optimizer and schedule settings, the checkpoint
     to resume (and that it was trained with this tokenizer), the metrics backends, the model's
-    shape, the loss, activation checkpointing, attention and float8 settings. Then records the
-    config (rank 0 writes <dump_folder>/config.toml): a refused run leaves the config of the
-    run that wrote the folder's metrics in place."""
+    shape, the loss, activation checkpointing, attention and float8 settings. The config is
+    written to <dump_folder>/config.toml only once the data and the checkpoint to resume were
+    opened too (`record_config`): a refused run leaves the config of the run that wrote the
+    folder's metrics in place."""
     with config_checks():
         dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                     cfg.parallelism.data_parallel_shard_degree,
@@ -377,11 +378,8 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         check_sdpa_backend(cfg.model.sdpa_backend, device)
         if FLOAT8_CONVERTER in cfg.model.converters:
             check_fp8_device(cfg.quantize.linear.float8, device)
-    if rank == 0:
-        dump.mkdir(parents=True, exist_ok=True)
-        (dump / "config.toml").write_text(to_toml(cfg))
-        if cfg.job.print_config:
-            print(to_toml(cfg), flush=True)
+    if rank == 0 and cfg.job.print_config:
+        print(to_toml(cfg), flush=True)
     for note in (batch_note, schedule_note):
         if note:
             log(note)
@@ -549,6 +547,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     dump = Path(cfg.job.dump_folder)
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics, config=cfg.to_dict(),
                             notes=cfg.job.description, first_step=start_step)
+    if rank == 0:  # after the logger set an earlier run's config aside with its metrics
+        (dump / "config.toml").write_text(to_toml(cfg))
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     bad_steps = BadSteps(device, start_step)
     exit_code, run_tokens, step = 0, 0, start_step - 1

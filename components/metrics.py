@@ -254,17 +254,27 @@ class MetricsLogger:
             raise
 
     def _set_aside_earlier_run(self) -> None:
+        """The earlier run's metrics.jsonl, with the config.toml that says what made them and
+        its TensorBoard events (a second run's would show as one mixed curve), renamed with the
+        time its metrics were last written: metrics.<time>.jsonl, config.<time>.toml,
+        tb.<time>. The caller writes this run's config.toml after."""
         if not self.jsonl_path.is_file() or self.jsonl_path.stat().st_size == 0:
             return
         written = datetime.datetime.fromtimestamp(self.jsonl_path.stat().st_mtime)
-        stem = f"metrics.{written:%Y%m%d-%H%M%S}"
-        aside, n = self.dump_folder / f"{stem}.jsonl", 1
-        while aside.exists():
+        stamp, n = f"{written:%Y%m%d-%H%M%S}", 1
+        earlier = {"metrics.jsonl": "metrics.{}.jsonl", "config.toml": "config.{}.toml",
+                   "tb": "tb.{}"}
+        names = {}
+        while not names or any((self.dump_folder / new).exists() for new in names.values()):
+            suffix = stamp if n == 1 else f"{stamp}-{n}"
+            names = {old: new.format(suffix) for old, new in earlier.items()
+                     if (self.dump_folder / old).exists()}
             n += 1
-            aside = self.dump_folder / f"{stem}-{n}.jsonl"
-        self.jsonl_path.rename(aside)
-        print(f"{self.jsonl_path} held an earlier run's metrics: renamed it {aside.name}; this "
-              "fresh run starts a new file", flush=True)
+        for old, new in names.items():
+            (self.dump_folder / old).rename(self.dump_folder / new)
+        renamed = ", ".join(f"{old} to {new}" for old, new in names.items())
+        print(f"{self.jsonl_path} held an earlier run's metrics: renamed {renamed}; this fresh "
+              "run starts anew", flush=True)
 
     def _start_wandb(self, cfg: Metrics, config: dict | None, notes: str):
         wandb = _import_wandb()

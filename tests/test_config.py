@@ -480,6 +480,19 @@ def test_settings_checked_before_the_model_is_built_are_config_errors(tmp_path, 
     assert (tmp_path / "run" / "config.toml").read_text() == "# the earlier run's\n"
 
 
+def test_a_run_refused_once_its_data_is_opened_leaves_the_folders_config(tmp_path, capsys):
+    """A data mistake is found after the model is built; config.toml had been written before it,
+    so the folder's metrics (the earlier run's) and its config.toml no longer matched."""
+    import train
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("# the earlier run's\n")
+    with pytest.raises(FileNotFoundError, match="data source not found"):
+        train.main(["--config", str(ROOT / "configs" / "debug.toml"), "--job.dump_folder",
+                    str(tmp_path / "run"), "--job.print_config", "false",
+                    "--data.source", str(tmp_path / "missing.jsonl")])
+    assert (tmp_path / "run" / "config.toml").read_text() == "# the earlier run's\n"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--job.dump_folder", ""], r"\[job\] dump_folder is empty"),  # it wrote into the current folder
     (["--training.max_bad_steps", "0"], r"\[training\] max_bad_steps = 0: must be >= 1"),

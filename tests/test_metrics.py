@@ -57,7 +57,29 @@ def test_a_fresh_run_sets_an_earlier_runs_jsonl_aside(tmp_path, capsys):
     assert {r["loss"] for p in earlier for r in _read_jsonl(p)} == {0.0, 1.0}
     assert re.fullmatch(r"metrics\.\d{8}-\d{6}(-2)?\.jsonl", earlier[1].name)
     out = capsys.readouterr().out
-    assert out.count("held an earlier run's metrics: renamed it metrics.") == 2
+    assert out.count("held an earlier run's metrics: renamed metrics.jsonl to metrics.") == 2
+
+
+def test_the_earlier_runs_config_and_tensorboard_events_go_aside_with_its_metrics(tmp_path,
+                                                                                 capsys):
+    """A fresh run in a used dump folder kept the earlier run's metrics (renamed) but wrote its
+    own config.toml over the one that said what made them, and its TensorBoard events went into
+    the same tb/, one mixed curve of both runs."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (tmp_path / "config.toml").write_text("# the earlier run's\n")
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "events.out.tfevents.1").write_text("earlier")
+    (tmp_path / "config.20000101-000000.toml").write_text("# older still\n")
+    with MetricsLogger(tmp_path, rank=0, total_steps=10):
+        pass
+    stamp = re.fullmatch(r"metrics\.(\d{8}-\d{6})\.jsonl",
+                         next(tmp_path.glob("metrics.*.jsonl")).name).group(1)
+    assert (tmp_path / f"config.{stamp}.toml").read_text() == "# the earlier run's\n"
+    assert (tmp_path / f"tb.{stamp}" / "events.out.tfevents.1").read_text() == "earlier"
+    assert not (tmp_path / "config.toml").exists() and not (tmp_path / "tb").exists()
+    assert (tmp_path / "config.20000101-000000.toml").read_text() == "# older still\n"
+    assert (f"renamed metrics.jsonl to metrics.{stamp}.jsonl, config.toml to config.{stamp}.toml, "
+            f"tb to tb.{stamp};") in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

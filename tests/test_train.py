@@ -3,6 +3,7 @@ unfused losses agree, non-finite steps follow the configured policy, torchrun wi
 a resumed run follows its own optimizer config, stop signals save and exit cleanly."""
 
 import json
+import tomllib
 import math
 import os
 import random
@@ -226,8 +227,11 @@ def test_a_fresh_run_starts_a_new_metrics_file_and_a_resumed_one_appends(tmp_pat
     assert code == 0 and [r["step"] for r in rows] == [1, 2, 3]
     (earlier,) = dump.glob("metrics.*.jsonl")
     assert [json.loads(line)["step"] for line in earlier.read_text().splitlines()] == [1, 2, 3, 4]
-    assert (f"{dump}/metrics.jsonl held an earlier run's metrics: renamed it {earlier.name}"
+    assert (f"{dump}/metrics.jsonl held an earlier run's metrics: renamed metrics.jsonl to "
+            f"{earlier.name}, config.toml to config.{earlier.name[8:-6]}.toml;"
             in capsys.readouterr().out)
+    steps = lambda name: tomllib.loads((dump / name).read_text())["training"]["steps"]  # noqa: E731
+    assert steps(f"config.{earlier.name[8:-6]}.toml") == 4 and steps("config.toml") == 3
 
 
 @pytest.mark.slow
