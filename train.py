@@ -280,8 +280,10 @@ def log_resume(path: Path, cfg: JobConfig) -> None:
 
 
 def log_summary(cfg: JobConfig, started: float, first_step: int, last_step: int,
-                tokens: int, tokens_seen: int, metrics: MetricsLogger, ckpt: Checkpointer) -> None:
-    """What the run did and where its outputs are, after the last step (rank 0)."""
+                tokens: int, tokens_seen: int, metrics: MetricsLogger, ckpt: Checkpointer,
+                stopped: bool = False) -> None:
+    """What the run did and where its outputs are, after the last step (rank 0); stopped: the
+    run gave up (too many bad steps), which its last step may be too."""
     wall = datetime.timedelta(seconds=round(time.monotonic() - started))
     if last_step < first_step:
         log(f"done: no step left to train (resumed after step {last_step} of "
@@ -289,7 +291,8 @@ def log_summary(cfg: JobConfig, started: float, first_step: int, last_step: int,
     else:
         steps = f"steps {first_step}-{last_step}" if last_step > first_step else f"step {last_step}"
         resumed = f" ({tokens_seen:,} since step 1)" if tokens_seen != tokens else ""
-        log(f"{'done' if last_step == cfg.training.steps else 'stopped'}: {steps} of "
+        ended = "done" if last_step == cfg.training.steps and not stopped else "stopped"
+        log(f"{ended}: {steps} of "
             f"{cfg.training.steps} in {wall}, {tokens:,} tokens{resumed}")
     if cfg.job.description:
         log(f"  run: {cfg.job.description}")
@@ -621,7 +624,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     if validation is not None:
         validation.batches.close()
     if rank == 0:
-        log_summary(cfg, started, start_step, step, run_tokens, tokens_seen, metrics, ckpt)
+        log_summary(cfg, started, start_step, step, run_tokens, tokens_seen, metrics, ckpt,
+                    stopped=exit_code != 0)
     return exit_code
 
 

@@ -454,6 +454,10 @@ def test_model_name_takes_torchtitans_llama3():
      "config error: [loss] softcap = -1.0: expected 0 (none) or a finite number > 0"),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
       "abc"], ValueError, "config error: [activation_checkpoint] selective_ac_option = 'abc'"),
+    # a superscript two passed str.isdigit() and int() then said "invalid literal", naming no key
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+      "\u00b2"], ValueError,
+     "config error: [activation_checkpoint] selective_ac_option = '\u00b2'"),
     (["--model.sdpa_backend", "cudnn", "--training.device", "cpu"], ValueError,
      "config error: [model] sdpa_backend = 'cudnn' selects a CUDA kernel, but the model runs on cpu"),
     (["--model.converters", "quantize.linear.float8", "--training.device", "cpu"], ValueError,
@@ -501,6 +505,9 @@ def test_a_run_refused_once_its_data_is_opened_leaves_the_folders_config(tmp_pat
     (["--data.val_every", "1"], r"\[data\] val_every = 1: must be 0 \(none held out\) or >= 2"),
     (["--data.val_every", "-2"], r"\[data\] val_every = -2: must be 0 \(none held out\) or >= 2"),
     (["--model.vocab_size", "-3"], r"\[model\] vocab_size = -3: must be >= 1, or 0"),
+    # torch.manual_seed's traceback, after config.toml was written
+    (["--training.seed", str(1 << 64)], r"\[training\] seed = 18446744073709551616: must be "
+                                        r"within -2\*\*63 \.\. 2\*\*63 - 2"),
     (["--tokenizer.path", "tok.json"], r"\[tokenizer\] path = 'tok.json' is set, but name = "
                                        r"\"byte\" reads no file"),
 ])

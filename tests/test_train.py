@@ -131,6 +131,15 @@ def test_non_finite_steps_between_log_steps(tmp_path, monkeypatch, policy, nan_s
         assert sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) == saved
 
 
+def test_a_run_stopped_for_a_bad_last_step_says_stopped(tmp_path, monkeypatch, capsys):
+    """nan_policy "stop" at the last step: the summary said "done: steps 1-4 of 4" (exit 1)."""
+    monkeypatch.setenv("FLCE_TEST_NAN_STEPS", "4")
+    code, _, _ = run(tmp_path, "r", "--training.steps", "4", "--metrics.log_freq", "10",
+                     "--training.nan_policy", "stop")
+    out = capsys.readouterr().out
+    assert code == 1 and "stopped: steps 1-4 of 4" in out and "done:" not in out
+
+
 @pytest.mark.slow
 def test_ranks_skip_a_step_together(tmp_path):
     """FSDP over 2 processes, rank 1's loss alone non-finite at step 2 with finite gradients:

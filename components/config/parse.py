@@ -237,6 +237,9 @@ def check_values(cfg: JobConfig) -> None:
     if factor != 0 and not (math.isfinite(factor) and factor >= 1):
         raise ConfigError(f"[model] rope_scaling_factor = {factor}: must be >= 1 (it stretches "
                           "wavelengths), or 0 for the flavor's")
+    if not -(1 << 63) <= cfg.training.seed < (1 << 63) - 1:  # torch's generators take 64 bits
+        raise ConfigError(f"[training] seed = {cfg.training.seed}: must be within -2**63 .. "
+                          "2**63 - 2 (the validation split is seeded with seed + 1)")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
     if cfg.data.val_every < 0 or cfg.data.val_every == 1:
