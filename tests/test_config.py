@@ -505,6 +505,10 @@ def test_a_run_refused_once_its_data_is_opened_leaves_the_folders_config(tmp_pat
     (["--data.val_every", "1"], r"\[data\] val_every = 1: must be 0 \(none held out\) or >= 2"),
     (["--data.val_every", "-2"], r"\[data\] val_every = -2: must be 0 \(none held out\) or >= 2"),
     (["--model.vocab_size", "-3"], r"\[model\] vocab_size = -3: must be >= 1, or 0"),
+    # both compiled nothing, or the model once, without a word
+    (["--compile.enable", "true", "--compile.components", ""],
+     r"\[compile\] enable = true with components empty compiles nothing"),
+    (["--compile.components", "model,model"], r"\[compile\] components lists 'model' twice"),
     # torch.manual_seed's traceback, after config.toml was written
     (["--training.seed", str(1 << 64)], r"\[training\] seed = 18446744073709551616: must be "
                                         r"within -2\*\*63 \.\. 2\*\*63 - 2"),

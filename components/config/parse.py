@@ -266,6 +266,12 @@ def check_values(cfg: JobConfig) -> None:
     for name in cfg.model.converters:
         if cfg.model.converters.count(name) > 1:
             raise ConfigError(f"[model] converters lists {name!r} twice")
+    if cfg.compile.enable and not cfg.compile.components:
+        raise ConfigError("[compile] enable = true with components empty compiles nothing: list "
+                          "\"model\" and/or \"loss\", or set enable = false")
+    for name in cfg.compile.components:
+        if cfg.compile.components.count(name) > 1:
+            raise ConfigError(f"[compile] components lists {name!r} twice")
     ac = cfg.activation_checkpoint
     if not 0 <= ac.memory_budget <= 1:
         raise ConfigError(f"[activation_checkpoint] memory_budget = {ac.memory_budget}: must be "

@@ -163,7 +163,7 @@ def compile_overrides(args, loss: str) -> list[str]:
     enabled, components = base_compile(args)
     if loss == "unfused_compiled":
         # Compile the loss module on top of whatever the other runs compile.
-        components = [*components, "loss"] if enabled else ["loss"]
+        components = [*(c for c in components if c != "loss"), "loss"] if enabled else ["loss"]
         return ["--compile.enable", "true", "--compile.components", ",".join(components)]
     return [] if args.compile == "config" else ["--compile.enable", args.compile]
 
