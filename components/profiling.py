@@ -3,6 +3,7 @@
 history of allocations and frees with their Python stacks, dumped every `profile_freq` steps and
 when the step runs out of memory (`scripts/bench/summarize_memory.py` reads them)."""
 
+import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Optional
@@ -83,10 +84,18 @@ def maybe_profile(cfg: Profiling, dump_folder: Path, rank: int, device: torch.de
             raise
 
 
-def _trace_profiler(cfg: Profiling, folder: Path, rank: int) -> torch.profiler.profile:
+@contextmanager
+def _trace_profiler(cfg: Profiling, folder: Path, rank: int):
+    """torch.profiler recording steps profile_freq, 2 x profile_freq, ... (after a warm-up step
+    where profile_freq >= 2), each saved when the loop's `step` call ends it. Leaving the loop
+    ends whatever it had begun: a warm-up (nothing of a step) or a step the run gave up in, saved
+    under the last step's name; no trace is written then."""
     out_folder = folder / cfg.save_traces_folder
+    leaving = False
 
     def save(prof):
+        if leaving:
+            return
         out = out_folder / f"step-{prof.step_num}"
         out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(out / f"rank-{rank}.json"))
@@ -94,6 +103,14 @@ def _trace_profiler(cfg: Profiling, folder: Path, rank: int) -> torch.profiler.p
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    wait = max(0, cfg.profile_freq - 2)
-    return torch.profiler.profile(activities=activities, on_trace_ready=save,
-                                  schedule=torch.profiler.schedule(wait=wait, warmup=1, active=1))
+    warmup = min(1, cfg.profile_freq - 1)  # every step (profile_freq 1) leaves none to warm up
+    with warnings.catch_warnings():  # "won't be using warmup": profile_freq = 1 asked for that
+        warnings.simplefilter("ignore", UserWarning)
+        schedule = torch.profiler.schedule(wait=cfg.profile_freq - 1 - warmup, warmup=warmup,
+                                           active=1)
+    with torch.profiler.profile(activities=activities, on_trace_ready=save,
+                                schedule=schedule) as prof:
+        try:
+            yield prof
+        finally:
+            leaving = True

@@ -330,6 +330,24 @@ def test_profiling_writes_a_trace(tmp_path):
     assert summary.returncode != 0 and "no GPU kernel events" in summary.stderr
 
 
+@pytest.mark.parametrize("freq,steps,profiled", [(1, 3, [1, 2, 3]), (3, 5, [3]), (2, 5, [2, 4])])
+def test_profiling_traces_every_profile_freq_th_step_and_nothing_after(tmp_path, freq, steps,
+                                                                       profiled):
+    """profile_freq 1 profiled every other step (a warm-up step in each cycle); and a run that
+    ended in a warm-up step wrote a trace named after its last step holding only the time after
+    the loop (no matmul, no optimizer)."""
+    code, dump, _ = run(tmp_path, "prof", "--training.steps", str(steps),
+                        "--profiling.enable_profiling", "true", "--profiling.profile_freq",
+                        str(freq))
+    assert code == 0
+    folders = sorted(int(p.name[5:]) for p in (dump / "profile_traces").glob("step-*"))
+    assert folders == profiled
+    for step in profiled:
+        names = {e.get("name", "") for e in json.loads(
+            (dump / "profile_traces" / f"step-{step}" / "rank-0.json").read_text())["traceEvents"]}
+        assert any("mm" in n for n in names), step  # a step's work, not the loop's end
+
+
 def test_trace_summary_groups_kernels_by_name():
     from scripts.bench.summarize_trace import kernel_totals
     events = [{"ph": "X", "cat": "kernel", "name": "gemm_abc", "dur": 5.0},
