@@ -105,3 +105,34 @@ def loss_weight(target: Tensor, opts: LossOptions, normalizer: Optional[object],
                 dtype) -> Tensor:
     """1 / (what the summed loss is divided by), as a device tensor (no host sync)."""
     return weight_of_sum(target, *divisor_of(normalizer, opts), opts.ignore_index, device, dtype)
+
+
+def check_inputs(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 empty_weight: bool = False) -> None:
+    """Shapes, dtypes and devices of a loss call's tensors, each mistake one line naming it.
+    empty_weight: a vocab-parallel rank's slice may hold no rows (fewer classes than ranks)."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [N, H] or [B, T, H], got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must be [V, H={x.shape[-1]}] to match x {tuple(x.shape)}, "
+                         f"got {tuple(weight.shape)}")
+    if weight.shape[0] == 0 and not empty_weight:
+        raise ValueError(f"weight {tuple(weight.shape)} has no rows: the loss needs at least one "
+                         "class")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal x.shape[:-1] = "
+                         f"{tuple(x.shape[:-1])}")
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
+    named = [("x", x), ("target", target), ("weight", weight)]
+    named += [("bias", bias)] if bias is not None else []
+    devices = {name: t.device for name, t in named}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    for name, t in named[2:]:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")

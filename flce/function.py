@@ -8,7 +8,7 @@ from torch import Tensor
 from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to,
                               sweep_backward, sweep_forward, token_losses, token_losses_backward,
                               weighted_sum)
-from flce.dispatch import (IMPLS, divisor_of, loss_weight, refuse_double_backward,
+from flce.dispatch import (IMPLS, check_inputs, divisor_of, loss_weight, refuse_double_backward,
                            stat_dtype, use_triton, widened)
 from flce.float8 import FLOAT8
 from flce.ops import float8_used, uses_one_block
@@ -133,32 +133,6 @@ class _TokenLosses(torch.autograd.Function):
                 db if need[3] else None, None, None, None, None, None)
 
 
-def _check_inputs(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
-    if x.dim() not in (2, 3):
-        raise ValueError(f"x must be [N, H] or [B, T, H], got shape {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight must be [V, H={x.shape[-1]}] to match x {tuple(x.shape)}, "
-                         f"got {tuple(weight.shape)}")
-    if weight.shape[0] == 0:
-        raise ValueError(f"weight {tuple(weight.shape)} has no rows: the loss needs at least one class")
-    if tuple(target.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"target shape {tuple(target.shape)} must equal x.shape[:-1] = "
-                         f"{tuple(x.shape[:-1])}")
-    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
-    named = [("x", x), ("target", target), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
-    devices = {name: t.device for name, t in named}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got {devices}")
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-    for name, t in named[2:]:
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
-
-
 def check_settings(chunk_size: Optional[int], memory_lean: bool, float8: str, impl: str) -> None:
     """The settings besides the loss's own options (LossOptions): checked by the function at
     each call and by the module once, at construction."""
@@ -201,7 +175,7 @@ def fused_linear_cross_entropy(
     dx GEMM too; softmax statistics and gradients stay fp32, dW stays bf16 (see flce/float8.py).
     """
     opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
-    _check_inputs(x, target, weight, bias)
+    check_inputs(x, target, weight, bias)
     check_settings(chunk_size, memory_lean, float8, impl)
     if normalizer is not None and reduction == "none":
         raise ValueError("normalizer applies to reduction='mean' or 'sum', not 'none'")

@@ -60,13 +60,18 @@ class LinearLossParallel(ParallelStyle):
     def _prepare_inputs(self, mesh: DeviceMesh, module, args, kwargs):
         x, target, weight, *rest = args
         bias = rest[0] if rest else kwargs.pop("bias", None)
+        if isinstance(target, DTensor):
+            target = target.full_tensor()
         if isinstance(x, DTensor):
             if tuple(x.placements) != (Shard(self.seq_dim),):
                 raise ValueError(f"LinearLossParallel: x must be sharded on dim {self.seq_dim}, "
                                  f"got {x.placements}")
+            # on every rank, before any collective (a rank whose share alone did not match
+            # raised while the others waited in the loss's all-reduce)
+            if tuple(target.shape) != tuple(x.shape[:-1]):
+                raise ValueError(f"LinearLossParallel: target shape {tuple(target.shape)} must "
+                                 f"equal x.shape[:-1] = {tuple(x.shape[:-1])} (x's global shape)")
             x = x.to_local()
-        if isinstance(target, DTensor):
-            target = target.full_tensor()
         # the global target, cut like DTensor cuts x; a rank may get no tokens (T < ranks), and
         # then contributes nothing to the loss and zeros to the weight's gradient
         module._tp_global_target_shape = target.shape  # for reduction="none"'s DTensor

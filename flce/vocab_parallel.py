@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flce.custom_ops import scale_to
-from flce.dispatch import (loss_weight, refuse_double_backward, stat_dtype, use_triton,
-                           widened)
+from flce.dispatch import (check_inputs, loss_weight, refuse_double_backward, stat_dtype,
+                           use_triton, widened)
 from flce.ops import chunk_loop, pick_chunk_size, unpadded, weight_grad_buffer
 from flce.options import LossOptions
 from flce.reference import scaled_logits
@@ -134,6 +134,7 @@ def vocab_parallel_linear_cross_entropy(
     opts: the loss options (reduction "mean" or "sum")."""
     if opts.reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
+    check_inputs(x, target, weight, bias, empty_weight=True)
     _check_slice(weight, vocab_start, vocab_size)
     x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1), opts.ignore_index)
     weight_of_sum = loss_weight(t2, opts, normalizer, x.device, stat_dtype(x))
@@ -168,6 +169,7 @@ def vocab_parallel_linear_cross_entropy_unfused(
     combined over the ranks, gradients by autograd."""
     if opts.reduction == "none":
         raise ValueError("the vocab-parallel loss supports reduction 'mean' or 'sum'")
+    check_inputs(x, target, weight, bias, empty_weight=True)
     _check_slice(weight, vocab_start, vocab_size)
     x2, t2 = x.reshape(-1, x.shape[-1]), widened(target.reshape(-1), opts.ignore_index)
     stat = stat_dtype(x)

@@ -175,3 +175,50 @@ def test_loss_parallel_with_empty_and_uneven_shards(tmp_path):
         for key in ("loss", "dx", "dw", "db"):
             torch.testing.assert_close(got[key].double(), expected[key], **tol,
                                        msg=lambda m: f"{case} {key}: {m}")
+
+
+def _bad_input_worker(rank, world, port, folder):
+    """Each mistake on every rank; rank r writes the messages it got to folder/rank-r.txt."""
+    import datetime
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a rank left in a collective by another's error fails after this, rather than hanging
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    B, T, H, V = 2, 6, 8, 11
+    x, w = torch.randn(B, T, H), torch.randn(V, H)
+    messages = []
+
+    def attempt(style, x, t, w, placement):
+        loss_fn = flce.FusedLinearCrossEntropyLoss()
+        parallelize_module(loss_fn, mesh, style)
+        try:
+            loss_fn(distribute_tensor(x, mesh, [Shard(1)]), t, distribute_tensor(w, mesh, placement))
+            messages.append("no error")
+        except Exception as e:  # noqa: BLE001 (the message is what is checked)
+            messages.append(f"{type(e).__name__}: {e}")
+
+    attempt(LinearLossParallel(), x, torch.randint(0, V, (B, T - 1)), w, [Replicate()])
+    attempt(VocabParallelLinearLoss(), x, torch.rand(B, T) * V, w, [Shard(0)])
+    attempt(VocabParallelLinearLoss(fused=False), x, torch.rand(B, T) * V, w, [Shard(0)])
+    attempt(VocabParallelLinearLoss(), x, torch.randint(0, V, (B, T)), w.double(), [Shard(0)])
+    (folder / f"rank-{rank}.txt").write_text("\n".join(messages) + "\n")
+    dist.destroy_process_group()
+    exit_without_teardown(0)  # see _worker
+
+
+@pytest.mark.slow
+def test_loss_parallel_bad_input_is_a_clear_error_on_every_rank(tmp_path):
+    """The parallel styles skipped the single-device checks: a float target was truncated to
+    class ids and trained on; a weight of another dtype was torch's "expected m1 and m2 to have
+    the same dtype"; and a target one token short under LinearLossParallel raised on rank 1
+    alone while rank 0 waited in the loss's all-reduce (gloo: "Connection reset by peer")."""
+    mp.spawn(_bad_input_worker, args=(2, free_port(), tmp_path), nprocs=2)
+    for rank in range(2):
+        assert (tmp_path / f"rank-{rank}.txt").read_text().splitlines() == [
+            "ValueError: LinearLossParallel: target shape (2, 5) must equal x.shape[:-1] = "
+            "(2, 6) (x's global shape)",
+            "TypeError: target must hold integer class ids, got dtype torch.float32",
+            "TypeError: target must hold integer class ids, got dtype torch.float32",
+            "TypeError: weight dtype torch.float64 differs from x dtype torch.float32"], rank
