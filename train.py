@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from components.allocator import default_allocator_settings
 from components.bad_steps import BadSteps, too_many_bad_steps
-from components.checkpoint import (Checkpointer, ResumePoint, check_resumed_tokenizer,
+from components.checkpoint import (Checkpointer, ResumePoint, TrainState, check_resumed_tokenizer,
                                    find_resume_point, list_checkpoints)
 from components.config.docs import help_text
 from components.config.parse import (config_changes, config_checks, is_config_error, load_config,
@@ -463,21 +463,21 @@ def injected_stalls(rank: int) -> dict[str, float]:
 
 
 def resume_run(cfg: JobConfig, ckpt: Checkpointer, resume: ResumePoint, optimizer,
-               scheduler) -> tuple[int, int]:
-    """(the first step to train, the tokens seen before it): after the resumed checkpoint, if
-    any; initial_load_path's weights start at step 1."""
+               scheduler) -> TrainState:
+    """The state after the resumed checkpoint (its step, the tokens seen, its metrics' first
+    line's time), if any; initial_load_path's weights start at step 1 (TrainState())."""
     if not (cfg.checkpoint.enable or cfg.checkpoint.initial_load_path):
-        return 1, 0
+        return TrainState()
     configured = hyperparameters(optimizer)
     with config_checks():  # e.g. an initial_load_path of another vocabulary
         resumed = ckpt.load(resume)
     if resumed is None:
-        return 1, 0
+        return TrainState()
     # The checkpoint brings back its run's lr, betas, eps, weight decay and base lrs with the
     # optimizer state; this run's config wins (the moments and step counts stay).
     restore_hyperparameters(optimizer, scheduler, configured)
     log_resume(ckpt.folder / f"step-{resumed.step}", cfg)
-    return resumed.step + 1, resumed.tokens_seen
+    return resumed
 
 
 def build_datasets(cfg: JobConfig, tokenizer: Tokenizer, args: LlamaArgs, dims: ParallelDims,
@@ -542,14 +542,17 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                             f"model.{k}": v for k, v in load_hf_weights(folder, args).items()},
                         tokenizer={"fingerprint": tokenizer.fingerprint(),
                                    "vocab_size": tokenizer.vocab_size})
-    start_step, tokens_seen = resume_run(cfg, ckpt, resume, optimizer, scheduler)
+    resumed = resume_run(cfg, ckpt, resume, optimizer, scheduler)
+    start_step, tokens_seen = resumed.step + 1, resumed.tokens_seen
     # Not an optimizer step hook: loading a checkpoint runs a dummy optimizer step before the
     # weights are loaded, which would leave scales of the old weights for the first step.
     precompute_float8 = (FLOAT8_CONVERTER in cfg.model.converters
                          and cfg.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
     dump = Path(cfg.job.dump_folder)
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics, config=cfg.to_dict(),
-                            notes=cfg.job.description, first_step=start_step)
+                            notes=cfg.job.description, first_step=start_step,
+                            timeline=resumed.metrics_started)
+    ckpt.metrics_started = lambda: metrics.started
     if rank == 0:  # after the logger set an earlier run's config aside with its metrics
         (dump / "config.toml").write_text(to_toml(cfg))
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))

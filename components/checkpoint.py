@@ -66,6 +66,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 class TrainState:
     step: int = 0
     tokens_seen: int = 0
+    metrics_started: Optional[float] = None  # the "time" of its run's first metrics.jsonl line
 
 
 def _barrier() -> None:
@@ -284,6 +285,9 @@ class Checkpointer:
         self.dp_rank = dp_rank
         self.config_toml = to_toml(cfg)
         self._pending: Optional[Future] = None  # an async save's commit
+        # MetricsLogger.started once the trainer made it: a resumed run appends to the
+        # metrics.jsonl of its own timeline only (MetricsLogger's `timeline`)
+        self.metrics_started: Callable[[], Optional[float]] = lambda: None
         # An async save finishes with collectives in a background thread: they get a group of
         # their own so they never interleave with the training's collectives. They wait on every
         # rank's writes while training goes on, which no [comm] phase bounds: the group keeps
@@ -329,8 +333,9 @@ class Checkpointer:
                     {"step": step, "tokens_seen": tokens_seen,
                      "scheduler": self.scheduler.state_dict(),
                      **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
-                     **({"load_step": self.cfg.load_step} if self.cfg.load_step >= 0 else {})
-                     }).encode())
+                     **({"load_step": self.cfg.load_step} if self.cfg.load_step >= 0 else {}),
+                     **({"metrics_started": first} if (first := self.metrics_started())
+                        is not None else {})}).encode())
                 _write_synced(tmp / "config.toml", self.config_toml.encode())
         except OSError as e:  # a full disk, before DCP writes anything
             raise _save_failed(final, e) from e
@@ -558,7 +563,8 @@ class Checkpointer:
             self._load_data_state(None, step, f"no data state for this rank: {rank_file.name} is "
                                   f"not in the checkpoint ({saved} rank files; {world} ranks "
                                   "now)")
-        return TrainState(step, tokens_seen)
+        started = train_state.get("metrics_started")
+        return TrainState(step, tokens_seen, started if isinstance(started, float) else None)
 
     def _rank_file(self, path: Path) -> Path:
         """The rank file this rank resumes its data from: that of the first saved rank of its

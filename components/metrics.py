@@ -18,7 +18,7 @@ import time
 import typing
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -203,7 +203,10 @@ class MetricsLogger:
     """Records metrics on rank 0; on every other rank each method does nothing.
 
     A resumed run (resumed=True) appends to metrics.jsonl: it repeats the steps after its
-    checkpoint, and the last line for a step wins. A fresh run starts a new file: an earlier
+    checkpoint, and the last line for a step wins. Where the checkpoint recorded the time of its
+    file's first line (`timeline`, from `started`) and the file now begins at step 1 at another
+    time (a fresh run's, in the same folder since), that file is set aside as below and the
+    resumed run starts a new one. A fresh run starts a new file: an earlier
     run's metrics.jsonl in the same folder is renamed metrics.<its last write time>.jsonl, so
     the two runs' lines never mix (and nothing is lost). Non-finite values are written as null
     there, to keep each line valid JSON; stdout, wandb and TensorBoard get them as they are.
@@ -216,7 +219,8 @@ class MetricsLogger:
 
     def __init__(self, dump_folder: str | Path, rank: int, total_steps: int,
                  cfg: Metrics | None = None, config: dict | None = None, notes: str = "",
-                 resumed: bool = False, first_step: int = 1) -> None:
+                 resumed: bool = False, first_step: int = 1,
+                 timeline: Optional[float] = None) -> None:
         cfg = Metrics() if cfg is None else cfg
         if cfg.wandb_mode not in WANDB_MODES:
             raise ValueError(f"[metrics] wandb_mode={cfg.wandb_mode!r}: expected one of "
@@ -235,6 +239,7 @@ class MetricsLogger:
         self.last: dict[str, tuple[int, float]] = {}
         self.lowest: dict[str, tuple[int, float]] = {}
         self.jsonl_path = self.dump_folder / "metrics.jsonl"
+        self.started: Optional[float] = None  # the "time" of metrics.jsonl's first line
         self.wandb_dir: Path | None = None  # the run's folder, what `wandb sync` takes
         self.tensorboard_dir: Path | None = None
         if not self.enabled:
@@ -243,6 +248,14 @@ class MetricsLogger:
         self.dump_folder.mkdir(parents=True, exist_ok=True)
         if not resumed:
             self._set_aside_earlier_run()
+        else:
+            step, self.started = self._first_record()
+            # a file begun at step 1 by a run other than the checkpoint's: a fresh run in this
+            # folder since (one begun later, by a run resumed here, continues the timeline)
+            if timeline is not None and step == 1 and self.started != timeline:
+                self._set_aside_earlier_run(f"held another run's metrics (its first line is not "
+                                            f"this run's, resumed at step {first_step})")
+                self.started = None
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         try:
             if cfg.enable_wandb:
@@ -253,7 +266,18 @@ class MetricsLogger:
             self.close()  # whatever did start
             raise
 
-    def _set_aside_earlier_run(self) -> None:
+    def _first_record(self) -> tuple[Optional[int], Optional[float]]:
+        """(step, time) of metrics.jsonl's first line; None for what it does not hold."""
+        try:
+            with open(self.jsonl_path, encoding="utf-8") as f:
+                first = json.loads(f.readline())
+            step, when = first.get("step"), first.get("time")
+        except (OSError, ValueError, AttributeError):
+            return None, None
+        return (step if isinstance(step, int) else None,
+                when if isinstance(when, float) else None)
+
+    def _set_aside_earlier_run(self, why: str = "held an earlier run's metrics") -> None:
         """The earlier run's metrics.jsonl, with the config.toml that says what made them and
         its TensorBoard events (a second run's would show as one mixed curve), renamed with the
         time its metrics were last written: metrics.<time>.jsonl, config.<time>.toml,
@@ -273,8 +297,7 @@ class MetricsLogger:
         for old, new in names.items():
             (self.dump_folder / old).rename(self.dump_folder / new)
         renamed = ", ".join(f"{old} to {new}" for old, new in names.items())
-        print(f"{self.jsonl_path} held an earlier run's metrics: renamed {renamed}; this fresh "
-              "run starts anew", flush=True)
+        print(f"{self.jsonl_path} {why}: renamed {renamed}; this run starts anew", flush=True)
 
     def _start_wandb(self, cfg: Metrics, config: dict | None, notes: str):
         wandb = _import_wandb()
@@ -314,6 +337,8 @@ class MetricsLogger:
             if math.isfinite(value) and (key not in self.lowest or value < self.lowest[key][1]):
                 self.lowest[key] = (step, value)
         record = {"step": step, "time": now}
+        if self.started is None:
+            self.started = now
         record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
         try:
             self._jsonl.write(json.dumps(record) + "\n")

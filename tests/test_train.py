@@ -243,6 +243,24 @@ def test_a_fresh_run_starts_a_new_metrics_file_and_a_resumed_one_appends(tmp_pat
     assert steps(f"config.{earlier.name[8:-6]}.toml") == 4 and steps("config.toml") == 3
 
 
+def test_a_resumed_run_does_not_append_to_another_runs_metrics(tmp_path, capsys):
+    """A run checkpointed to step 4, then a fresh run in the same folder without checkpoints
+    (its metrics.jsonl steps 1-2), then the first resumed: it appended steps 5-6 to the fresh
+    run's file, two runs' lines in one."""
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    run(tmp_path, "r", "--training.steps", "4", *ckpt)
+    run(tmp_path, "r", "--training.steps", "2")
+    fresh = (tmp_path / "r" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    code, dump, rows = run(tmp_path, "r", "--training.steps", "6", *ckpt)
+    assert code == 0 and [r["step"] for r in rows] == [5, 6]
+    (aside,) = [p for p in dump.glob("metrics.*.jsonl") if p.read_text() == fresh]
+    assert (f"{dump}/metrics.jsonl held another run's metrics (its first line is not this run's, "
+            f"resumed at step 5): renamed metrics.jsonl to {aside.name}") in capsys.readouterr().out
+    code, dump, rows = run(tmp_path, "r", "--training.steps", "8", *ckpt)  # its own file: appended
+    assert code == 0 and [r["step"] for r in rows] == [5, 6, 7, 8]
+
+
 @pytest.mark.slow
 @needs_wandb
 def test_a_single_process_run_exits_through_the_interpreter(tmp_path):
