@@ -29,6 +29,8 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.compare_layouts ...")
 
+from components.config.parse import load_config  # noqa: E402
+from components.config.schema import ConfigError  # noqa: E402
 from scripts.lib.report import (fmt, probe_environment, provenance, warning_lines,  # noqa: E402
                                 write_report)
 from scripts.lib.run_folders import exit_unless_clearable, fresh_run_folder  # noqa: E402
@@ -92,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps {args.steps} must exceed --warmup-steps {args.warmup_steps}")
     if not Path(args.config).is_file():
         p.error(f"--config {args.config}: no such file")
+    try:  # the seed runs' seed is the runs' own + 1, as compare_fused_vs_unfused.sh's
+        args.seed = load_config(["--config", args.config, *args.extra]).training.seed
+    except ConfigError as e:
+        p.error(str(e))
     return args
 
 
@@ -105,7 +111,7 @@ def plan(args) -> list[dict]:
         for loss, seed_offset in variants:
             name = f"{layout}_{loss}" + (f"_seed+{seed_offset}" if seed_offset else "")
             dump = Path(args.runs_dir) / name
-            seed = [] if not seed_offset else ["--training.seed", str(seed_offset)]
+            seed = [] if not seed_offset else ["--training.seed", str(args.seed + seed_offset)]
             # train.py applies overrides in order: the per-run ones come last and always hold.
             cmd = [*trainer(args.nproc, args.train_cmd), "--config", args.config,
                    "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),

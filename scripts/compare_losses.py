@@ -9,7 +9,8 @@ A run is a dump folder holding metrics.jsonl, or the file itself. Lines without 
 (validation lines have val_loss, not loss) are skipped; when a step appears more than once (a
 resumed run repeats the steps after its checkpoint) the last line wins, as in the trainer, with
 a note. A file whose steps start over from its first step holds two runs, not a resumed one:
-that is refused (exit 2). Runs are aligned on the steps they all logged.
+that is refused (exit 2). Runs are aligned on the steps they all logged; runs that end
+at different steps (one stopped early) are refused too.
 
 For each run after the first: mean and max |run - A| and the first step where |diff| exceeds
 --threshold (default: --tolerance). --seed-run names the same config as A at another seed: it
@@ -225,6 +226,13 @@ def main(argv=None) -> int:
     steps = sorted(set.intersection(*(set(values) for values in data.values())))
     if not steps:
         print(f"error: the runs have no logged step in common ({args.metric})", file=sys.stderr)
+        return 2
+    last = {name: max(values) for name, values in data.items()}
+    if len(set(last.values())) > 1:  # one stopped early (a signal, bad steps): not comparable
+        ends = ", ".join(f"{name} at step {step}" for name, step in last.items())
+        print(f"error: the runs end at different steps ({ends}): a comparison over the steps "
+              "they share would hide the rest; rerun the one that stopped early",
+              file=sys.stderr)
         return 2
     curves = {name: [data[name][s] for s in steps] for name in names}
     reference = names[0]

@@ -132,6 +132,19 @@ def test_compare_layouts_takes_cp():
                for line in result.stdout.splitlines())
 
 
+@pytest.mark.parametrize("extra, seed", [([], 1), (["--extra=--training.seed 5"], 6)])
+def test_compare_layouts_seed_runs_take_the_next_seed(extra, seed):
+    """The seed runs took --training.seed 1 whatever the runs' own: with a config at seed 1 the
+    noise run equalled A ("no noise band"), and other seeds were measured against seed 1."""
+    result = subprocess.run([sys.executable, "-m", "scripts.compare_layouts", "--config",
+                             "configs/debug.toml", "--nproc", "1", "--layouts", "fsdp",
+                             "--seed-runs", *extra, "--dry-run"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    seed_run = next(line for line in result.stdout.splitlines() if "_seed+1" in line)
+    assert seed_run.split("--training.seed ")[-1].split()[0] == str(seed)
+
+
 # ------------------------------------------------------------------------- gloo processes
 
 @pytest.fixture(scope="module")

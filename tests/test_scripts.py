@@ -514,6 +514,18 @@ def test_identical_runs_pass(tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_that_stopped_early_is_refused_not_passed(tmp_path):
+    """A run stopped at step 4 of 30 (SIGUSR1, exit 0) compared over the 4 steps both logged
+    and passed: "2 runs aligned on 4 common steps", PASS, the other 26 unseen."""
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", curve, steps=range(1, 5))
+    result = compare(a, b)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == (f"error: the runs end at different steps ({a} at step 30, {b} at "
+                             "step 4): a comparison over the steps they share would hide the "
+                             "rest; rerun the one that stopped early\n")
+
+
 def test_a_divergence_fails_and_names_its_first_step(tmp_path):
     a = write_metrics(tmp_path / "a", curve)
     b = write_metrics(tmp_path / "b", lambda s: curve(s) + (0.2 if s >= 13 else 0.001))
@@ -758,6 +770,22 @@ def test_fused_vs_unfused_bad_input_keeps_earlier_results(tmp_path, args):
                  env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1"})
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith(("error: ", "usage: ")), result.stderr
+    assert (tmp_path / "flce" / "metrics.jsonl").read_text() == "{}\n"
+
+
+@pytest.mark.parametrize("setting", ["TOLERANCE=0.02x", "BAND_RATIO=-1", "BAND_RATIO=0"])
+def test_a_bad_tolerance_is_refused_before_any_run(tmp_path, setting):
+    """compare_losses.py read TOLERANCE and BAND_RATIO after every run had trained (and the
+    earlier results were cleared): a typo cost the whole comparison."""
+    (tmp_path / "flce").mkdir()
+    (tmp_path / "flce" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "flce" / ".scratch-run").write_text("")
+    name, value = setting.split("=")
+    result = run(["scripts/compare_fused_vs_unfused.sh", "configs/debug.toml", *SHORT],
+                 env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1",
+                      name: value})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr == f"error: {setting}: expected a number > 0\n"
     assert (tmp_path / "flce" / "metrics.jsonl").read_text() == "{}\n"
 
 

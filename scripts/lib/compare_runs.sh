@@ -53,6 +53,16 @@ compare_runs() {
     auto | band | absolute) ;;
     *) echo "error: VERDICT=$verdict: expected auto, band or absolute" >&2; exit 2 ;;
   esac
+  # compare_losses.py reads these after every run trained: a typo must stop the script now
+  local number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$' name
+  for name in TOLERANCE BAND_RATIO; do
+    if [[ -n ${!name:-} && ! ${!name} =~ $number ]]; then
+      echo "error: $name=${!name}: expected a number > 0" >&2; exit 2
+    fi
+  done
+  if [[ -n ${BAND_RATIO:-} ]] && ! awk -v r="$BAND_RATIO" 'BEGIN { exit !(r > 0) }'; then
+    echo "error: BAND_RATIO=$BAND_RATIO: expected a number > 0" >&2; exit 2
+  fi
 
   # Resolve the config before anything is deleted or run: a bad file or override fails here.
   # Prints the device the runs will use and the seed.
