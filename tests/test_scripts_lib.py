@@ -1031,3 +1031,21 @@ def test_the_gemms_ahead_of_a_timed_call_keep_the_gpu_busy_about_as_long_as_aske
     x = torch.ones(8, device="cuda")
     gpu, host = timing.ahead_ms(lambda: x.add_(1), 20.0)
     assert gpu < 5.0 and host < 20.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+@pytest.mark.parametrize("module, args", [
+    ("attention", []), ("chunk_sizes", ["--points", "64x8x32:16"]), ("flce", []),
+    ("float8_grid", []), ("grad_gemms", ["--chunks", "16x8x32"]), ("logits_epilogue", []),
+    ("loss_kernels", ["--shapes", "64x8x32"]), ("row_overlap", ["--shapes", "64x8x32"]),
+    ("step_floor", []), ("tune_rows_kernel", [])])
+def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(module, args, tmp_path):
+    """Each said it with an AssertionError's traceback (and under python3 -O, with the assert
+    gone, failed later in CUDA's generator)."""
+    result = subprocess.run([sys.executable, "-O", "-m", f"scripts.bench.{module}", *args,
+                             "--out", str(tmp_path / "report")], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == (f"error: scripts.bench.{module} times CUDA kernels and needs a CUDA "
+                             f"GPU; torch {torch.__version__} sees none\n")
+

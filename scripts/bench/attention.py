@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
-from scripts.lib.timing import median_ms  # noqa: E402
+from scripts.lib.timing import median_ms, require_cuda  # noqa: E402
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -35,7 +35,7 @@ def main():
     p.add_argument("--shapes", default=SHAPES, help="comma-separated BxHQxHKVxTxD")
     p.add_argument("--out", default="benchmarks/attention_bench", help="output path without suffix")
     args = p.parse_args()
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.attention")
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     results = []
     for shape in args.shapes.split(","):

@@ -27,7 +27,7 @@ from flce.ops import pick_chunk_size, uses_one_block  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 make_inputs, run_meta)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
+from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
 
 
 def parse_points(text: str) -> list[tuple[int, int, int, list[int]]]:
@@ -111,7 +111,7 @@ def main():
                    help="output path without suffix")
     args = p.parse_args()
     points = parse_points(args.points)
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.chunk_sizes")
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
     for N, H, V, sizes in points:

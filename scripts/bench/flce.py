@@ -45,7 +45,8 @@ from scripts.lib.loss_grid import (GRID_METHODS, HOST_AHEAD, grid_markdown,  # n
                                    grid_shapes)
 from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
                                 write_report)
-from scripts.lib.timing import AHEAD_FILL, SETTLE_MS, interleaved_rounds, medians  # noqa: E402
+from scripts.lib.timing import (AHEAD_FILL, SETTLE_MS, interleaved_rounds,  # noqa: E402
+                                medians, require_cuda)
 
 SHAPES = "8192x2048x128256,16384x4096x128256,32768x2048x128256"
 FLOOR_LOGITS_BYTES = 4 << 30
@@ -298,7 +299,7 @@ def main():
         p.error("--remeasure applies to --grid --resume with --shapes (the points to measure again)")
     args.out = args.out or ("benchmarks/flce_float8" if args.float8 else
                             "benchmarks/flce_grid" if args.grid else "benchmarks/flce_bench")
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.flce")
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     dtype = getattr(torch, args.dtype)
     if args.ungated:

@@ -29,7 +29,7 @@ from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # 
                                 make_inputs, run_meta)
 from scripts.lib.loss_grid import grid_shapes, hbm_peak, logit_traffic_ms  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians  # noqa: E402
+from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians, require_cuda  # noqa: E402
 
 MODE = "logits+dx"
 FLOOR_TARGET = 1.15  # the bound on the float8 loss over its float8 floor
@@ -196,7 +196,7 @@ def main():
     p.add_argument("--out", default="benchmarks/flce_float8_grid",
                    help="output path without suffix")
     args = p.parse_args()
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.float8_grid")
     path = Path(args.out).with_suffix(".json")
     results = json.loads(path.read_text())["results"] if args.resume and path.exists() else []
     done = {r["shape"] for r in results}

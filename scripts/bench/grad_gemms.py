@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from scripts.bench.flce import run_meta  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
+from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
 
 F32 = torch.float32
 
@@ -96,7 +96,7 @@ def main():
     p.add_argument("--out", default="benchmarks/flce_grad_gemms", help="output path, no suffix")
     args = p.parse_args()
     shapes = parse_chunks(args.chunks)
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.grad_gemms")
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
     for C, H, V in shapes:

@@ -26,7 +26,7 @@ import triton.language as tl  # noqa: E402
 from flce.kernels import launch_row_stats  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import median_ms  # noqa: E402
+from scripts.lib.timing import median_ms, require_cuda  # noqa: E402
 
 # N x H x V: a chunk of 8192 tokens at the three hidden sizes of the grid, and two one-block shapes
 SHAPES = "8192x1024x128256,8192x2048x128256,8192x4096x128256,16384x1024x32000,4096x4096x128256"
@@ -167,7 +167,7 @@ def main():
     p.add_argument("--shapes", default=SHAPES, help="comma-separated NxHxV")
     p.add_argument("--out", default="benchmarks/logits_epilogue", help="output path, no suffix")
     args = p.parse_args()
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.logits_epilogue")
     origin = provenance()
     results = []
     for shape in args.shapes.split(","):

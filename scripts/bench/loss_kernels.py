@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from scripts.bench.flce import fwd_bwd, gemm_floor, make_inputs, methods, run_meta  # noqa: E402
 from scripts.bench.summarize_trace import KINDS, kind_of  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import ahead_ms, gpu_sleep, median_ms  # noqa: E402
+from scripts.lib.timing import ahead_ms, gpu_sleep, median_ms, require_cuda  # noqa: E402
 
 TOP = 6  # kernels listed per run
 HOST_TRIALS = 10
@@ -155,7 +155,7 @@ def main():
     p.add_argument("--calls", type=int, default=3, help="profiled calls of each run")
     p.add_argument("--out", default="benchmarks/loss_kernels", help="output path without suffix")
     args = p.parse_args()
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.loss_kernels")
     meta = {**run_meta(provenance(), "bfloat16"), "calls": args.calls}
     results = []
     for shape in args.shapes.split(","):

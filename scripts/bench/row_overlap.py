@@ -28,7 +28,7 @@ from flce.ops import gemm_operands, gemm_vocab, matmul_into  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 make_inputs, run_meta)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import interleaved_rounds, medians  # noqa: E402
+from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
 
 SEQUENTIAL = flce.ops.chunk_loop
 
@@ -202,7 +202,7 @@ def run_variants(module: str, doc: str, default_out: str, measure, render) -> No
     p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
     p.add_argument("--out", default=default_out, help="output path without suffix")
     args = p.parse_args()
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.row_overlap")
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
     for shape in args.shapes.split(","):

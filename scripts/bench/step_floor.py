@@ -36,7 +36,7 @@ from components.metrics import peak_flops  # noqa: E402
 from models.args import FLAVORS, flops_per_token  # noqa: E402
 from models.llama import Llama  # noqa: E402
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
-from scripts.lib.timing import median_ms  # noqa: E402
+from scripts.lib.timing import median_ms, require_cuda  # noqa: E402
 
 DT = torch.bfloat16
 
@@ -135,7 +135,7 @@ def main():
     args = p.parse_args()
     if args.shards < 1:
         p.error(f"--shards must be at least 1, got {args.shards}")
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.step_floor")
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     torch.manual_seed(0)
     m = FLAVORS[args.flavor]

@@ -30,7 +30,7 @@ from flce.kernels import _block_and_warps, launch_rows, walks_back  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
 from scripts.bench.flce import run_meta  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
-from scripts.lib.timing import interleaved_ms, median_ms  # noqa: E402
+from scripts.lib.timing import interleaved_ms, median_ms, require_cuda  # noqa: E402
 
 SIZES = ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8),
          (8192, 16), (8192, 32), (16384, 16), (16384, 32), (32768, 32))
@@ -130,7 +130,7 @@ def main():
     p.add_argument("--out", default="benchmarks/rows_kernel_tuning",
                    help="output path without suffix")
     args = p.parse_args()
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
+    require_cuda("scripts.bench.tune_rows_kernel")
     opts = LossOptions(label_smoothing=0.1, softcap=30.0) if args.smoothing else LossOptions()
     kinds = args.passes.split(",") if args.passes else None
     meta = {**run_meta(provenance(), "bfloat16"), "smoothing_and_softcap": args.smoothing,

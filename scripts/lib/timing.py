@@ -6,6 +6,7 @@ ahead of it, as in a training step whose host runs ahead: `ahead_ms`)."""
 
 import random
 import statistics
+import sys
 import time
 from typing import Callable, Optional
 
@@ -17,6 +18,14 @@ AHEAD_HOST_FACTOR = 3.0  # ... this many times the longest host time of a call a
 AHEAD_MAX_MS = 60.0  # ... and at most this long (a call that synchronises gains nothing from more)
 AHEAD_FILL = "GEMMs, one length a point"  # the rule's name in a report's meta (`ahead_fill_ms`)
 FILL_SIZE = 4096  # the filler's GEMMs: bf16 FILL_SIZE^3, 0.19 ms on an H100
+
+
+def require_cuda(prog: str) -> None:
+    """Exit 2 with one line where torch sees no CUDA device: the benchmarks time GPU kernels."""
+    if not torch.cuda.is_available():
+        print(f"error: {prog} times CUDA kernels and needs a CUDA GPU; torch "
+              f"{torch.__version__} sees none", file=sys.stderr)
+        sys.exit(2)
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 10, *, cuda: bool = True,
