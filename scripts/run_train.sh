@@ -22,6 +22,7 @@ exit_if_help_asked "$0" "$@"
 # shellcheck source=scripts/lib/gpus.sh
 source "$repo/scripts/lib/gpus.sh"
 
+exit_unless_ngpu_valid
 if [[ -z ${NGPU:-} ]]; then
   NGPU=$(visible_gpus)
   ((NGPU >= 1)) || NGPU=1

@@ -773,6 +773,20 @@ def test_fused_vs_unfused_bad_input_keeps_earlier_results(tmp_path, args):
     assert (tmp_path / "flce" / "metrics.jsonl").read_text() == "{}\n"
 
 
+@pytest.mark.parametrize("script", ["run_train.sh", "compare_fused_vs_unfused.sh"])
+@pytest.mark.parametrize("ngpu", ["0", "abc", "1 2"])
+def test_a_bad_ngpu_is_one_line(tmp_path, script, ngpu):
+    """NGPU=0 ran torchrun --nproc-per-node 0 (an AssertionError deep in torch), NGPU=abc was
+    bash's "unbound variable", and NGPU="1 2" an arithmetic error before torchrun ran anyway."""
+    result = run([f"scripts/{script}", *(["configs/debug.toml"] if script != "run_train.sh"
+                                          else []), *SHORT],
+                 env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": ngpu})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr == (f"error: NGPU={ngpu}: expected the number of processes, 1 or more "
+                             "(1: one process, the CPU where there is no GPU)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("setting", ["TOLERANCE=0.02x", "BAND_RATIO=-1", "BAND_RATIO=0"])
 def test_a_bad_tolerance_is_refused_before_any_run(tmp_path, setting):
     """compare_losses.py read TOLERANCE and BAND_RATIO after every run had trained (and the

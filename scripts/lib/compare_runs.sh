@@ -14,6 +14,8 @@ scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 repo=$(dirname "$scripts")
 # shellcheck source=scripts/lib/usage.sh
 source "$scripts/lib/usage.sh"
+# shellcheck source=scripts/lib/gpus.sh
+source "$scripts/lib/gpus.sh"
 
 run_folders() {
   PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -m scripts.lib.run_folders "$@"
@@ -53,6 +55,7 @@ compare_runs() {
     auto | band | absolute) ;;
     *) echo "error: VERDICT=$verdict: expected auto, band or absolute" >&2; exit 2 ;;
   esac
+  exit_unless_ngpu_valid  # run_train.sh would refuse it only after the first folder was cleared
   # compare_losses.py reads these after every run trained: a typo must stop the script now
   local number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$' name
   for name in TOLERANCE BAND_RATIO; do
