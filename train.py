@@ -199,7 +199,7 @@ def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | Non
                 n_bytes += int(token_bytes[labels[labels != IGNORE_INDEX]].sum())
             inputs, labels = inputs.to(device), labels.to(device)
             total[1] += (labels != IGNORE_INDEX).sum()
-            with shard(inputs, labels):
+            with shard(inputs, labels) as (inputs, labels):
                 total[0] += model(inputs, labels, one).double()
     model.train()
     total = torch.cat([total, torch.tensor([n_bytes], dtype=torch.float64, device=device)])
@@ -239,7 +239,7 @@ def train_step(model, micro, optimizer, scheduler, params, max_norm: float, same
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce on the last micro-batch
             model.set_requires_gradient_sync(i == len(micro) - 1)
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with shard(inputs, labels):  # context parallelism: this rank's part of the sequences
+        with shard(inputs, labels) as (inputs, labels):  # context parallelism: this rank's part
             loss = model(inputs, labels, normalizer)
             loss.backward()
         loss_sum += loss.detach()

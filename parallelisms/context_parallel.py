@@ -71,7 +71,9 @@ class SequenceSharding:
         self.degree = cp_mesh.size()
         self.model = model  # the Llama: its rope_cache is sharded with the tokens
 
+    @contextlib.contextmanager
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """Yields (inputs, labels) to use inside: sharded in place, in this rank's part."""
         from torch.distributed.tensor.experimental import context_parallel
 
         rope = self.model.rope_cache
@@ -80,8 +82,13 @@ class SequenceSharding:
             raise ValueError(f"context parallelism: a batch of {inputs.shape[1]} tokens per "
                              f"sequence, but the model's RoPE table has {rope.shape[0]} rows: "
                              "batches must be [training] seq_len long")
-        return context_parallel(self.mesh, buffers=[inputs, labels, rope],
-                                buffer_seq_dims=[1, 1, 0])
+        if inputs.untyped_storage().data_ptr() == labels.untyped_storage().data_ptr():
+            # one window's two views, a token apart (a batch of one sequence is contiguous in
+            # both, and .to() on the CPU keeps them): sharding one in place wrote into the other
+            labels = labels.clone()
+        with context_parallel(self.mesh, buffers=[inputs, labels, rope],
+                              buffer_seq_dims=[1, 1, 0]):
+            yield inputs, labels
 
 
 class NoSharding:
@@ -89,7 +96,7 @@ class NoSharding:
     degree = 1
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor):
-        return contextlib.nullcontext()
+        return contextlib.nullcontext((inputs, labels))
 
 
 # ----------------------------------------------------------------------------------------- CPU

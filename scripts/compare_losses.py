@@ -52,7 +52,11 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
     path = data_path(run)
     if not path.is_file():
         raise BadInput(f"{run}: no such file {path}")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): not a "
+                       "metrics.jsonl") from None
     values, first, previous = {}, None, None
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -64,8 +68,16 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
                 print(f"warning: {path}:{number}: skipping a partial last line", file=sys.stderr)
                 continue
             raise BadInput(f"{path}:{number}: not JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise BadInput(f"{path}:{number}: a JSON {type(record).__name__}, not a metrics line "
+                           "(an object with step and the metric)")
         if metric in record and "step" in record:
-            step, value = int(record["step"]), record[metric]
+            step, value = record["step"], record[metric]
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise BadInput(f"{path}:{number}: step {step!r} is not a step number")
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                raise BadInput(f"{path}:{number}: {metric} {value!r} is not a number")
             if previous is not None and step <= previous:
                 if step <= first:  # what a second run from the start looks like
                     raise BadInput(f"{path}:{number}: step {step} follows step {previous}: the "
@@ -166,6 +178,9 @@ def band_verdict(steps, curves: dict, reference: str, seed: str, judged: list[st
     mean_diff = {name: sum(abs(v - a) for v, a in zip(smoothed[name], smoothed[reference]))
                  / len(steps) for name in [seed, *judged]}
     band = mean_diff[seed]
+    if not band > 0:  # the seed run's smoothed curve is A's: there is no band to judge against
+        raise BadInput(f"no noise band: the seed run {seed}, smoothed over {window} logged "
+                       f"step(s), equals A's curve; lengthen the runs or lower --window")
     print(f"  smoothing: a centred moving average over {window} logged step(s)\n"
           f"  noise band: mean |seed - A| of the smoothed curves over steps {steps[0]}..{steps[-1]}"
           f" = {band:.4g} (seed run {seed})\n"
@@ -286,8 +301,13 @@ def main(argv=None) -> int:
                   "step (the same run twice, or a seed that changes nothing?)", file=sys.stderr)
             return 2
         finite = [name for name in judged if name not in non_finite]
-        band_failures, passes, smoothed = band_verdict(steps, curves, reference, args.seed_run,
-                                                       finite, args.window, args.band_ratio)
+        try:
+            band_failures, passes, smoothed = band_verdict(steps, curves, reference,
+                                                           args.seed_run, finite, args.window,
+                                                           args.band_ratio)
+        except BadInput as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         failures += band_failures
     else:
         failures += absolute_verdict(steps, {n: diffs[n] for n in judged if n not in non_finite},

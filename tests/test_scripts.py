@@ -526,6 +526,36 @@ def test_a_run_that_stopped_early_is_refused_not_passed(tmp_path):
                              "rest; rerun the one that stopped early\n")
 
 
+@pytest.mark.parametrize("line, error", [
+    ('{"step": 2, "loss": "abc"}', "loss 'abc' is not a number"),
+    ('{"step": 2, "loss": {"x": 1}}', "loss {'x': 1} is not a number"),
+    ('{"step": "x", "loss": 1.0}', "step 'x' is not a step number"),
+    ("7", "a JSON int, not a metrics line"),
+    (b"\xff\xfe", "not UTF-8 text")])
+def test_a_malformed_metrics_line_is_bad_input(tmp_path, line, error):
+    """Each was a traceback and exit 1, the code of "the curves differ", not 2 (bad input)."""
+    a = write_metrics(tmp_path / "a", curve, steps=range(1, 3))
+    bad = tmp_path / "b.jsonl"
+    first = '{"step": 1, "loss": 5.0}\n'
+    bad.write_bytes(first.encode() + line if isinstance(line, bytes) else
+                    (first + line + "\n" + '{"step": 3, "loss": 4.0}\n').encode())
+    result = compare(a, bad)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ") and error in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_seed_run_that_smooths_to_a_is_no_band(tmp_path):
+    """A = [5.0, 4.5], seed = [5.25, 4.25]: the raw curves differ, their moving averages do
+    not, and the band verdict divided by zero (ZeroDivisionError)."""
+    a = write_metrics(tmp_path / "a", lambda s: [5.0, 4.5][s - 1], steps=range(1, 3))
+    seed = write_metrics(tmp_path / "seed", lambda s: [5.25, 4.25][s - 1], steps=range(1, 3))
+    b = write_metrics(tmp_path / "b", lambda s: [5.1, 4.4][s - 1], steps=range(1, 3))
+    result = compare(a, b, "--seed-run", seed)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(f"error: no noise band: the seed run {seed}, smoothed over")
+
+
 def test_a_divergence_fails_and_names_its_first_step(tmp_path):
     a = write_metrics(tmp_path / "a", curve)
     b = write_metrics(tmp_path / "b", lambda s: curve(s) + (0.2 if s >= 13 else 0.001))
