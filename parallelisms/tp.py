@@ -95,6 +95,10 @@ def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
     })
+    # The embedding's output is a view of its reduce-scatter's result. Under FSDP and a compiled
+    # first block, its gradient came back zero (gloo, CPU; FSDP warns that a view output can
+    # lose its pre-backward hook): the blocks get a tensor of their own, B x T/TP x H copied.
+    model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     for name, block in model.layers.items():
         if not isinstance(block, TransformerBlock):
             # parallelize_module skips plan entries it cannot find, so a block wrapped (by
