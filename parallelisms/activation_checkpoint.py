@@ -64,7 +64,8 @@ def check_settings(mode: str, every: str) -> None:
     """The [activation_checkpoint] mode and selective_ac_option, as config errors (ValueError)."""
     if mode not in MODES:
         raise ValueError(f"[activation_checkpoint] mode = {mode!r}: expected one of {MODES}")
-    if mode == "selective" and every != PER_OP and (not (every.isascii() and every.isdigit()) or int(every) < 1):
+    whole = every.isascii() and every.isdigit()  # str.isdigit() alone takes "²", int() not
+    if mode == "selective" and every != PER_OP and (not whole or int(every) < 1):
         raise ValueError(f"[activation_checkpoint] selective_ac_option = {every!r}: expected "
                          f"{PER_OP!r} (per op) or a positive integer k (every k-th block)")
 

@@ -194,7 +194,8 @@ def _bad_input_worker(rank, world, port, folder):
         loss_fn = flce.FusedLinearCrossEntropyLoss()
         parallelize_module(loss_fn, mesh, style)
         try:
-            loss_fn(distribute_tensor(x, mesh, [Shard(1)]), t, distribute_tensor(w, mesh, placement))
+            loss_fn(distribute_tensor(x, mesh, [Shard(1)]), t,
+                    distribute_tensor(w, mesh, placement))
             messages.append("no error")
         except Exception as e:  # noqa: BLE001 (the message is what is checked)
             messages.append(f"{type(e).__name__}: {e}")

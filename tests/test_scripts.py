@@ -829,7 +829,8 @@ def test_a_bad_tolerance_is_refused_before_any_run(tmp_path, setting):
                  env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1",
                       name: value})
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert result.stderr == f"error: {setting}: expected a number > 0\n"
+    bound = ">= 0" if name == "TOLERANCE" else "> 0"
+    assert result.stderr == f"error: {setting}: expected a number {bound}\n"
     assert (tmp_path / "flce" / "metrics.jsonl").read_text() == "{}\n"
 
 

@@ -57,13 +57,12 @@ compare_runs() {
   esac
   exit_unless_ngpu_valid  # run_train.sh would refuse it only after the first folder was cleared
   # compare_losses.py reads these after every run trained: a typo must stop the script now
-  local number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$' name
-  for name in TOLERANCE BAND_RATIO; do
-    if [[ -n ${!name:-} && ! ${!name} =~ $number ]]; then
-      echo "error: $name=${!name}: expected a number > 0" >&2; exit 2
-    fi
-  done
-  if [[ -n ${BAND_RATIO:-} ]] && ! awk -v r="$BAND_RATIO" 'BEGIN { exit !(r > 0) }'; then
+  local number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'
+  if [[ -n ${TOLERANCE:-} && ! $TOLERANCE =~ $number ]]; then
+    echo "error: TOLERANCE=$TOLERANCE: expected a number >= 0" >&2; exit 2
+  fi
+  if [[ -n ${BAND_RATIO:-} ]] && { [[ ! $BAND_RATIO =~ $number ]] ||
+                                   ! awk -v r="$BAND_RATIO" 'BEGIN { exit !(r > 0) }'; }; then
     echo "error: BAND_RATIO=$BAND_RATIO: expected a number > 0" >&2; exit 2
   fi
 
