@@ -552,7 +552,6 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics, config=cfg.to_dict(),
                             notes=cfg.job.description, first_step=start_step,
                             timeline=resumed.metrics_started)
-    ckpt.metrics_started = lambda: metrics.started
     if rank == 0:  # after the logger set an earlier run's config aside with its metrics
         (dump / "config.toml").write_text(to_toml(cfg))
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
@@ -607,7 +606,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                 ckpt.raise_if_async_save_failed(device)
             if saves:
                 with init_timeout_phase():
-                    ckpt.save(step, tokens_seen)
+                    ckpt.save(step, tokens_seen, metrics.started)
                     if stalls and f"save@{step}" in stalls:
                         time.sleep(stalls[f"save@{step}"])
                 meter.reset()

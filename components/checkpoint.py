@@ -285,9 +285,6 @@ class Checkpointer:
         self.dp_rank = dp_rank
         self.config_toml = to_toml(cfg)
         self._pending: Optional[Future] = None  # an async save's commit
-        # MetricsLogger.started once the trainer made it: a resumed run appends to the
-        # metrics.jsonl of its own timeline only (MetricsLogger's `timeline`)
-        self.metrics_started: Callable[[], Optional[float]] = lambda: None
         # An async save finishes with collectives in a background thread: they get a group of
         # their own so they never interleave with the training's collectives. They wait on every
         # rank's writes while training goes on, which no [comm] phase bounds: the group keeps
@@ -309,9 +306,10 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": plain_weights(model_sd), "optimizer": optim_sd}
 
-    def save(self, step: int, tokens_seen: int) -> None:
+    def save(self, step: int, tokens_seen: int, metrics_started: Optional[float] = None) -> None:
         """Write step-<step>; with async_mode = "async" return once the state is staged (it is
-        committed in the background as soon as it is written)."""
+        committed in the background as soon as it is written). metrics_started: the run's
+        MetricsLogger.started, kept in train_state.json for the run that resumes it."""
         self.wait()
         started = time.perf_counter()
         final = self.folder / f"step-{step}"
@@ -334,8 +332,9 @@ class Checkpointer:
                      "scheduler": self.scheduler.state_dict(),
                      **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
                      **({"load_step": self.cfg.load_step} if self.cfg.load_step >= 0 else {}),
-                     **({"metrics_started": first} if (first := self.metrics_started())
-                        is not None else {})}).encode())
+                     # a resumed run appends to its own timeline's metrics.jsonl only
+                     **({"metrics_started": metrics_started}
+                        if metrics_started is not None else {})}).encode())
                 _write_synced(tmp / "config.toml", self.config_toml.encode())
         except OSError as e:  # a full disk, before DCP writes anything
             raise _save_failed(final, e) from e
