@@ -42,7 +42,9 @@ from flce.reference import chunk_rows
 CHUNK_BYTES = 1 << 30       # the logits buffer a chunk aims at ...
 MIN_CHUNK_TOKENS = 8192     # ... with at least this many tokens (dW's fp32 accumulation is
 MAX_CHUNK_TOKENS = 32768    # a read and a write of V x H per chunk: few chunks keep it cheap)
-MAX_CHUNK_BYTES = 2 << 30   # and never more logits than this
+MAX_CHUNK_BYTES = 4 << 30   # and never more logits than this (8192 tokens up to V = 262144:
+# at V = 256000 chunks of 8192 ran 1.0-1.6% faster than 4096 at 6 of 7 points on an H200 and
+# an H100, docs/performance.md "Chunk sizes at V = 256000")
 # float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
 # from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
 # rounds: at 512 tokens (x4096x256000, x8192x128256) "logits+dx" ran 7-8% slower than bf16,
@@ -58,9 +60,9 @@ def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
     """Tokens per chunk of the chunked sweep, evened out so that the last chunk is not a sliver.
 
     Default: about CHUNK_BYTES of logits, within MIN_CHUNK_TOKENS..MAX_CHUNK_TOKENS tokens and at
-    most MAX_CHUNK_BYTES (8192 tokens at V = 128256, 16384 at V = 32000). Smaller chunks make
-    the dW accumulation cost more (each chunk reads and writes the fp32 accumulator), larger ones
-    cost memory for little speed. Lean: a logits buffer about the size of x,
+    most MAX_CHUNK_BYTES (8192 tokens at V = 128256 and 256000, 16384 at V = 32000). Smaller
+    chunks make the dW accumulation cost more (each chunk reads and writes the fp32
+    accumulator), larger ones cost memory for little speed. Lean: a logits buffer about the size of x,
     next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel."""
     vocab = max(vocab, 1)  # an empty vocabulary slice (vocab-parallel, fewer classes than ranks)
     if chunk_size is None:

@@ -406,7 +406,8 @@ def test_chunk_sizes():
     from flce.ops import pick_chunk_size
     assert pick_chunk_size(65536, 4096, 128256, 2, None, lean=False) == 8192
     assert pick_chunk_size(65536, 1024, 32000, 2, None, lean=False) == 16384  # ~1 GiB of logits
-    assert pick_chunk_size(65536, 2048, 262144, 2, None, lean=False) == 4096  # 2 GiB of logits
+    assert pick_chunk_size(65536, 2048, 256000, 2, None, lean=False) == 8192  # ~4 GiB of logits
+    assert pick_chunk_size(65536, 2048, 524288, 2, None, lean=False) == 4096  # 4 GiB at most
     assert pick_chunk_size(100, 64, 1000, 4, None, lean=False) == 104  # one chunk, 8-aligned
     assert pick_chunk_size(10000, 64, 1000, 4, 4096, lean=False) == 3336  # three even chunks
     # lean: Liger-Kernel's size, next_pow2(N / ceil(V / H))
@@ -422,8 +423,9 @@ def test_one_block_where_it_takes_no_more_memory_than_chunks():
     assert not uses_one_block(16384, 2048, 128256, 2, None, lean=False)
     assert not uses_one_block(65536, 8192, 128256, 2, None, lean=False)
     # fp32: no fp32 accumulator to save, one block only where one chunk would hold every token
-    assert not uses_one_block(8192, 4096, 128256, 4, None, lean=False)
-    assert uses_one_block(4096, 4096, 128256, 4, None, lean=False)
+    # (8192 tokens at V = 128256: 4 GiB of fp32 logits)
+    assert not uses_one_block(16384, 4096, 128256, 4, None, lean=False)
+    assert uses_one_block(8192, 4096, 128256, 4, None, lean=False)
     # a chunk_size below N asks for chunks; memory_lean always chunks
     assert not uses_one_block(100, 64, 1000, 2, 64, lean=False)
     assert uses_one_block(100, 64, 1000, 2, 100, lean=False)

@@ -224,6 +224,9 @@ def test_chunk_sizes_bench_reads_its_points_and_reports_each_run():
     assert "| 16384x8x16 | default | chunks of 8192 | 11.00 | 1.375 | 1.100 | 300 |" in text
     assert "| 16384x8x16 | c16384 | one block | 10.00 | 1.250 | 1.000 | 500 |" in text
     assert "| 16384x8x16 | c4096 | chunks of 4096 | OOM | - | - | - |" in text
+    assert "host ahead" not in text  # synchronised unless asked; with --host-ahead it says so
+    ahead = chunk_sizes_report({**CLEAN, **bench_flce.timing_meta(True)})
+    assert bench_flce.HOST_AHEAD in ahead
 
 
 def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
@@ -245,8 +248,9 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
         torch.randn(N, H, requires_grad=True), torch.randint(0, V, (N,)),
         torch.randn(V, H, requires_grad=True)))
     monkeypatch.setattr(bench_flce, "peak_extra_mib", lambda run, x, w: run() or 5.0)
-    monkeypatch.setattr(bench_chunk_sizes, "interleaved_rounds", lambda runs, s, r: {
-        name: [run() or 2.0] for name, run in runs.items()})
+    ahead = []
+    monkeypatch.setattr(bench_chunk_sizes, "interleaved_rounds", lambda runs, s, r, host_ahead: (
+        ahead.append(host_ahead) or {name: [run() or 2.0] for name, run in runs.items()}))
     point = bench_chunk_sizes.measure_point(16, 8, 12, [4, 16, 3], 0.1, 3)
     assert set(seen) == {(None, False), (4, False), (16, False), (3, False)}
     assert [(r["run"], r["path"], r["ms"], r["extra_mib"]) for r in point["runs"]] == [
@@ -255,7 +259,8 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
     assert "| c3 | chunks of 3 | OOM |" in bench_chunk_sizes.markdown(
         KERNEL_META, [point])
     seen.clear()
-    point = bench_chunk_sizes.measure_point(16, 8, 12, [4], 0.1, 3, lean=True)
+    point = bench_chunk_sizes.measure_point(16, 8, 12, [4], 0.1, 3, lean=True, host_ahead=True)
+    assert ahead == [False, True]  # --host-ahead reaches the rounds
     assert set(seen) == {(None, False), (4, False), (None, True), (4, True)}
     assert [(r["run"], r["path"]) for r in point["runs"]] == [
         ("default", "one block"), ("c4", "chunks of 4"), ("lean", "chunks of 8 (lean)"),

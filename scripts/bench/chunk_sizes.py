@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import flce  # noqa: E402
 from flce.ops import pick_chunk_size, uses_one_block  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
-                                make_inputs, run_meta)
+                                make_inputs, run_meta, timing_meta)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
 
@@ -62,7 +62,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
     lines = [*kernel_report_head(meta, "bfloat16"),
              "flce forward+backward at forced chunk sizes (a size of N or more: the one-block "
              f"path) and at its own choice (default){lean}, in interleaved rounds: ms (× the "
-             "bare GEMMs; × the fastest run at the point) / peak extra MiB.", "",
+             "bare GEMMs; × the fastest run at the point) / peak extra MiB." +
+             (f" Timing: {meta['timing']}." if meta.get("host_ahead") else ""), "",
              "| N×H×V | run | path | ms | × GEMMs | × fastest | MiB |",
              "|---|---|---|---|---|---|---|"]
     for point in results:
@@ -77,7 +78,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure_point(N, H, V, sizes, seconds, reps, lean: bool = False) -> dict:
+def measure_point(N, H, V, sizes, seconds, reps, lean: bool = False,
+                  host_ahead: bool = False) -> dict:
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
     configs = {"default": (None, False), **{f"c{c}": (c, False) for c in sizes}}  # (C, lean)
@@ -86,7 +88,8 @@ def measure_point(N, H, V, sizes, seconds, reps, lean: bool = False) -> dict:
     losses = {name: (lambda x, t, w, c=c, m=m: flce.fused_linear_cross_entropy(
         x, t, w, chunk_size=c, memory_lean=m)) for name, (c, m) in configs.items()}
     runs, mib = first_calls(losses, x, t, w)
-    rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps)
+    rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps,
+                                host_ahead=host_ahead)
     ms = medians(rounds)
     point = {"shape": f"{N}x{H}x{V}", "gemms_ms": ms["bare_gemms"],
              "runs": [{"run": name, "chunk_size": c, "memory_lean": m,
@@ -107,15 +110,20 @@ def main():
     p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
     p.add_argument("--lean", action="store_true",
                    help="also memory_lean at its own choice and at each forced size")
+    p.add_argument("--host-ahead", action="store_true",
+                   help="time each call queued behind GEMMs that keep the GPU busy, as in a "
+                        "training step whose host runs ahead (`bench.flce --host-ahead`)")
     p.add_argument("--out", default="benchmarks/flce_chunk_sizes",
                    help="output path without suffix")
     args = p.parse_args()
     points = parse_points(args.points)
     require_cuda("scripts.bench.chunk_sizes")
-    meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
+    meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds,
+            **timing_meta(args.host_ahead)}
     results = []
     for N, H, V, sizes in points:
-        results.append(measure_point(N, H, V, sizes, args.seconds, args.reps, args.lean))
+        results.append(measure_point(N, H, V, sizes, args.seconds, args.reps, args.lean,
+                                     args.host_ahead))
         print(" | ".join([results[-1]["shape"]] + [
             f"{r['run']} " + ("OOM" if r["ms"] is None else
                               f"{r['ms']:.2f} ms {r['extra_mib']:.0f} MiB")
