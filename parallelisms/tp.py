@@ -9,7 +9,9 @@ with "vocab" the output weight is sharded on the vocabulary (VocabParallelLinear
 Float8 linear layers with tensorwise scaling get torchao's float8 styles, as in torchtitan: the
 shared input of wq/wk/wv (and of w1/w3) is cast to float8 once, before its all-gather, so the
 sequence is all-gathered in float8. Rowwise-scaled float8 layers use the plain styles (their
-all-gathers stay in high precision) and cast inside the layer."""
+all-gathers stay in high precision) and cast inside the layer; so do all of them on the CPU
+across processes, where gloo has no float8 types to all-gather (the same float8 GEMMs, from
+high-precision all-gathers)."""
 
 import typing
 
@@ -57,11 +59,11 @@ def _shard_rows(name, module, mesh):
         module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
 
-def _styles(*linears: nn.Module) -> tuple[type, type, type]:
+def _styles(*linears: nn.Module, float8_gathers: bool) -> tuple[type, type, type]:
     """(colwise, rowwise, prepare-input) styles for linear layers that read the same input:
-    torchao's float8 ones only if every one of them is a tensorwise Float8Linear (the prepared
-    input is cast to float8 for all of them)."""
-    if all(is_float8_tensorwise(linear) for linear in linears):
+    torchao's float8 ones only if the mesh can all-gather float8 and every one of them is a
+    tensorwise Float8Linear (the prepared input is cast to float8 for all of them)."""
+    if float8_gathers and all(is_float8_tensorwise(linear) for linear in linears):
         from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel,
                                                            Float8RowwiseParallel,
                                                            PrepareFloat8ModuleInput)
@@ -99,6 +101,8 @@ def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str
     # first block, its gradient came back zero (gloo, CPU; FSDP warns that a view output can
     # lose its pre-backward hook): the blocks get a tensor of their own, B x T/TP x H copied.
     model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
+    # gloo's all-gather of float8 fails in the first forward ("Invalid scalar type")
+    float8_gathers = tp_mesh.device_type != "cpu" or tp_mesh.size() == 1
     for name, block in model.layers.items():
         if not isinstance(block, TransformerBlock):
             # parallelize_module skips plan entries it cannot find, so a block wrapped (by
@@ -106,10 +110,11 @@ def apply_tp(model_with_loss: nn.Module, tp_mesh: DeviceMesh, loss_parallel: str
             raise TypeError(f"layers.{name} is a {type(block).__name__}: apply tensor "
                             "parallelism before activation checkpointing and compile wrap blocks")
         attention, ffn = block.attention, block.feed_forward
-        qkv_colwise, _, attention_input = _styles(attention.wq, attention.wk, attention.wv)
-        _, wo_rowwise, _ = _styles(attention.wo)
-        w13_colwise, _, ffn_input = _styles(ffn.w1, ffn.w3)
-        _, w2_rowwise, _ = _styles(ffn.w2)
+        qkv_colwise, _, attention_input = _styles(attention.wq, attention.wk, attention.wv,
+                                                  float8_gathers=float8_gathers)
+        _, wo_rowwise, _ = _styles(attention.wo, float8_gathers=float8_gathers)
+        w13_colwise, _, ffn_input = _styles(ffn.w1, ffn.w3, float8_gathers=float8_gathers)
+        _, w2_rowwise, _ = _styles(ffn.w2, float8_gathers=float8_gathers)
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             "attention": attention_input(input_layouts=(Shard(1), None),
