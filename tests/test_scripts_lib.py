@@ -1038,6 +1038,21 @@ def test_the_gemms_ahead_of_a_timed_call_keep_the_gpu_busy_about_as_long_as_aske
     assert gpu < 5.0 and host < 20.0
 
 
+@pytest.mark.parametrize("module, args", [("flce", ["--grid"]), ("float8_grid", [])])
+def test_a_grid_without_resume_leaves_an_existing_report_alone(module, args, tmp_path):
+    """The grids' default --out is the committed report: a run without --resume rewrote it
+    point by point, one point at the first."""
+    report = tmp_path / "report.json"
+    report.write_text('{"meta": {}, "results": []}')
+    result = subprocess.run([sys.executable, "-m", f"scripts.bench.{module}", *args,
+                             "--out", str(tmp_path / "report")], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and report.read_text() == '{"meta": {}, "results": []}'
+    assert result.stderr.splitlines()[-1].endswith(
+        f"error: {report} exists: --resume measures the points it lacks, --out names a new "
+        "report (a fresh grid would replace it point by point)")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 @pytest.mark.parametrize("module, args", [
     ("attention", []), ("chunk_sizes", ["--points", "64x8x32:16"]), ("flce", []),

@@ -299,6 +299,8 @@ def main():
         p.error("--remeasure applies to --grid --resume with --shapes (the points to measure again)")
     args.out = args.out or ("benchmarks/flce_float8" if args.float8 else
                             "benchmarks/flce_grid" if args.grid else "benchmarks/flce_bench")
+    if args.grid and not args.resume and Path(args.out).with_suffix(".json").exists():
+        p.error(GRID_EXISTS.format(out=Path(args.out).with_suffix(".json")))
     require_cuda("scripts.bench.flce")
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     dtype = getattr(torch, args.dtype)
@@ -427,6 +429,12 @@ def in_grid_order(results: list[dict]) -> list[dict]:
     """Records by N, then H, then V (a remeasured point goes back to its row), each shape's
     methods in the order measured."""
     return sorted(results, key=lambda r: tuple(map(int, r["shape"].split("x"))))
+
+
+# a grid is written point by point: a fresh run over a report (the committed one is the
+# default --out) would replace it with fewer points at the first
+GRID_EXISTS = ("{out} exists: --resume measures the points it lacks, --out names a new report "
+               "(a fresh grid would replace it point by point)")
 
 
 def run_grid(args, origin, dtype):

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 import flce  # noqa: E402
 from flce.ops import float8_used, gemm_operands  # noqa: E402
-from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
-                                make_inputs, run_meta)
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, GRID_EXISTS, first_calls,  # noqa: E402
+                                gemm_floor, make_inputs, run_meta)
 from scripts.lib.loss_grid import grid_shapes, hbm_peak, logit_traffic_ms  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians, require_cuda  # noqa: E402
@@ -196,8 +196,10 @@ def main():
     p.add_argument("--out", default="benchmarks/flce_float8_grid",
                    help="output path without suffix")
     args = p.parse_args()
-    require_cuda("scripts.bench.float8_grid")
     path = Path(args.out).with_suffix(".json")
+    if not args.resume and path.exists():
+        p.error(GRID_EXISTS.format(out=path))
+    require_cuda("scripts.bench.float8_grid")
     results = json.loads(path.read_text())["results"] if args.resume and path.exists() else []
     done = {r["shape"] for r in results}
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds,
