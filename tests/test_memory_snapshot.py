@@ -192,3 +192,20 @@ def test_cuda_out_of_memory_leaves_a_snapshot(tmp_path):
     assert "out of memory: snapshot of step 1" in out.stdout + out.stderr
     (path,) = (tmp_path / "memory_snapshot").glob("oom-step-1/rank-0.pickle")
     summarize_memory.main([str(path)])
+
+
+def test_a_device_the_snapshot_lacks_or_a_pickle_of_another_kind_is_one_line(tmp_path, capsys):
+    """--device 3 on a one-device snapshot was an IndexError's traceback; a pickled list an
+    AttributeError's."""
+    path = tmp_path / "rank-0.pickle"
+    path.write_bytes(pickle.dumps(snapshot([event("alloc", 512, 1 << 20, [])], {512: 1 << 20})))
+    with pytest.raises(SystemExit) as e:
+        summarize_memory.main([str(path), "--device", "3"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --device 3: {path} has the history of 1 device(s), 0-0")
+    path.write_bytes(pickle.dumps([1, 2]))
+    with pytest.raises(SystemExit) as e:
+        summarize_memory.main([str(path)])
+    assert e.value.code == 2
+    assert "not a memory snapshot" in capsys.readouterr().err

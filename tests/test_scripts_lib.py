@@ -923,6 +923,25 @@ def test_a_shipped_peer_run_list_parses_and_its_runs_configs_load(runs_file, tmp
             assert cfg.training.seq_len == args.seq_len
 
 
+def test_bench_peers_names_a_bad_config_in_one_line(tmp_path, capsys):
+    """A missing or invalid --config was a traceback, and one without [model] a KeyError,
+    though train.py runs it on the default flavor."""
+    from components.config.parse import load_config
+    bare = tmp_path / "bare.toml"
+    bare.write_text("[training]\nsteps = 3\n")
+    assert bench_peers.parse_args(["--run", "a=ours", "--config", str(bare)]).flavor == \
+        load_config([]).model.flavor
+    missing, bad = tmp_path / "missing.toml", tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    for path, said in ((missing, f"--config {missing}: no such file"),
+                       (bad, f"{bad}: invalid TOML")):
+        with pytest.raises(SystemExit) as e:
+            bench_peers.parse_args(["--run", "a=ours", "--config", str(path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err
+        assert f"error: {said}" in err.splitlines()[-1]
+
+
 def test_a_peer_run_file_line_is_split_as_a_shell_would(tmp_path):
     runs = tmp_path / "runs.args"
     runs.write_text("# a comment line\n--steps 7  # seven\n"

@@ -97,3 +97,32 @@ def test_cuda_trace_shows_the_sleep_as_busy_and_the_sync(tmp_path):
     assert tl["busy_ms"] >= 5 and tl["collectives_alone_ms"] == 0
     assert tl["busy_ms"] + tl["idle_ms"] == pytest.approx(tl["step_ms"])
     assert tl["device_to_host_copies"] >= 1
+
+
+def test_summarize_trace_reads_gzip_and_names_a_bad_trace_in_one_line(tmp_path):
+    """A missing, empty, truncated or non-object trace was a traceback, and a .json.gz one
+    (torch.profiler writes them so where asked) could not be read at all."""
+    import gzip
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    trace = {"traceEvents": [kernel("nvjet_gemm", 0, 40), kernel("flce_rows", 40, 10)]}
+    gz = tmp_path / "rank-0.json.gz"
+    with gzip.open(gz, "wt") as f:
+        json.dump(trace, f)
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "cut.json").write_text(json.dumps(trace)[:30])
+    (tmp_path / "list.json").write_text("[1, 2]")
+
+    def run(path):
+        return subprocess.run([sys.executable, "-m", "scripts.bench.summarize_trace", str(path)],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                              text=True, timeout=60)
+    ok = run(gz)
+    assert ok.returncode == 0 and "nvjet_gemm" in ok.stdout, ok.stderr
+    for name, said in (("missing.json", "cannot read it"), ("empty.json", "not a complete JSON"),
+                       ("cut.json", "not a complete JSON"), ("list.json", "not a Chrome trace")):
+        result = run(tmp_path / name)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, name
+        assert f"error: {tmp_path / name}: {said}" in result.stderr.splitlines()[-1], name

@@ -34,13 +34,14 @@ import shlex
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.peers ...")
 
 from components.allocator import allocator_settings, run_environment  # noqa: E402
+from components.config.parse import load_config  # noqa: E402
+from components.config.schema import ConfigError  # noqa: E402
 from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
 from scripts.lib.report import (fmt, probe_environment, provenance,  # noqa: E402
                                 warning_lines, write_report)
@@ -91,8 +92,10 @@ def parse_args(argv=None):
         args.runs.append((name, kind, shlex.split(extra)))
     if not args.runs:
         p.error("give at least one --run")
-    with open(args.config, "rb") as f:
-        args.flavor = tomllib.load(f)["model"]["flavor"]
+    try:  # the flavor train.py will build: the config's, else the default
+        args.flavor = load_config(["--config", args.config]).model.flavor
+    except ConfigError as e:
+        p.error(str(e))
     if args.flavor not in TITAN_FLAVORS and any(k == "titan" for _, k, _ in args.runs):
         p.error(f"{args.config}: flavor {args.flavor!r} has no torchtitan counterpart")
     return args

@@ -149,6 +149,12 @@ def main(argv=None):
             snapshot = _PlainData(f).load()
     except (OSError, pickle.UnpicklingError, EOFError) as e:
         raise SystemExit(f"{args.snapshot}: cannot read a memory snapshot ({e})")
+    if not isinstance(snapshot, dict):
+        p.error(f"{args.snapshot}: not a memory snapshot (a dict with device_traces)")
+    traces = snapshot.get("device_traces", [])
+    if args.device is not None and not 0 <= args.device < len(traces):
+        p.error(f"--device {args.device}: {args.snapshot} has the history of "
+                f"{len(traces)} device(s), 0-{len(traces) - 1}")
     device = busiest_device(snapshot) if args.device is None else args.device
     summary = peak(snapshot, device)
     print(text_table(summary, args.top))

@@ -15,6 +15,7 @@ also writes a report (<out>.json and <out>.md) naming the trace, the command tha
 """
 
 import argparse
+import gzip
 import json
 import re
 import sys
@@ -35,6 +36,21 @@ KINDS = (("attention", r"sdpa|fmha|flash|attention"),
          ("optimizer and gradient norm", r"multi_tensor_apply|adam|foreach"),
          ("collectives", r"nccl"),
          ("the rest (norms, activations, casts, copies)", r""))
+
+
+def read_trace(path: str) -> dict:
+    """The trace's JSON (gzipped where the name ends in .gz, as torch.profiler may write it),
+    or a ValueError naming the file and what is wrong with it."""
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+            trace = json.load(f)
+    except OSError as e:  # missing, unreadable, or not gzip
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a complete JSON trace ({e}); was it cut short?") from None
+    if not isinstance(trace, dict):
+        raise ValueError(f"{path}: not a Chrome trace (a JSON object with traceEvents)")
+    return trace
 
 
 def kernel_totals(trace: dict, width: int) -> dict:
@@ -104,8 +120,10 @@ def main():
     p.add_argument("--trace-command", default="",
                    help="the command that wrote the trace, recorded in the report")
     args = p.parse_args()
-    with open(args.trace) as f:
-        trace = json.load(f)
+    try:
+        trace = read_trace(args.trace)
+    except ValueError as e:
+        p.error(str(e))
     totals = kernel_totals(trace, args.width)
     if not totals:
         raise SystemExit(f"{args.trace}: no GPU kernel events (was CUDA profiled?)")
