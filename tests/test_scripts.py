@@ -264,6 +264,35 @@ def test_torchrun_command_outside_a_job(fake_torchrun):
                          "--training.steps", "3"]
 
 
+def test_torchrun_command_reads_the_default_config_from_the_repository(fake_torchrun, tmp_path):
+    """Run from another folder, the default config was a path relative to it (train.py then
+    failed on every node); a CONFIG that is not there is one line before torchrun starts."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    env = {**clean, **fake_torchrun, "FAKE_TORCHRUN_HELP": NEW_TORCHRUN_HELP}
+    script = str(REPO / "scripts/slurm/torchrun_cmd.sh")
+    result = subprocess.run([script, "--dry-run"], cwd=tmp_path, env=env, text=True,
+                            capture_output=True)
+    assert result.returncode == 0, result.stderr
+    assert option(shlex.split(result.stdout), "--config") == str(REPO / "configs/llama_1b.toml")
+    result = subprocess.run([script, "--dry-run"], cwd=tmp_path, text=True, capture_output=True,
+                            env={**env, "CONFIG": "configs/llama_1b.toml"})
+    assert result.returncode == 2 and result.stderr == (
+        f"error: CONFIG=configs/llama_1b.toml: no such file (from {tmp_path})\n")
+
+
+def test_sbatch_outside_a_job_or_the_repository_says_so(tmp_path):
+    """Under plain bash it stopped at "SLURM_JOB_ID: unbound variable"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", "scripts/slurm/train.sbatch"], cwd=REPO, env=env,
+                            text=True, capture_output=True)
+    assert result.returncode == 2 and "submit it with sbatch" in result.stderr
+    result = subprocess.run(["bash", str(REPO / "scripts/slurm/train.sbatch")], cwd=REPO,
+                            text=True, capture_output=True,
+                            env={**env, "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)})
+    assert result.returncode == 2 and "is not the repository's root" in result.stderr
+    assert not (tmp_path / "logs").exists()
+
+
 def test_torchrun_command_in_a_job_needs_its_variables():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     result = subprocess.run(["scripts/slurm/torchrun_cmd.sh", "--dry-run"], cwd=REPO,

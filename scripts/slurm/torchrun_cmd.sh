@@ -6,8 +6,8 @@
 #
 # Reads SLURM_JOB_NODELIST, SLURM_NNODES, SLURM_JOB_ID and SLURM_NODEID (or SLURM_PROCID: one
 # task per node makes them equal), plus optional GPUS_PER_NODE (else SLURM_GPUS_ON_NODE, else 8),
-# CONFIG (else configs/llama_1b.toml), MASTER_ADDR (else the job's first node), MASTER_PORT
-# (else derived from the job id) and SHUTDOWN_TIMEOUT (seconds, else 240).
+# CONFIG (else the repository's configs/llama_1b.toml), MASTER_ADDR (else the job's first
+# node), MASTER_PORT (else derived from the job id) and SHUTDOWN_TIMEOUT (seconds, else 240).
 # Outside a job (no SLURM_JOB_ID) it is one node, this machine: the rendezvous on localhost
 # (MASTER_PORT, else 29500) and GPUS_PER_NODE, else the visible GPUs, else 1.
 # --dry-run prints the command, shell-quoted, instead of running it: tests build it from fake
@@ -56,7 +56,13 @@ else
   gpus=${GPUS_PER_NODE:-$(visible_gpus)}
   ((gpus >= 1)) || gpus=1
 fi
-config=${CONFIG:-configs/llama_1b.toml}
+# A CONFIG given is read from the working directory (the submit dir in a job), as a user typed
+# it; the default is the repository's, wherever this runs from.
+config=${CONFIG:-$repo/configs/llama_1b.toml}
+if [[ ! -f $config ]]; then
+  echo "error: CONFIG=$config: no such file (from $PWD)" >&2
+  exit 2
+fi
 master_addr=${MASTER_ADDR:-$(first_host "$nodelist")}
 master_port=${MASTER_PORT:-$default_port}
 # The c10d rendezvous guesses which node hosts its store by matching hostnames, which fails
