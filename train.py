@@ -551,7 +551,9 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     dump = Path(cfg.job.dump_folder)
     metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics, config=cfg.to_dict(),
                             notes=cfg.job.description, first_step=start_step,
-                            timeline=resumed.metrics_started)
+                            timeline=resumed.metrics_started,
+                            outputs=(cfg.profiling.save_traces_folder,
+                                     cfg.profiling.save_memory_snapshot_folder))
     if rank == 0:  # after the logger set an earlier run's config aside with its metrics
         (dump / "config.toml").write_text(to_toml(cfg))
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))

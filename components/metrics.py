@@ -220,7 +220,7 @@ class MetricsLogger:
     def __init__(self, dump_folder: str | Path, rank: int, total_steps: int,
                  cfg: Metrics | None = None, config: dict | None = None, notes: str = "",
                  resumed: bool = False, first_step: int = 1,
-                 timeline: Optional[float] = None) -> None:
+                 timeline: Optional[float] = None, outputs: tuple[str, ...] = ()) -> None:
         cfg = Metrics() if cfg is None else cfg
         if cfg.wandb_mode not in WANDB_MODES:
             raise ValueError(f"[metrics] wandb_mode={cfg.wandb_mode!r}: expected one of "
@@ -242,6 +242,7 @@ class MetricsLogger:
         self.started: Optional[float] = None  # the "time" of metrics.jsonl's first line
         self.wandb_dir: Path | None = None  # the run's folder, what `wandb sync` takes
         self.tensorboard_dir: Path | None = None
+        self.outputs = outputs
         if not self.enabled:
             return
 
@@ -278,16 +279,18 @@ class MetricsLogger:
                 when if isinstance(when, float) else None)
 
     def _set_aside_earlier_run(self, why: str = "held an earlier run's metrics") -> None:
-        """The earlier run's metrics.jsonl, with the config.toml that says what made them and
-        its TensorBoard events (a second run's would show as one mixed curve), renamed with the
-        time its metrics were last written: metrics.<time>.jsonl, config.<time>.toml,
-        tb.<time>. The caller writes this run's config.toml after."""
+        """The earlier run's metrics.jsonl, with the config.toml that says what made them, its
+        TensorBoard events (a second run's would show as one mixed curve) and its other outputs
+        (`outputs`: profile traces and memory snapshots, whose step folders a new run would
+        overwrite or mix with its own), renamed with the time its metrics were last written:
+        metrics.<time>.jsonl, config.<time>.toml, tb.<time>, profile_traces.<time>. The caller
+        writes this run's config.toml after."""
         if not self.jsonl_path.is_file() or self.jsonl_path.stat().st_size == 0:
             return
         written = datetime.datetime.fromtimestamp(self.jsonl_path.stat().st_mtime)
         stamp, n = f"{written:%Y%m%d-%H%M%S}", 1
         earlier = {"metrics.jsonl": "metrics.{}.jsonl", "config.toml": "config.{}.toml",
-                   "tb": "tb.{}"}
+                   "tb": "tb.{}", **{name: name.rstrip("/") + ".{}" for name in self.outputs}}
         names = {}
         while not names or any((self.dump_folder / new).exists() for new in names.values()):
             suffix = stamp if n == 1 else f"{stamp}-{n}"

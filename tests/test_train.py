@@ -366,6 +366,19 @@ def test_profiling_traces_every_profile_freq_th_step_and_nothing_after(tmp_path,
         assert any("mm" in n for n in names), step  # a step's work, not the loop's end
 
 
+def test_a_fresh_run_sets_the_earlier_runs_profile_traces_aside(tmp_path):
+    """A second run in the same dump folder mixed its traces with the earlier run's (step-2 and
+    step-4 of one run beside step-3 of the next) or overwrote those of the same steps."""
+    profile = ["--profiling.enable_profiling", "true", "--profiling.profile_freq"]
+    assert run(tmp_path, "prof", "--training.steps", "5", *profile, "2")[0] == 0
+    assert run(tmp_path, "prof", "--training.steps", "3", *profile, "3")[0] == 0
+    dump = tmp_path / "prof"
+    assert sorted(p.name for p in (dump / "profile_traces").iterdir()) == ["step-3"]
+    (aside,) = dump.glob("profile_traces.*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-2", "step-4"]
+    assert aside.name.split(".", 1)[1] == next(dump.glob("metrics.*.jsonl")).name.split(".")[1]
+
+
 def test_trace_summary_groups_kernels_by_name():
     from scripts.bench.summarize_trace import kernel_totals
     events = [{"ph": "X", "cat": "kernel", "name": "gemm_abc", "dur": 5.0},
