@@ -82,7 +82,9 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, decay_type: st
     """The factor on the peak lr for training step `step`, counted from 1.
 
     Step 1 is the first optimizer.step() and gets 1/warmup_steps (step 0, before training, is 0:
-    the ramp starts from zero). Warmup ends at the full lr on step warmup_steps; the lr then
+    the ramp starts from zero). Warmup ends at the full lr on step warmup_steps (without warmup,
+    on step 1, unless it is the run's only step: a decay that began at step 0 never gave the full
+    lr); the lr then
     stays there until the decay's first step (the last `decay_ratio` share of total_steps; with
     decay_ratio None, right after warmup), and the decay reaches min_lr_factor exactly on step
     total_steps and stays there after it. Its shape over that span, progress p from 0 to 1:
@@ -93,6 +95,8 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, decay_type: st
     if warmup_steps > 0 and step <= warmup_steps:
         return max(step, 0) / warmup_steps
     decay_start = total_steps - _decay_steps(total_steps, warmup_steps, decay_type, decay_ratio)
+    if total_steps > 1:  # one step only: it is the last, on min_lr
+        decay_start = max(decay_start, 1)
     if step <= decay_start:
         return 1.0
     progress = min((step - decay_start) / (total_steps - decay_start), 1.0)

@@ -192,6 +192,16 @@ def test_warmup_starts_near_zero_and_reaches_lr(decay_type):
     assert lrs[:4] == pytest.approx([LR / 4, LR / 2, 3 * LR / 4, LR])  # steps 1..4
 
 
+@pytest.mark.parametrize("decay_type", ["cosine", "linear", "sqrt", "wsd"])
+def test_without_warmup_the_first_step_gets_the_full_lr(decay_type):
+    """With warmup_steps = 0 the decay began at step 0: step 1 already had less than the peak
+    (0.978 of it at 10 steps, cosine), and no step ever trained at the configured lr."""
+    lrs = _lrs_seen_by_steps(0, 10, decay_type=decay_type, min_lr_factor=0.1,
+                             **({"decay_ratio": 1.0} if decay_type == "wsd" else {}))
+    assert lrs[0] == LR and lrs[-1] == pytest.approx(0.1 * LR)
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))  # then the decay, over steps 2..10
+
+
 def test_cosine_values():
     warmup, total, min_ratio = 10, 110, 0.1
     lrs = _lrs_seen_by_steps(warmup, total, decay_type="cosine", min_lr_factor=min_ratio)
@@ -276,7 +286,7 @@ def test_min_lr_holds_after_total_steps_and_without_warmup():
     assert lr_multiplier(150, 10, 100, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_multiplier(150, 10, 100, "wsd", 0.1) == pytest.approx(0.1)
     lrs = _lrs_seen_by_steps(0, 4, decay_type="linear", min_lr_factor=0.0)
-    assert lrs == pytest.approx([0.75 * LR, 0.5 * LR, 0.25 * LR, 0.0])
+    assert lrs == pytest.approx([LR, 2 / 3 * LR, 1 / 3 * LR, 0.0])
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
