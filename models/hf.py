@@ -200,22 +200,40 @@ def args_from_hf_config(config: dict, where: str = CONFIG) -> LlamaArgs:
             raise ValueError(f"{where}: no {key!r}")
         return config.get(key, default)
 
+    def count(key, *value):  # value: given, else config.json's
+        value = value[0] if value else get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{where}: {key} = {value!r}, expected a positive integer")
+        return value
+
+    def number(table, key, name, default=None):
+        value = table.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{where}: {name} = {value!r}, expected a number")
+        return float(value)
+
+    def table(key):
+        value = config.get(key) or {}
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: {key} = {value!r}, expected an object")
+        return value
+
     if config.get("model_type", "llama") != "llama":
         raise ValueError(f"{where}: model_type {config['model_type']!r}, expected 'llama' "
                          "(a LlamaForCausalLM)")
     unsupported = [f"{key} = {config[key]!r}" for key, fine in
                    (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
                    if config.get(key, fine) != fine]
-    dim, n_heads = get("hidden_size"), get("num_attention_heads")
+    dim, n_heads = count("hidden_size"), count("num_attention_heads")
     if config.get("head_dim") not in (None, dim // n_heads):
         unsupported.append(f"head_dim = {config['head_dim']} (not hidden_size / "
                            "num_attention_heads)")
-    rope = config.get("rope_parameters") or {}
+    rope = table("rope_parameters")
     if "rope_theta" in rope and isinstance(rope.get("rope_theta"), (int, float)):
-        theta = rope["rope_theta"]
+        theta = number(rope, "rope_theta", "rope_parameters.rope_theta")
     else:
-        theta = config.get("rope_theta", 10000.0)
-    scaling = config.get("rope_scaling") or rope or {}
+        theta = number(config, "rope_theta", "rope_theta", 10000.0)
+    scaling = table("rope_scaling") or rope
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         unsupported.append(f"rope type {rope_type!r} (this Llama has the default and 'llama3')")
@@ -227,27 +245,39 @@ def args_from_hf_config(config: dict, where: str = CONFIG) -> LlamaArgs:
         missing = [k for k in keys if k not in scaling]
         if missing:
             raise ValueError(f"{where}: llama3 rope scaling without {', '.join(missing)}")
-        llama3 = dict(rope_scaling_factor=float(scaling["factor"]),
-                      rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                      rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                      rope_original_max_pos=int(scaling["original_max_position_embeddings"]))
-    return LlamaArgs(dim=dim, n_layers=get("num_hidden_layers"), n_heads=n_heads,
-                     n_kv_heads=config.get("num_key_value_heads") or n_heads,
-                     vocab_size=get("vocab_size"), ffn_dim=get("intermediate_size"),
-                     max_seq_len=config.get("max_position_embeddings", 2048),
-                     norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-                     tie_embeddings=bool(config.get("tie_word_embeddings", False)), **llama3)
+        name = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+        original = "original_max_position_embeddings"
+        llama3 = dict(
+            rope_scaling_factor=number(scaling, "factor", f"{name}.factor"),
+            rope_low_freq_factor=number(scaling, "low_freq_factor", f"{name}.low_freq_factor"),
+            rope_high_freq_factor=number(scaling, "high_freq_factor", f"{name}.high_freq_factor"),
+            rope_original_max_pos=count(f"{name}.{original}", scaling[original]))
+    values = dict(
+        dim=dim, n_layers=count("num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=count("num_key_value_heads", config.get("num_key_value_heads") or n_heads),
+        vocab_size=count("vocab_size"), ffn_dim=count("intermediate_size"),
+        max_seq_len=count("max_position_embeddings", config.get("max_position_embeddings", 2048)),
+        norm_eps=number(config, "rms_norm_eps", "rms_norm_eps", 1e-6), rope_theta=theta,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)), **llama3)
+    try:
+        return LlamaArgs(**values)
+    except ValueError as e:  # values that do not go together (heads that do not divide, ...)
+        raise ValueError(f"{where}: {e}") from None
 
 
 def read_config(folder: str | os.PathLike) -> dict:
     path = Path(folder) / CONFIG
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{folder}: no {CONFIG} (not a Hugging Face model "
                                 "folder)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: holds a JSON {type(config).__name__}, expected an object of "
+                         "settings")
+    return config
 
 
 # ---------------------------------------------------------------------------------- folders

@@ -217,6 +217,32 @@ def test_unsupported_configs_and_broken_folders_are_named(tmp_path):
         hf.load_hf_weights(folder, args)
 
 
+def test_a_malformed_config_json_names_the_file_and_the_key(tmp_path):
+    """A config.json that is not an object, a head count of 0 and a rope factor that is not a
+    number gave AttributeError, ZeroDivisionError and "could not convert string to float: 'x'";
+    the trainer (initial_load_path) stopped on the first with a traceback too."""
+    folder = save(hf_model(), tmp_path / "hf")
+    path, config = folder / hf.CONFIG, hf.read_config(folder)
+    args = dataclasses.replace(FLAVORS["debug"], vocab_size=VOCAB)
+    scaling = {"rope_type": "llama3", "factor": "x", "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    for change, match in (
+            (dict(num_attention_heads=0), "num_attention_heads = 0, expected a positive integer"),
+            (dict(vocab_size="300"), "vocab_size = '300', expected a positive integer"),
+            (dict(rope_scaling=scaling), "rope_scaling.factor = 'x', expected a number"),
+            (dict(rms_norm_eps=None), "rms_norm_eps = None, expected a number")):
+        path.write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=re.escape(f"{path}: {match}")):
+            hf.load_hf_weights(folder, args)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: holds a JSON list, expected an "
+                                                   "object of settings")):
+        hf.load_hf_weights(folder, args)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: holds a JSON list")):
+        train.main(TRAIN + ["--checkpoint.initial_load_path", str(folder), "--job.dump_folder",
+                            str(tmp_path / "run")])
+
+
 def test_a_tied_folder_with_its_own_differing_lm_head_is_refused(tmp_path):
     """transformers 4 ties such a folder (the embedding wins), transformers 5 unties it (the head
     wins); this Llama took the embedding without a word, 5.4 off transformers 5's logits."""
