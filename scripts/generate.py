@@ -9,7 +9,9 @@
 Hugging Face folder written by export_hf.py (or any LlamaForCausalLM folder this Llama can run).
 The tokenizer is the run's ([tokenizer] in the checkpoint's config.toml) or the folder's
 tokenizer.json. The prompt is framed as training framed documents: bos, then its tokens;
-generation stops at eos or after --max-new-tokens. --temperature 0 is greedy.
+generation stops at eos or after --max-new-tokens. --temperature 0 is greedy. A sample prints as
+the prompt's ids and its new ids decoded together; a prompt that its ids do not decode back to
+(text the tokenizer drops or normalises) gets a warning showing what the model sees.
 
 The --num-samples samples decode together, --batch-size of them at a time (default: all) as the
 rows of one batch: the prompt runs once, then one step per token for the rows still going; a row
@@ -29,6 +31,7 @@ if not __package__:  # run as a file: the repository root (models) is not import
 from scripts.lib import checkpoints  # noqa: E402
 from scripts.lib.checkpoints import DTYPES, pick_device, pick_dtype  # noqa: E402
 from models.generation import check_sampling, generate_batch, row_generators  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m scripts.generate", description=__doc__,
@@ -66,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         loaded = checkpoints.load_model(opts.checkpoint, device, pick_dtype(opts.dtype, device),
                                         tokenizer_path=opts.tokenizer)
         tokenizer = loaded.tokenizer
-        prompt = [tokenizer.bos_id, *tokenizer.encode(opts.prompt)]
+        prompt_ids = tokenizer.encode(opts.prompt)
+        prompt = [tokenizer.bos_id, *prompt_ids]
+        seen = tokenizer.decode(prompt_ids)
+        if seen != opts.prompt:  # normalised, or text the tokenizer cannot encode dropped
+            print(f"generate: warning: the tokenizer does not give back the prompt: the model "
+                  f"sees {seen!r}", file=sys.stderr)
         generators = row_generators(opts.seed, opts.num_samples, device)
         print(f"generate: {loaded.folder}, {device.type}, {loaded.model.output.weight.dtype}, "
               f"{len(prompt)} prompt tokens", file=sys.stderr)
@@ -82,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             for sample, new in enumerate(samples, start=first + 1):
                 if opts.num_samples > 1:
                     print(f"--- sample {sample}", flush=True)
-                print(opts.prompt + tokenizer.decode(new), flush=True)
+                # decoded with the prompt's ids, not after its text: a SentencePiece decoder
+                # drops the space of a word that starts a decode ("▁word"), gluing it to the
+                # prompt; and the text starts as the model saw the prompt (seen)
+                print(tokenizer.decode([*prompt_ids, *new]), flush=True)
                 stop = "eos" if len(new) < opts.max_new_tokens else "max tokens"
                 print(f"({len(new)} tokens, {stop})", file=sys.stderr)
             tokens = sum(map(len, samples))

@@ -5,6 +5,7 @@ samples from a trainer's checkpoint and from an exported Hugging Face folder."""
 import copy
 import dataclasses
 import importlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -318,3 +319,70 @@ def test_generate_script_reads_an_exported_folder_and_names_bad_input(checkpoint
     assert "top_p=1.5" in capsys.readouterr().err
     assert generate_script.main(["--checkpoint", str(checkpoint), "--batch-size", "0"]) == 1
     assert capsys.readouterr().err == "generate: error: --batch-size 0: expected >= 1\n"
+
+
+def _sentencepiece_folder(folder: Path, unknown: bool = True) -> Path:
+    """A tiny transformers Llama that always predicts "▁def", with a SentencePiece-style BPE
+    (Metaspace: a word's space is the "▁" its first token starts with) as its tokenizer.json;
+    unknown=False: no <unk> and no byte fallback, so text outside its alphabet is dropped."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True) if unknown
+                          else models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback()])
+    tokenizer.train_from_iterator(["def f(x): return x", "def g(y): return y + 1"] * 10,
+                                  trainers.BpeTrainer(vocab_size=60, show_progress=False,
+                                                      special_tokens=["<unk>", "<s>", "</s>"]))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=259, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():  # blocks that add nothing, so every position's logits are the same
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tokenizer.token_to_id("▁def")] = 1.0
+    model.save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_continuation_starting_a_word_keeps_its_space(tmp_path, capsys):
+    """The new ids were decoded alone, and a Metaspace decoder drops the space of the word that
+    starts a decode: "def" + "▁def▁def▁def" printed "defdef def def"."""
+    folder = _sentencepiece_folder(tmp_path / "hf")
+    argv = ["--checkpoint", str(folder), "--prompt", "def", "--max-new-tokens", "3"]
+    assert load_script("generate").main(argv + ["--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "def def def def\n" and "warning" not in err
+    assert load_script("generate").main(argv + ["--temperature", "1.0", "--seed", "0"]) == 0
+    assert capsys.readouterr().out == "def def def def\n"
+
+
+def test_a_prompt_the_tokenizer_drops_is_shown_as_the_model_sees_it(tmp_path, capsys):
+    """Text the tokenizer cannot encode vanished from the model's input, but the output began
+    with the prompt as typed, as if the model had seen it."""
+    folder = _sentencepiece_folder(tmp_path / "hf", unknown=False)
+    generate_script = load_script("generate")
+    assert generate_script.main(["--checkpoint", str(folder), "--prompt", "日本語 def",
+                                 "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert ("generate: warning: the tokenizer does not give back the prompt: the model sees "
+            "' def'\n") in err
+    assert out == " def def def\n"
+
+
+def test_a_garbled_train_state_is_named(checkpoint, tmp_path, capsys):
+    """train_state.json records the tokenizer the model was trained with: read as absent when
+    garbled, it let any tokenizer through without a word."""
+    step = tmp_path / "step-2"
+    shutil.copytree(checkpoint / "step-2", step)
+    (step / "train_state.json").write_text("{")
+    assert load_script("generate").main(["--checkpoint", str(step), "--max-new-tokens", "2"]) == 1
+    assert capsys.readouterr().err == (
+        f"generate: error: {step / 'train_state.json'} is damaged (JSONDecodeError: Expecting "
+        "property name enclosed in double quotes: line 1 column 2 (char 1))\n")
