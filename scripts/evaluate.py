@@ -1,9 +1,9 @@
 """Evaluate a checkpoint on a data source: loss per token and bits per byte.
 
     python3 -m scripts.evaluate --checkpoint outputs/debug/checkpoint \\
-        [--source stdlib|PATH] [--split validation] [--val-every N] [--steps N] \\
-        [--batch-size N] [--seq-len N] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] \\
-        [--json FILE]
+        [--source stdlib|PATH] [--text-field text] [--split validation] [--val-every N] \\
+        [--steps N] [--batch-size N] [--seq-len N] [--device auto|cpu|cuda] \\
+        [--dtype auto|float32|bfloat16] [--json FILE]
 
 --checkpoint: a DCP step folder, the folder of a run's step-<N> folders (the latest), or a
 Hugging Face folder. The data comes through the trainer's own pipeline (components/data/build.py
@@ -11,9 +11,11 @@ build_data): by default the run's [data] source (or [[data.mixture]]) and its he
 validation split, cut into
 windows of the run's seq_len, as many batches as its validation scored on each of its
 data-parallel ranks' shares: at a step where the run validated, the numbers are its val_loss and
-val_bpb. --source takes any source the trainer
-takes. Loss and bits per byte are train.py's evaluate(): the plain
-cross-entropy, and bpb = summed losses (nats) / (ln 2 x the UTF-8 bytes of the target tokens).
+val_bpb (for a run with float8 GEMMs, [model] converters or [loss] float8, they differ slightly:
+evaluate scores the weights without float8, and says so). --source takes any source the trainer
+takes, its documents' text in --text-field. Loss and bits per byte are train.py's
+evaluate(): the plain cross-entropy, and bpb = summed losses (nats) / (ln 2 x the UTF-8 bytes
+of the target tokens).
 A split shorter than the batches asked is read again from its start; a note names it, and the
 --json record says read_more_than_once.
 """
@@ -36,6 +38,8 @@ from scripts.lib.checkpoints import pick_device, pick_dtype  # noqa: E402
 import train  # noqa: E402
 from components.config.schema import JobConfig, Training  # noqa: E402
 from components.data.build import build_data  # noqa: E402
+from components.data.checks import MissingTextField  # noqa: E402
+from components.float8_linear import CONVERTER as FLOAT8_CONVERTER  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
 
 
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                              "Face folder")
     parser.add_argument("--source", default=None,
                         help="data source as [data] source (default: the run's)")
+    parser.add_argument("--text-field", default=None,
+                        help="the documents' text field (default: the run's [data] text_field, "
+                             "text for a Hugging Face folder)")
     parser.add_argument("--split", default="validation",
                         help="validation (the run's held-out documents) or train, or a split "
                              "the source has")
@@ -117,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         data = dataclasses.replace(
             cfg.data, source=source, mixture=mixture,
             synthetic=False, val_every=given(opts.val_every, cfg.data.val_every),
-            cache_dir=opts.cache_dir or cfg.data.cache_dir)
+            cache_dir=opts.cache_dir or cfg.data.cache_dir,
+            text_field=opts.text_field or cfg.data.text_field)
         # a run on several data-parallel ranks validated each rank's share of the documents
         # (components/data/): score every share, as many batches each, as the run did
         dp = 1 if opts.batch_size is not None or not run else data_parallel_ranks(loaded.folder, cfg)
@@ -129,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         # never the unfused loss by default: it holds [batch x seq_len, vocab] logits (64 GiB
         # for one sequence of 131072 tokens and a 128256-token vocabulary)
         impl = opts.loss_impl if opts.loss_impl != "auto" else "flce"
+        float8 = [f"[model] converters = {cfg.model.converters}"] if (
+            FLOAT8_CONVERTER in cfg.model.converters) else []
+        if cfg.loss.float8 != "none":
+            float8.append(f"[loss] float8 = {cfg.loss.float8!r}")
+        if float8:
+            print(f"evaluate: note: the run trained with {' and '.join(float8)}: this scores the "
+                  "weights without float8 GEMMs, so the numbers differ slightly from the run's "
+                  "val_loss and val_bpb", file=sys.stderr)
         loss = TrainingLoss(dataclasses.replace(cfg.loss, impl=impl, float8="none"))
         model = ModelWithLoss(loaded.model, loss)
         lengths = loaded.tokenizer.byte_lengths()
@@ -136,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         metrics = train.evaluate(model, batches, steps * dp, device, token_bytes)
         seconds = time.perf_counter() - start
+    except MissingTextField as e:  # its fix names [data] text_field, which is --text-field here
+        print(f"evaluate: error: {str(e).replace('set [data] text_field', 'pass --text-field')}",
+              file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 1

@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest safetensors file; more weights go into shards + an index")
     parser.add_argument("--flavor", choices=sorted(FLAVORS),
                         help="the model, for a checkpoint without the run's config.toml (else "
-                             "read from it)")
+                             "read from it, with the run's [model] settings; another flavor than "
+                             "the run's is refused)")
     parser.add_argument("--vocab-size", type=int, default=0,
                         help="with --flavor: the trained vocab size when it differs from the "
                              "flavor's ([model] vocab_size of the run)")
@@ -323,13 +324,19 @@ def main(argv: list[str] | None = None) -> int:
                              f"({folder}): write the folder elsewhere")
         _check_replaceable(out, opts.overwrite)  # before reading the checkpoint, maybe for long
         cfg = checkpoints.run_config(folder) if folder.is_dir() else None
-        if opts.flavor:
-            args = FLAVORS[opts.flavor]
-            args = dataclasses.replace(args, vocab_size=opts.vocab_size or args.vocab_size)
-        elif cfg is not None:
+        if cfg is not None:
+            # the run's model, with its [model] max_seq_len and rope_scaling_factor, which the
+            # bare flavor lacks: another flavor is refused, not exported as the run's weights
+            if opts.flavor and opts.flavor != cfg.model.flavor:
+                raise ValueError(f"--flavor {opts.flavor}: {folder / 'config.toml'} says [model] "
+                                 f"flavor = {cfg.model.flavor!r}; leave --flavor out to export "
+                                 "the run's model")
             args = model_args(cfg)
             if opts.vocab_size:
                 args = dataclasses.replace(args, vocab_size=opts.vocab_size)
+        elif opts.flavor:
+            args = FLAVORS[opts.flavor]
+            args = dataclasses.replace(args, vocab_size=opts.vocab_size or args.vocab_size)
         else:
             raise ValueError(f"{folder} has no config.toml (the trainer writes one into every "
                              "checkpoint): pass --flavor (and --vocab-size)")

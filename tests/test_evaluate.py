@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +166,57 @@ def test_another_vocabulary_than_the_runs_is_refused(run, tmp_path, capsys):
     assert "but other tokens or bos/eos ids" in capsys.readouterr().err
     assert generate.main(["--checkpoint", checkpoint, "--tokenizer", str(run["tokenizer"].path),
                           "--prompt", "def", "--max-new-tokens", "2"]) == 0
+
+
+def test_a_source_with_another_text_field_is_scored_with_text_field(run, tmp_path, capsys):
+    """The error said "set [data] text_field", an option evaluate does not have: a source whose
+    text is in another field than the run's could not be scored at all."""
+    corpus = tmp_path / "body.jsonl"
+    corpus.write_text("".join(json.dumps({"body": json.loads(line)["text"]}, ensure_ascii=False)
+                              + "\n" for line in run["corpus"].read_text().splitlines()))
+    argv = ["--checkpoint", str(run["dump"] / "checkpoint"), "--source", str(corpus),
+            "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"]
+    assert load_script("evaluate").main(argv) == 1
+    err = capsys.readouterr().err
+    assert "no field 'text'" in err and err.endswith("; pass --text-field\n"), err
+    out = tmp_path / "eval.json"
+    assert load_script("evaluate").main(argv + ["--text-field", "body", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())  # the run's documents, so the run's numbers
+    for key in ("val_loss", "val_bpb"):
+        assert record[key] == pytest.approx(run["val"][key], abs=1e-6)
+
+
+def test_a_float8_run_is_said_to_be_scored_without_float8(run, tmp_path, capsys):
+    """evaluate turns float8 off, so its numbers differ slightly from such a run's val_loss,
+    which the docs said they were."""
+    dump = tmp_path / "run"
+    assert train.main(["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+                       "--loss.impl", "unfused", "--training.seq_len", str(SEQ_LEN),
+                       "--training.local_batch_size", str(BATCH), "--training.steps", "1",
+                       "--lr_scheduler.warmup_steps", "1", "--validation.enable", "false",
+                       "--model.converters", "quantize.linear.float8",
+                       "--quantize.linear.float8.emulate", "true", "--checkpoint.enable", "true",
+                       "--job.print_config", "false", "--job.dump_folder", str(dump),
+                       "--data.source", str(run["corpus"]), "--data.val_every", "4",
+                       "--data.cache_dir", str(run["cache"]), "--tokenizer.name", "hf",
+                       "--tokenizer.path", str(run["tokenizer"].path)]) == 0
+    capsys.readouterr()
+    assert load_script("evaluate").main(["--checkpoint", str(dump / "checkpoint"), "--steps", "1",
+                                         "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert ("evaluate: note: the run trained with [model] converters = "
+            "['quantize.linear.float8']: this scores the weights without float8 GEMMs, so the "
+            "numbers differ slightly from the run's val_loss and val_bpb\n") in err
+
+
+def test_a_garbled_train_state_is_named(run, tmp_path, capsys):
+    """Garbled, train_state.json (which records the run's tokenizer) was read as absent."""
+    step = tmp_path / f"step-{STEPS}"
+    shutil.copytree(run["dump"] / "checkpoint" / f"step-{STEPS}", step)
+    (step / "train_state.json").write_text("[]")
+    assert load_script("evaluate").main(["--checkpoint", str(step), "--device", "cpu"]) == 1
+    assert capsys.readouterr().err == (f"evaluate: error: {step / 'train_state.json'} is damaged "
+                                       "(TypeError: a JSON list, expected an object)\n")
 
 
 @pytest.mark.parametrize("option, value, least", [("--steps", "0", 1), ("--batch-size", "0", 1),

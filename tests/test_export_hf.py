@@ -445,6 +445,41 @@ def test_a_run_with_a_logit_softcap_is_refused(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+def test_flavor_keeps_the_runs_model_settings(tmp_path, capsys):
+    """--flavor built the bare flavor though config.toml was there: a run's [model] max_seq_len
+    and rope_scaling_factor were dropped, and the folder gave other logits without a word."""
+    folder = _train(tmp_path / "run", "--model.max_seq_len", "4096",
+                    "--model.rope_scaling_factor", "2")
+    out = tmp_path / "hf"
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(out), "--flavor", "debug",
+                           "--dtype", "float32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 4096
+    assert config["rope_scaling"]["factor"] == 2.0
+    ours = reader.load_model(folder, torch.device("cpu")).model
+    assert _max_logit_diff(ours, out) < 1e-4
+    capsys.readouterr()
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "other"),
+                           "--flavor", "llama_150m"]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"\nexport_hf: error: --flavor llama_150m: {folder / 'step-2' / 'config.toml'} says "
+        "[model] flavor = 'debug'; leave --flavor out to export the run's model\n")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_garbled_train_state_is_named(tmp_path, capsys):
+    """train_state.json records the tokenizer the run trained with; garbled, it was read as
+    absent and the export went ahead without checking the tokenizer."""
+    folder = _train(tmp_path / "run")
+    state = folder / "step-2" / "train_state.json"
+    state.write_text("{")
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"export_hf: error: {state} is damaged (JSONDecodeError: Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1))\n")
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_checkpoint_without_config_toml_needs_the_flavor(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
