@@ -724,3 +724,73 @@ def test_val_every_0_holds_no_document_out(tmp_path, streaming):
                        r"no document out for one: set \[validation\] enable = false"):
         load_documents(str(path), "validation", streaming=streaming, val_every=0,
                        cache_dir=tmp_path / "cache")
+
+
+def _jsonl_with(path: Path, texts: list[str], fields) -> None:
+    path.write_text("".join(json.dumps({"text": t, **fields(i)}) + "\n"
+                            for i, t in enumerate(texts)))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_files_whose_other_fields_differ_are_read_for_their_text(tmp_path, rng, streaming):
+    """Per-file metadata (an id in one file, a repo in another): `datasets` loads files together
+    only when their fields agree, and the trainer died with a CastError traceback."""
+    texts = random_texts(rng, 30)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    _jsonl_with(folder / "a_web.jsonl", texts[:10], lambda i: {"id": i})
+    _jsonl_with(folder / "b_code.jsonl", texts[10:20],
+                lambda i: {"repo": "x/y", "meta": {"stars": i}})
+    _jsonl_with(folder / "c_web.jsonl", texts[20:], lambda i: {"id": i})
+    for split, expected in (("validation", texts[::4]),
+                            ("train", [t for i, t in enumerate(texts) if i % 4])):
+        documents = load_documents(str(folder), split, streaming=streaming, val_every=4,
+                                   cache_dir=tmp_path / "cache")
+        assert [d["text"] for d in documents] == expected, split
+    count = len(framed(expected)) // 9
+    assert read_tokens(TokenWindows(documents, BYTE, 8), count) == framed(expected)[:count * 9]
+
+    parquet = tmp_path / "parquet"
+    parquet.mkdir()
+    pq.write_table(pa.table({"text": texts[:10], "id": list(range(10))}), parquet / "a.parquet")
+    pq.write_table(pa.table({"text": texts[10:], "repo": ["x/y"] * 20}), parquet / "b.parquet")
+    documents = load_documents(str(parquet), "train", streaming=streaming, val_every=0,
+                               cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in documents] == texts
+
+
+def test_a_file_datasets_cannot_load_is_one_line_naming_it(tmp_path):
+    """What check_files lets through and `datasets` still fails on (a field given twice) was a
+    DatasetGenerationError traceback, naming no file."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ["one document", "another"])
+    (folder / "b.jsonl").write_text('{"text": "a document", "text": "twice"}\n')
+    with pytest.raises(ValueError) as error:
+        load_documents(str(folder), "train", val_every=0, cache_dir=tmp_path / "cache")
+    message = str(error.value)
+    assert message.startswith(f"{folder / 'b.jsonl'}: `datasets` could not load it (ArrowInvalid:")
+    assert "\n" not in message and error.value.user_error
+
+
+def test_a_folder_of_token_shard_folders_says_to_name_one_or_mix_them(tmp_path):
+    """It was read as text: "sh_a/index.json: line 1: invalid JSON ... Set [data]
+    on_bad_document = "skip"", which leads nowhere."""
+    from shard_cases import write_token_shards
+    import numpy as np
+    parent = tmp_path / "allshards"
+    for name in ("sh_a", "sh_b"):
+        write_token_shards(parent / name, [np.arange(40) % 250], BYTE.vocab_size, BYTE)
+    data = Data(source=str(parent), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError) as error:
+        build_data(data, Training(seq_len=8, local_batch_size=1), split="train", tokenizer=BYTE)
+    assert str(error.value) == (
+        f"{parent}: holds token shard folders made by scripts.prepare_data ({parent / 'sh_a'}, "
+        f"{parent / 'sh_b'}), which are not text to read: set [data] source to one of them, or "
+        "mix them by weight with [[data.mixture]] tables (source = ..., weight = ...) or "
+        f"--data.mixture \"{parent / 'sh_a'}:1,{parent / 'sh_b'}:1\"")
+    # one of them as the source is read as shards
+    batches = build_data(Data(source=str(parent / "sh_a")), Training(seq_len=8, local_batch_size=1),
+                         split="train", tokenizer=BYTE)
+    assert next(iter(batches))[0].shape == (1, 8)
+    batches.close()

@@ -46,7 +46,10 @@ NAMED = 10  # bad documents named one by one (per file in the cache, per source 
 # ways). 1: before empty texts were refused (f81da14) and whitespace-only .txt paragraphs left
 # out; 2: since.
 DOCUMENT_RULES = 2
-_CHECK_VERSION = 4  # the rest of the cache key's version: bump when what counts as bad changes
+_CHECK_VERSION = 5  # the rest of the cache key's version: bump when what a report holds changes
+# Distinct document shapes kept per file; a file of more never shares a `datasets` load.
+SHAPES = 16
+VARIED = "varied"
 _BOM = b"\xef\xbb\xbf"
 _warned: set[str] = set()  # files whose skipped documents this process has already reported
 
@@ -81,11 +84,18 @@ class FileReport:
     without_field: int = 0  # bad because they lack the text field
     blank: int = 0  # .txt paragraphs of only whitespace: layout, left out, neither documents nor bad
     fields: list[str] = field(default_factory=list)  # the fields of the first of those
+    # The good documents' distinct shapes (their fields but the text, and their JSON types; a
+    # parquet file's: its other columns): files of one shape can be loaded together by
+    # `datasets`, which casts every file to the first's columns and fails on a field the first
+    # lacks (per-file metadata: an id, a repo, a url).
+    shapes: list[str] = field(default_factory=list)
 
 
-def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_dir: Path) -> list[Path]:
+def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_dir: Path,
+                origins: dict | None = None) -> list[Path]:
     """The files to hand to `datasets`: each checked file as it is, or its copy without the bad
-    documents; files without any document are left out, and none at all is an error."""
+    documents; files without any document are left out, and none at all is an error. origins,
+    when given, gets {file to hand over: (the file it is of, its documents' shapes)}."""
     _check_choice(on_bad_document)
     checked, skipped, named = [], [], []
     for path in files:
@@ -108,6 +118,8 @@ def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_
             path_to_load = path
         if report.documents:
             checked.append(path_to_load)
+            if origins is not None:
+                origins[path_to_load] = (path, tuple(report.shapes))
         elif len(files) > 1:
             logger.warning("data: %s holds no documents%s", path, _why_empty(path, report))
     if skipped:
@@ -286,9 +298,15 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
         return _scan_parquet(path, text_field, out)
     report = FileReport()
     text = CHECKED_SUFFIXES[path.suffix] == "text"
+    shapes: set[str] = set()
+
+    def seen(document: dict) -> None:
+        if len(shapes) <= SHAPES:
+            shapes.add(_shape({k: v for k, v in document.items() if k != text_field}))
+
     with open(path, "rb") as f:
         for raw, where, problem in (_paragraphs(f) if text else
-                                    _json_documents(f, path, text_field)):
+                                    _json_documents(f, path, text_field, seen)):
             if problem is _BLANK:
                 report.blank += 1
                 continue
@@ -303,7 +321,21 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
             if isinstance(problem, _NoField):
                 report.without_field += 1
                 report.fields = report.fields or problem.fields
+    report.shapes = [VARIED] if len(shapes) > SHAPES else sorted(shapes)
     return report
+
+
+def _shape(value) -> str:
+    """A JSON value's shape as pyarrow's JSON reader types it: its fields and their types, nested
+    ones included, not their values."""
+    if isinstance(value, dict):
+        fields = (f"{json.dumps(k)}:{_shape(v)}" for k, v in sorted(value.items()))
+        return "{" + ",".join(fields) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(sorted({_shape(v) for v in value})) + "]"
+    # int64 and double are two Arrow types, which `datasets` may fail to cast one to the other
+    return {bool: "boolean", int: "integer", float: "float", str: "string"}.get(
+        type(value), "null")
 
 
 def _scan_parquet(path: Path, text_field: str, out: BinaryIO | None = None) -> FileReport:
@@ -326,6 +358,8 @@ def _scan_parquet(path: Path, text_field: str, out: BinaryIO | None = None) -> F
                                    "text_field to the column of the documents' text")
         plain = pa.types.is_string(kind) or pa.types.is_large_string(kind)
         schema = parquet.schema_arrow
+        report.shapes = [",".join(sorted(f"{json.dumps(f.name)}:{f.type}" for f in schema
+                                         if f.name != text_field))]
         if not plain:  # dictionary-encoded or string_view: read as plain text from here on
             schema = schema.set(schema.get_field_index(text_field),
                                 pa.field(text_field, pa.large_string()))
@@ -390,32 +424,39 @@ def _json_line_range(f: BinaryIO, text_field: str, start: int, stop: int | None)
             yield line, where, _line_problem(line, text_field)
 
 
-def _line_problem(line: bytes, text_field: str) -> str | None:
+def _line_problem(line: bytes, text_field: str, seen=None) -> str | None:
+    """seen, when given, is called with the line's document when it is a good one."""
     try:
-        return _document_problem(json.loads(line.rstrip(b"\r\n").decode("utf-8")), text_field)
+        document = json.loads(line.rstrip(b"\r\n").decode("utf-8"))
     except UnicodeDecodeError as e:
         return _not_utf8(line, e)
     except json.JSONDecodeError as e:
         return _invalid_json(e)
+    problem = _document_problem(document, text_field)
+    if problem is None and seen is not None:
+        seen(document)
+    return problem
 
 
-def _json_documents(f: BinaryIO, path: Path, text_field: str) -> Iterator[Document]:
+def _json_documents(f: BinaryIO, path: Path, text_field: str, seen=None) -> Iterator[Document]:
     """JSON lines, as pyarrow reads them (blank lines are not documents), or, for a .json file
-    that starts with '[', one JSON array of documents (which `datasets` also reads)."""
+    that starts with '[', one JSON array of documents (which `datasets` also reads). seen: as
+    _line_problem's."""
     head = f.read(4096).lstrip(_BOM).lstrip()
     f.seek(0)
     if path.suffix == ".json" and head.startswith(b"["):
-        yield from _json_array(f.read(), path, text_field)
+        yield from _json_array(f.read(), path, text_field, seen)
         return
     for number, line in enumerate(f, 1):
         if number == 1:
             line = line.removeprefix(_BOM)
         if not line.strip():
             continue
-        yield line if line.endswith(b"\n") else line + b"\n", f"line {number}", _line_problem(line, text_field)
+        yield (line if line.endswith(b"\n") else line + b"\n", f"line {number}",
+               _line_problem(line, text_field, seen))
 
 
-def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:
+def _json_array(data: bytes, path: Path, text_field: str, seen=None) -> Iterator[Document]:
     """A JSON array is parsed whole: an error in its syntax or encoding cannot be skipped."""
     data = data.removeprefix(_BOM)
     try:
@@ -428,7 +469,10 @@ def _json_array(data: bytes, path: Path, text_field: str) -> Iterator[Document]:
         for i, document in enumerate(documents):
             # surrogatepass: a lone surrogate is a bad document, named below, not an encoding error here
             line = (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
-            yield line, f"element [{i}] of the array", _document_problem(document, text_field)
+            problem = _document_problem(document, text_field)
+            if problem is None and seen is not None:
+                seen(document)
+            yield line, f"element [{i}] of the array", problem
         return
     raise BadDocumentError(f"{path}: {where}: {why}; a JSON array is read as one piece, so nothing "
                            f"in it can be skipped: fix the file or write it as JSON lines (.jsonl)")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from components.data import SPLITS
-from components.data.checks import MissingTextField, check_dataset, check_files
+from components.data.checks import VARIED, MissingTextField, check_dataset, check_files
 
 DEFAULT_CACHE_DIR = "~/.cache/flce-recipes"
 BUILDER_BY_SUFFIX = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -123,9 +123,10 @@ def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str,
         return _load_local([embedded_corpus(cache_dir)], streaming, cache_dir), False
     path = Path(source).expanduser()
     if path.exists():
-        by_split = {split: check_files(files, text_field, on_bad_document, cache_dir)
+        origins = {}
+        by_split = {split: check_files(files, text_field, on_bad_document, cache_dir, origins)
                     for split, files in split_files(path).items()}
-        return _load_local(by_split, streaming, cache_dir), False
+        return _load_local(by_split, streaming, cache_dir, text_field, origins), False
     if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
         raise FileNotFoundError(f"data source not found: {path}")
     import datasets
@@ -147,6 +148,7 @@ def _data_files(path: Path) -> list[Path]:
         # Hidden directories hold caches and VCS data, not documents.
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDER_BY_SUFFIX
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        _refuse_shard_folders(path, files)
         if not files:
             raise FileNotFoundError(f"{path}: no {'/'.join(BUILDER_BY_SUFFIX)} files in this directory")
     suffixes = sorted({p.suffix for p in files})
@@ -210,20 +212,115 @@ def _refuse_saved_dataset(path: Path) -> None:
                          "--out SHARDS` and set [data] source = SHARDS")
 
 
-def _load_local(files: list[Path] | dict[str, list[Path]], streaming: bool, cache_dir: Path):
-    """files: one "train" split's, or {split: its files}."""
+class UnreadableFiles(ValueError):
+    user_error = True  # one line and exit status 2 from train.py, no traceback
+
+
+def _refuse_shard_folders(path: Path, files: list[Path]) -> None:
+    """Token shard folders (scripts.prepare_data's) inside a folder read as text: their
+    index.json was read as a document, and named as invalid JSON to skip."""
+    from components.data.shards import INDEX, PLAN
+    shards = sorted({f.parent for f in files if f.name in (INDEX, PLAN) and _written_by_prepare(f)})
+    if not shards:
+        return
+    text = [f for f in files if not any(f.is_relative_to(folder) for folder in shards)]
+    shown = [str(folder) for folder in shards[:4]]
+    weights = ",".join(f"{folder}:1" for folder in shown)
+    more = ", ..." if len(shards) > 4 else ""
+    raise ValueError(f"{path}: holds token shard folders made by scripts.prepare_data "
+                     f"({', '.join(shown)}{more}), which are not text to read: set [data] source "
+                     "to one of them, or mix them by weight with "
+                     f"[[data.mixture]] tables (source = ..., weight = ...) or --data.mixture "
+                     f"\"{weights}\""
+                     + (f"; or move them out of this folder of text files ({text[0]}, ...)"
+                        if text else ""))
+
+
+def _written_by_prepare(path: Path) -> bool:
+    from components.data.shards import FORMAT
+    try:
+        return json.loads(path.read_bytes()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _load_local(files: list[Path] | dict[str, list[Path]], streaming: bool, cache_dir: Path,
+                text_field: str = "text", origins: dict | None = None):
+    """files: one "train" split's, or {split: its files}. origins: check_files' {file: (the file
+    it is of, its documents' shapes)}; files of other shapes are loaded apart and only their text
+    kept, because `datasets` loads files together only when their fields agree."""
     import datasets
     by_split = files if isinstance(files, dict) else {"train": files}
     builder = BUILDER_BY_SUFFIX[next(iter(by_split.values()))[0].suffix]
     # The text builder makes a paragraph of only whitespace a document too: a .txt file that has
     # any comes here as check_files' copy without them.
     options = {"sample_by": "paragraph"} if builder == "text" else {}
-    # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
+    origins = origins or {}
+    runs = {split: _runs_of_one_shape(found, origins) for split, found in by_split.items()}
     with _no_progress_bars():
-        return datasets.load_dataset(builder, data_files={split: [str(f) for f in found]
-                                                          for split, found in by_split.items()},
+        if all(len(split_runs) == 1 for split_runs in runs.values()):
+            return _load_files(builder, by_split, streaming, cache_dir, options, origins)
+        if builder == "parquet":  # its builder reads the text column alone, whatever the others are
+            return _load_files(builder, by_split, streaming, cache_dir, {"columns": [text_field]},
+                               origins)
+        loaded = {split: datasets.concatenate_datasets([
+            _load_files(builder, {split: run}, streaming, cache_dir, options, origins)[split]
+            .select_columns([text_field]) for run in split_runs])
+            for split, split_runs in runs.items()}
+    return (datasets.IterableDatasetDict if streaming else datasets.DatasetDict)(loaded)
+
+
+def _runs_of_one_shape(files: list[Path], origins: dict) -> list[list[Path]]:
+    """The files in order, cut where the documents' shape changes (a file of many is alone)."""
+    runs = []
+    shape_of = lambda f: origins.get(f, (f, ()))[1]  # noqa: E731
+    for f in files:
+        shape = shape_of(f)
+        if runs and shape == shape_of(runs[-1][-1]) and VARIED not in shape:
+            runs[-1].append(f)
+        else:
+            runs.append([f])
+    return runs
+
+
+def _load_files(builder: str, by_split: dict[str, list[Path]], streaming: bool, cache_dir: Path,
+                options: dict, origins: dict):
+    """datasets.load_dataset of these files; its failure is one line naming the file (the
+    user's, not check_files' copy of it)."""
+    import datasets
+
+    def load(found: dict[str, list[Path]]):
+        # Arrow caches of local files go next to the corpus, not into the shared Hugging Face cache.
+        return datasets.load_dataset(builder, data_files={split: [str(f) for f in files]
+                                                          for split, files in found.items()},
                                      streaming=streaming, cache_dir=str(cache_dir / "datasets"),
                                      **options)
+    try:
+        return load(by_split)
+    except Exception as err:  # DatasetGenerationError, CastError, ArrowInvalid, ...: a traceback
+        cause = err
+    files = [(split, f) for split, found in by_split.items() for f in found]
+    named = lambda f: origins.get(f, (f,))[0]  # noqa: E731
+    where = f"{named(files[0][1])}: `datasets` could not load it"
+    if len(files) > 1:  # which file: the first that fails alone, if one does
+        where = (f"{named(files[0][1])} ... {named(files[-1][1])} ({len(files)} files): "
+                 "`datasets` could not load them together")
+        for split, f in files:
+            try:
+                load({split: [f]})
+            except Exception as err:
+                where, cause = f"{named(f)}: `datasets` could not load it", err
+                break
+    raise UnreadableFiles(f"{where} ({_reason(cause)})") from cause
+
+
+def _reason(error: BaseException, limit: int = 300) -> str:
+    """The innermost cause of a `datasets` error (DatasetGenerationError says only "An error
+    occurred while generating the dataset"), in one line."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 @contextlib.contextmanager
