@@ -23,6 +23,16 @@ TOKENIZER_FILE = "tokenizer.json"  # what a folder given as a tokenizer's path h
 DEFAULT_BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
 DEFAULT_EOS_TOKENS = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>", "<|im_end|>")
 
+# What errors call the settings: the trainer's config keys by default; another tool (prepare_data)
+# passes its own option names, so that a message never names an option the tool does not take.
+CONFIG_KEYS = {"name": "[tokenizer] name", "path": "[tokenizer] path",
+               "bos_token": "[tokenizer] bos_token", "eos_token": "[tokenizer] eos_token"}
+
+
+def _given(option: str, value: str) -> str:
+    """"[tokenizer] bos_token = '<s>'" for a config key, "--bos-token '<s>'" for a flag."""
+    return f"{option} {value!r}" if option.startswith("-") else f"{option} = {value!r}"
+
 
 class Tokenizer(Protocol):
     bos_id: int
@@ -74,9 +84,12 @@ class HFTokenizer:
     </s>", or Llama-3's "<|begin_of_text|> $A"), else the first of the common names that the
     tokenizer has. `found` says where each came from."""
 
-    def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None):
-        """path: the tokenizer.json, or a folder holding one (a Hugging Face model folder)."""
+    def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None,
+                 options: dict[str, str] | None = None):
+        """path: the tokenizer.json, or a folder holding one (a Hugging Face model folder).
+        options: what errors call bos_token and eos_token (CONFIG_KEYS')."""
         self._fingerprint: str | None = None
+        self._options = {**CONFIG_KEYS, **(options or {})}
         self.path = Path(path).expanduser()
         if self.path.is_dir():
             if not (self.path / TOKENIZER_FILE).is_file():
@@ -144,11 +157,11 @@ class HFTokenizer:
 
     def _resolve(self, role: str, named: str | None, config: str | None, framing: str | None,
                  defaults: tuple[str, ...]) -> int:
-        key = f"[tokenizer] {role}_token"
+        key = self._options[f"{role}_token"]
         if named:
             token_id = self._tokenizer.token_to_id(named)
             if token_id is None:
-                raise ValueError(f"{key} = {named!r}: {self.path} has no such token"
+                raise ValueError(f"{_given(key, named)}: {self.path} has no such token"
                                  + self._specials_hint())
             self.found[role] = f"{named!r} (id {token_id}, {key}{self._ordinary(token_id)})"
             return token_id
@@ -162,7 +175,7 @@ class HFTokenizer:
         raise ValueError(
             f"{self.path}: no {role} token found (not in a tokenizer_config.json beside it nor in "
             f"its post-processor; none of {', '.join(map(repr, defaults))}): name the one that "
-            f"marks a document's {'start' if role == 'bos' else 'end'} with --tokenizer.{role}_token"
+            f"marks a document's {'start' if role == 'bos' else 'end'} with {key}"
             + self._specials_hint())
 
     def _ordinary(self, token_id: int) -> str:
@@ -315,16 +328,27 @@ def byte_tokenizer_json() -> str:
 
 
 def build_tokenizer(name: str, path: str | None = None, bos_token: str | None = None,
-                    eos_token: str | None = None, log=None) -> ByteTokenizer | HFTokenizer:
+                    eos_token: str | None = None, log=None,
+                    options: dict[str, str] | None = None) -> ByteTokenizer | HFTokenizer:
     """Empty strings count as "not given", so config defaults of "" can be passed straight through.
-    log, when given, gets one line saying which bos/eos a tokenizer.json's are and why."""
+    log, when given, gets one line saying which bos/eos a tokenizer.json's are and why. options:
+    what errors call name, path, bos_token and eos_token (CONFIG_KEYS' by default)."""
+    options = {**CONFIG_KEYS, **(options or {})}
     if name == "byte":
+        # its bos/eos are ids of its own, not tokens: a name given for one was ignored unsaid
+        for key, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if token:
+                raise ValueError(
+                    f"{_given(options[key], token)} is set, but {_given(options['name'], 'byte')} "
+                    f"has no tokens to name (its bos and eos are ids {ByteTokenizer.bos_id} and "
+                    f"{ByteTokenizer.eos_id}): leave {options[key]} out, or use a tokenizer.json")
         return ByteTokenizer()
     if name == "hf":
         if not path:
             raise ValueError('tokenizer "hf" needs the path of a tokenizer.json (or of a folder holding '
-                             'one): set [tokenizer] path')
-        tokenizer = HFTokenizer(path, bos_token=bos_token or None, eos_token=eos_token or None)
+                             f'one): set {options["path"]}')
+        tokenizer = HFTokenizer(path, bos_token=bos_token or None, eos_token=eos_token or None,
+                                options=options)
         if log is not None:
             log(tokenizer.describe())
         return tokenizer

@@ -12,7 +12,8 @@ data files, or one saved with save_to_disk), read whole (--hf-streaming: file by
 a local copy). Documents are framed [bos] + tokens + [eos] and tokenized by --workers processes.
 Every --val-every-th document (by a hash of its text) goes to the validation split; 0: none.
 A source folder laid out in splits (train/, validation/, test/, or train.jsonl, ...) keeps its
-own: its validation files are the validation split, its test split is left out.
+own: its validation files are the validation split, its test split is left out; so does a
+--hf-dataset with a validation split (its --hf-split whole is then the train split).
 
 The same command again resumes a killed run (finished units are kept) and does nothing on a
 finished folder; a folder begun with another tokenizer or other settings is refused. The format
@@ -30,9 +31,15 @@ if not __package__:  # run as a file: the repository root (components) is not im
 from components.data.checks import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
 from components.data.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
-from scripts.lib.prepare_shards import (Plan, PrepareError, file_units, hf_units,  # noqa: E402
-                                        layout_splits, listing, load_hf, local_files, prepare,
-                                        settings_for, tokenizer_record, usable_cpus)
+from scripts.lib.prepare_shards import (Plan, PrepareError, file_units,  # noqa: E402
+                                        hf_rows_or_files, hf_units, layout_splits, listing,
+                                        load_hf, local_files, prepare, settings_for,
+                                        tokenizer_record, usable_cpus)
+
+
+# What the tokenizer's errors call its settings here (the trainer's are its config keys).
+OPTIONS = {"name": "--tokenizer", "path": "--tokenizer", "bos_token": "--bos-token",
+           "eos_token": "--eos-token"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,7 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              'byte tokenizer')
     parser.add_argument("--bos-token", default="", help="the tokenizer's bos token (default: found)")
     parser.add_argument("--eos-token", default="", help="the tokenizer's eos token (default: found)")
-    parser.add_argument("--out", required=True, type=Path, help="the shard folder")
+    # "~/shards" quoted (or after "--out=") reaches us unexpanded, and was a folder named "~"
+    parser.add_argument("--out", required=True, type=lambda text: Path(text).expanduser(),
+                        help="the shard folder")
     parser.add_argument("--text-field", default="text", help="the documents' text field (default: text)")
     parser.add_argument("--val-every", type=int, default=100,
                         help="hold out 1 in this many documents for validation; 0: none (default: 100)")
@@ -80,7 +89,7 @@ def main(argv=None) -> int:
     try:
         name = "byte" if args.tokenizer == "byte" else "hf"
         tokenizer = build_tokenizer(name, None if name == "byte" else args.tokenizer, args.bos_token,
-                                    args.eos_token)
+                                    args.eos_token, options=OPTIONS)
         record = tokenizer_record(tokenizer, name, None if name == "byte" else args.tokenizer)
         unit_bytes = int(args.unit_mb * 2**20)
         dataset, files = None, None
@@ -101,7 +110,15 @@ def main(argv=None) -> int:
             units = hf_units(dataset, unit_bytes)
             source = {"hf_dataset": args.hf_dataset, "subset": args.hf_subset, "split": args.hf_split,
                       "streaming": args.hf_streaming,
-                      "rows_or_files": getattr(dataset, "num_rows", None) or dataset.num_shards}
+                      "rows_or_files": hf_rows_or_files(dataset.get("train", dataset.get("")))}
+            if "validation" in dataset:
+                source["validation_rows_or_files"] = hf_rows_or_files(dataset["validation"])
+                print(f"prepare_data: the validation shards are {args.hf_dataset}'s own validation "
+                      f"split, the train shards its {args.hf_split} split whole", file=sys.stderr)
+            elif args.val_every:
+                print(f"prepare_data: the validation shards are 1 in {args.val_every} documents of "
+                      f"{args.hf_dataset}'s {args.hf_split} split, by a hash of their text (no "
+                      "validation split of its own is used)", file=sys.stderr)
         settings = settings_for(record, args.text_field, args.val_every, args.on_bad_document, unit_bytes,
                                 source)
         index = prepare(args.out, Plan(units, settings, files, dataset), tokenizer, args.workers,

@@ -461,3 +461,88 @@ def test_a_source_folder_laid_out_in_splits_keeps_them_apart(tmp_path, capsys):
     assert prepare("--source", tmp_path / "corpus", "--tokenizer", "byte", "--out",
                    tmp_path / "out2", "--no-progress") == 1
     assert "stray.jsonl is in none of them" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["saved", "files", "files streamed"])
+def test_a_hugging_face_dataset_with_a_validation_split_keeps_it(tmp_path, monkeypatch, capsys,
+                                                                  kind):
+    """Its validation split was left out and 1/100 of train hashed out instead, where --source
+    on the same folder (and the trainer) take the dataset's own."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    texts = {"train": [f"train text number {i}" for i in range(300)],
+             "validation": [f"validation text number {i}" for i in range(40)]}
+    folder = tmp_path / "dataset"
+    if kind == "saved":
+        datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": docs})
+                              for split, docs in texts.items()}).save_to_disk(str(folder))
+    else:
+        for split, docs in texts.items():
+            write_jsonl(folder / f"{split}.jsonl", docs)
+    args = ["--tokenizer", "byte", "--workers", 1, "--no-progress"]
+    assert prepare("--hf-dataset", folder, *(["--hf-streaming"] if "streamed" in kind else []),
+                   "--out", tmp_path / "hf", *args) == 0
+    assert f"the validation shards are {folder}'s own validation split" in capsys.readouterr().err
+    byte = ByteTokenizer()
+    for split, docs in texts.items():
+        assert shard_documents(tmp_path / "hf", split) == [framed(byte, t) for t in docs], split
+    if kind != "saved":
+        assert prepare("--source", folder, "--out", tmp_path / "files", *args) == 0
+        for split in texts:
+            assert shard_documents(tmp_path / "files", split) == \
+                shard_documents(tmp_path / "hf", split)
+    # without one, the split is held out by hash, and said so
+    assert prepare("--hf-dataset", folder, "--hf-split", "validation", "--out", tmp_path / "v",
+                   "--val-every", 4, *args) == 0
+    assert f"the validation shards are 1 in 4 documents of {folder}'s validation split, by a " \
+        "hash" in capsys.readouterr().err
+    held = [t for t in texts["validation"] if held_out(t, 4)]
+    assert shard_documents(tmp_path / "v", "validation") == [framed(byte, t) for t in held]
+
+
+def test_out_and_hf_dataset_expand_a_home_folder(tmp_path, monkeypatch, capsys):
+    """--out "~/x" (quoted, so no shell expands it) wrote into a folder named "~" in the current
+    folder; --source, --tokenizer and the trainer expand it."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    write_jsonl(home / "corpus" / "train.jsonl", ["one text", "two texts", "three texts"])
+    args = ["--tokenizer", "byte", "--workers", 1, "--no-progress", "--val-every", 0]
+    assert prepare("--source", "~/corpus", "--out", "~/shards", *args) == 0
+    assert prepare("--hf-dataset", "~/corpus", "--out", "~/hf", *args) == 0, capsys.readouterr().err
+    assert not (tmp_path / "~").exists()
+    assert shard_documents(home / "hf", "train") == shard_documents(home / "shards", "train")
+    assert read_index(home / "shards")["splits"]["train"]["documents"] == 3
+
+
+def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    """A non-empty folder was refused in one line, a file was mkdir's FileExistsError traceback."""
+    write_jsonl(tmp_path / "a.jsonl", ["some text"])
+    (tmp_path / "taken").write_text("mine")
+    for out, message in ((tmp_path / "taken", f"{tmp_path / 'taken'} is a file, not a folder: "
+                          "--out names the folder to write the shards into"),
+                         (tmp_path / "taken" / "below", f"--out {tmp_path / 'taken' / 'below'}: "
+                          "cannot make the folder (Not a directory)")):
+        assert prepare("--source", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out", out,
+                       "--no-progress") == 1
+        error = capsys.readouterr().err
+        assert error.startswith(f"prepare_data.py: error: {message}") and error.count("\n") == 1
+    assert (tmp_path / "taken").read_text() == "mine"
+
+
+def test_tokenizer_errors_name_prepare_datas_own_options(tmp_path, rng, capsys):
+    """They named the trainer's --tokenizer.bos_token and [tokenizer] bos_token; and --bos-token
+    with the byte tokenizer was ignored unsaid."""
+    write_jsonl(tmp_path / "a.jsonl", random_texts(rng, 10))
+    train_tokenizer(tmp_path / "tokenizer.json", rng)
+    common = ["--source", tmp_path / "a.jsonl", "--out", tmp_path / "out", "--no-progress"]
+    assert prepare(*common, "--tokenizer", tmp_path / "tokenizer.json", "--bos-token",
+                   "<nonexistent>") == 1
+    error = capsys.readouterr().err
+    assert error.startswith("prepare_data.py: error: --bos-token '<nonexistent>': ")
+    assert "has no such token" in error and "[tokenizer]" not in error
+    assert prepare(*common, "--tokenizer", "byte", "--eos-token", "</s>") == 1
+    assert capsys.readouterr().err.startswith(
+        "prepare_data.py: error: --eos-token '</s>' is set, but --tokenizer 'byte' has no tokens "
+        "to name (its bos and eos are ids 256 and 257): leave --eos-token out")
+    assert not (tmp_path / "out").exists()

@@ -111,7 +111,7 @@ def test_hf_tokenizer_errors_name_the_file_the_keys_and_the_specials(tmp_path, r
     path = tmp_path / "tokenizer.json"
     train_byte_level_bpe(rng, ["<pad>", "<s>", "<doc_end>"]).save(str(path))  # a bos, no eos
     with pytest.raises(ValueError, match=r"tokenizer\.json: no eos token found .*'</s>'.*: name "
-                       r"the one that marks a document's end with --tokenizer\.eos_token \(its "
+                       r"the one that marks a document's end with \[tokenizer\] eos_token \(its "
                        r"special tokens: '<pad>', '<s>', '<doc_end>'\)$"):
         build_tokenizer("hf", str(path))
     with pytest.raises(ValueError, match=r"\[tokenizer\] bos_token = '<BOS>': .*tokenizer\.json "
@@ -205,6 +205,34 @@ def test_hf_tokenizer_path_may_be_the_folder_holding_tokenizer_json(tmp_path, rn
     with pytest.raises(FileNotFoundError, match=r"tokenizer folder .*/empty holds no "
                                                 r"tokenizer\.json"):
         build_tokenizer("hf", str(tmp_path / "empty"))
+
+
+def test_each_tool_names_its_own_options_and_the_byte_tokenizer_refuses_token_names(tmp_path, rng):
+    """prepare_data's errors named the trainer's --tokenizer.bos_token and [tokenizer] bos_token,
+    which it does not take; and a bos/eos named for the byte tokenizer was ignored unsaid."""
+    path = tmp_path / "tokenizer.json"
+    train_byte_level_bpe(rng, ["<pad>", "<doc_end>"]).save(str(path))  # no bos, no eos
+    flags = {"name": "--tokenizer", "path": "--tokenizer", "bos_token": "--bos-token",
+             "eos_token": "--eos-token"}
+    with pytest.raises(ValueError, match=r"no bos token found .*: name the one that marks a "
+                       r"document's start with --bos-token \(its special tokens"):
+        build_tokenizer("hf", str(path), options=flags)
+    with pytest.raises(ValueError, match=r"^--eos-token '<x>': .*tokenizer\.json has no such"):
+        build_tokenizer("hf", str(path), bos_token="<pad>", eos_token="<x>", options=flags)
+    with pytest.raises(ValueError, match=r"^\[tokenizer\] eos_token = '<x>': .*tokenizer\.json"):
+        build_tokenizer("hf", str(path), bos_token="<pad>", eos_token="<x>")
+
+    for role in ("bos_token", "eos_token"):
+        with pytest.raises(ValueError) as refused:
+            build_tokenizer("byte", **{role: "<s>"})
+        assert str(refused.value) == (
+            f"[tokenizer] {role} = '<s>' is set, but [tokenizer] name = 'byte' has no tokens to "
+            f"name (its bos and eos are ids 256 and 257): leave [tokenizer] {role} out, or use a "
+            "tokenizer.json")
+    with pytest.raises(ValueError, match=r"^--bos-token '<s>' is set, but --tokenizer 'byte' has "
+                       "no tokens to name"):
+        build_tokenizer("byte", bos_token="<s>", options=flags)
+    assert isinstance(build_tokenizer("byte", bos_token="", eos_token=""), ByteTokenizer)
 
 
 def test_build_tokenizer_rejects_unknown_names_and_a_missing_path():

@@ -164,29 +164,58 @@ def listing(files: list[Path]) -> dict:
     return {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
-def load_hf(name: str, subset: str | None, split: str, streaming: bool):
+def load_hf(name: str, subset: str | None, split: str, streaming: bool) -> dict:
+    """{"": the split, each document into the split its hash picks}, or, where the dataset has a
+    validation split of its own (and split is another), {"train": the split, "validation": that
+    one}: as the trainer reads a source with one (components.data.sources)."""
     import datasets
 
-    if Path(name).expanduser().is_dir() and (Path(name).expanduser() / "dataset_info.json").is_file() \
-            and not streaming:
-        loaded = datasets.load_from_disk(str(Path(name).expanduser()))
-        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    path = Path(name).expanduser()
+    where = str(path) if path.exists() else name  # "~/data" is a local folder, not a hub name
     try:
-        return datasets.load_dataset(name, subset, split=split, streaming=streaming)
+        if path.is_dir() and (path / "dataset_info.json").is_file() and not streaming:
+            loaded = datasets.load_from_disk(where)
+            if not isinstance(loaded, datasets.DatasetDict):
+                return {"": loaded}
+            splits, load = list(loaded), loaded.__getitem__
+        else:
+            try:
+                splits = datasets.get_dataset_split_names(where, subset)
+            except Exception:  # unknown before loading: the load below says why, if it fails
+                splits = []
+            def load(split_name: str):
+                return datasets.load_dataset(where, subset, split=split_name, streaming=streaming)
+        if "validation" in splits and split != "validation":
+            return {"train": load(split), "validation": load("validation")}
+        return {"": load(split)}
     except Exception as err:
-        raise PrepareError(f"--hf-dataset {name}: could not load it ({type(err).__name__}: {err})") from err
+        raise PrepareError(f"--hf-dataset {name}: could not load it ({type(err).__name__}: "
+                           f"{' '.join(str(err).split())})") from err
 
 
-def hf_units(dataset, unit_bytes: int) -> list[Unit]:
-    name = dataset.info.dataset_name or "dataset"
-    if hasattr(dataset, "num_rows"):  # a map-style Dataset: ranges of rows
-        rows = dataset.num_rows
-        per_unit = max(1, int(rows * unit_bytes / max(dataset.data.nbytes, 1)))
-        row_bytes = dataset.data.nbytes / max(rows, 1)
-        return [Unit(f"00000-{i:05d}", "rows", name, first, min(first + per_unit, rows),
-                     int((min(first + per_unit, rows) - first) * row_bytes))
-                for i, first in enumerate(range(0, rows, per_unit))]
-    return [Unit(f"{i:05d}-00000", "stream", name, i, i + 1, 0) for i in range(dataset.num_shards)]
+def hf_rows_or_files(dataset) -> int:
+    return getattr(dataset, "num_rows", None) or dataset.num_shards
+
+
+def hf_units(loaded: dict, unit_bytes: int) -> list[Unit]:
+    """The units of load_hf's splits; each of a split of the dataset's own writes that split."""
+    units, streams = [], 0
+    for number, (split, dataset) in enumerate(loaded.items()):
+        name = dataset.info.dataset_name or "dataset"
+        name = f"{name} ({split})" if split else name
+        if hasattr(dataset, "num_rows"):  # a map-style Dataset: ranges of rows
+            rows = dataset.num_rows
+            per_unit = max(1, int(rows * unit_bytes / max(dataset.data.nbytes, 1)))
+            row_bytes = dataset.data.nbytes / max(rows, 1)
+            units += [Unit(f"{number:05d}-{i:05d}", "rows", name, first,
+                           min(first + per_unit, rows),
+                           int((min(first + per_unit, rows) - first) * row_bytes), split)
+                      for i, first in enumerate(range(0, rows, per_unit))]
+        else:
+            units += [Unit(f"{streams + i:05d}-00000", "stream", name, i, i + 1, 0, split)
+                      for i in range(dataset.num_shards)]
+            streams += dataset.num_shards
+    return units
 
 
 # ----------------------------------------------------------------------------- one unit (in a worker)
@@ -213,14 +242,15 @@ def _documents(unit: Unit, text_field: str) -> Iterator[tuple[str | None, str, i
     elif unit.kind == "parquet":
         yield from _parquet_documents(Path(unit.path), text_field, unit.start, unit.stop)
     elif unit.kind == "rows":
-        dataset = _job["dataset"]
+        dataset = _job["dataset"][unit.split]
         _check_field(dataset.column_names, text_field, unit.path)
         for first in range(unit.start, unit.stop, 1000):
             texts = dataset[first:min(first + 1000, unit.stop)][text_field]
             for i, text in enumerate(texts):
                 yield _checked(text, f"{unit.path}: row {first + i}", text_field)
     else:
-        stream = _job["dataset"].shard(num_shards=_job["dataset"].num_shards, index=unit.start)
+        dataset = _job["dataset"][unit.split]
+        stream = dataset.shard(num_shards=dataset.num_shards, index=unit.start)
         for i, example in enumerate(stream):
             if i == 0:
                 _check_field(list(example), text_field, unit.path)
@@ -439,6 +469,9 @@ def _check_ours(out: Path) -> None:
     """Refuse a folder of the user's (files, no prepare.json): they would mix with the shards,
     and a later run with other settings is refused with "delete it: it holds only this
     preparation's work". Empty, or holding only a killed run's lock, it is written."""
+    if out.exists() and not out.is_dir():  # mkdir's FileExistsError was a traceback
+        raise PrepareError(f"{out} is a file, not a folder: --out names the folder to write the "
+                           "shards into; give a new or empty folder")
     if not out.is_dir() or (out / PLAN).is_file():
         return
     theirs = sorted(p.name for p in out.iterdir() if p.name != "prepare.lock")
@@ -452,7 +485,10 @@ def _check_ours(out: Path) -> None:
 def _locked(out: Path):
     """One run per folder: prepare.lock names its holder; a killed holder's lock (its workers die
     with it and never hold it) is taken over with a warning naming it."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission: a traceback before
+        raise PrepareError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
     path = out / "prepare.lock"
     fd = lock.lock_file(path, lambda holder: PrepareError(
         f"{out} is being written by another prepare_data.py run ({holder}; lock file {path}): "
@@ -467,7 +503,7 @@ def _locked(out: Path):
 class Plan:
     """What a prepare run tokenizes: its units of work, the settings prepare.json records
     (settings_for) and what the units read: the local files (their listing), or the Hugging
-    Face dataset."""
+    Face dataset (load_hf's {split: dataset})."""
     units: list[Unit]
     settings: dict
     files: dict | None = None
