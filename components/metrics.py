@@ -199,6 +199,12 @@ def check_metrics_backends(cfg: Metrics) -> None:
         _import_summary_writer()
 
 
+def _inside(folder: Path, name: str) -> bool:
+    """Whether folder/name is a path strictly inside folder."""
+    base = folder.resolve()
+    return base in (base / name).resolve().parents
+
+
 class MetricsLogger:
     """Records metrics on rank 0; on every other rank each method does nothing.
 
@@ -242,7 +248,9 @@ class MetricsLogger:
         self.started: Optional[float] = None  # the "time" of metrics.jsonl's first line
         self.wandb_dir: Path | None = None  # the run's folder, what `wandb sync` takes
         self.tensorboard_dir: Path | None = None
-        self.outputs = outputs
+        # only folders of the run's own inside its dump folder: a profiling folder set to an
+        # absolute path, "..", "" or "." would rename a folder the run does not own
+        self.outputs = tuple(name for name in outputs if _inside(self.dump_folder, name))
         if not self.enabled:
             return
 

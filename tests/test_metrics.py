@@ -254,3 +254,21 @@ def test_validation_line_and_bits_per_byte(tmp_path, capsys):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("val_bpb")] == [50]
+
+
+def test_only_outputs_inside_the_dump_folder_go_aside(tmp_path):
+    """A profiling folder named by an absolute path, "..", "" or "." was renamed with the
+    metrics (a user's folder outside the run, or the dump folder itself: a traceback after the
+    metrics had moved)."""
+    dump, outside = tmp_path / "run", tmp_path / "userdata"
+    (dump / "traces" / "step-2").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "notes.txt").write_text("important")
+    (dump / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    outputs = ("traces", str(outside), "../userdata", "", ".", "traces/..")
+    with MetricsLogger(dump, rank=0, total_steps=10, outputs=outputs):
+        pass
+    assert (outside / "notes.txt").read_text() == "important"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "userdata"]
+    assert not (dump / "traces").exists() and len(list(dump.glob("traces.*"))) == 1
+    assert len(list(dump.glob("metrics.*.jsonl"))) == 1
