@@ -30,8 +30,9 @@ from components.bad_steps import BadSteps, too_many_bad_steps
 from components.checkpoint import (Checkpointer, ResumePoint, TrainState, check_resumed_tokenizer,
                                    find_resume_point, list_checkpoints)
 from components.config.docs import help_text
-from components.config.parse import (config_changes, config_checks, is_config_error, load_config,
-                                     refusal_line, resolve_global_batch, to_toml, wants_help)
+from components.config.parse import (check_config_not_overwritten, config_changes, config_checks,
+                                     is_config_error, load_config, refusal_line,
+                                     resolve_global_batch, to_toml, wants_help)
 from components.config.schema import ConfigError, JobConfig
 from components.data.build import build_data
 from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, check_fp8_device,
@@ -322,6 +323,7 @@ def main(argv=None) -> int:
         print(help_text(__doc__.split("\n", 1)[0]), end="", flush=True)
         return 0
     cfg = load_config(argv)
+    check_config_not_overwritten(argv, cfg)
     default_allocator_settings()
     # From here on a stop signal is remembered: it takes effect after the first training step.
     with StopRequest(saves=cfg.checkpoint.enable) as stop, \

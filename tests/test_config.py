@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from components.config.schema import ConfigError
-from components.config.parse import config_changes, load_config, to_toml
+from components.config.parse import (check_config_not_overwritten, config_changes, load_config,
+                                     to_toml)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -624,3 +625,23 @@ def test_a_leading_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
     assert cfg.checkpoint.initial_load_path == str(tmp_path / "hf")
     assert cfg.tokenizer.path == str(tmp_path / "tok.json")
     assert cfg.data.cache_dir == str(tmp_path / "cache") and cfg.data.source == "stdlib"
+
+
+def test_a_hand_written_config_in_the_dump_folder_is_not_overwritten(tmp_path):
+    """--config <dump_folder>/config.toml: the run wrote its resolved config over the user's
+    file (comments gone, this run's --training.steps 2 baked in for every later use)."""
+    import train
+    dump = tmp_path / "exp"
+    dump.mkdir()
+    own = dump / "config.toml"
+    text = "# my experiment\n" + (ROOT / "configs/debug.toml").read_text()
+    own.write_text(text)
+    argv = ["--config", str(own), "--job.dump_folder", str(dump), "--training.steps", "2"]
+    with pytest.raises(ConfigError, match=r"--config .*config.toml is .*: copy it elsewhere"):
+        check_config_not_overwritten(argv, load_config(argv))
+    with pytest.raises(ConfigError, match="copy it elsewhere"):
+        train.main(argv)
+    assert own.read_text() == text
+    # the trainer's own resolved config, given back to resume as it was, may be written again
+    own.write_text(to_toml(load_config(argv)))
+    check_config_not_overwritten(argv, load_config(argv))

@@ -391,6 +391,22 @@ def wants_help(argv: list[str]) -> bool:
         return any(arg in HELP for arg in argv)
 
 
+def check_config_not_overwritten(argv: list[str], cfg: JobConfig) -> None:
+    """A ConfigError when a --config file is the <dump_folder>/config.toml the run will write
+    its resolved config over, unless it is such a resolved config already (the trainer's own,
+    which writing again loses nothing): a hand-written one would lose its comments and keep
+    this run's command-line overrides, which its next use would then take silently."""
+    written = (Path(cfg.job.dump_folder) / "config.toml").resolve()
+    for name, value in _argv_pairs(argv):
+        path = Path(value or "").expanduser()
+        if name != "config" or path.resolve() != written:
+            continue
+        if path.read_text(encoding="utf-8") != to_toml(load_config(["--config", str(path)])):
+            raise ConfigError(f"--config {value} is {written}, which this run writes its resolved "
+                              "config to ([job] dump_folder): copy it elsewhere (configs/) or "
+                              "set another dump folder")
+
+
 def load_config(argv: Optional[list[str]] = None) -> JobConfig:
     """`--config FILE` (optional) then `--section.key value` / `--section.key=value` overrides."""
     argv = list(sys.argv[1:] if argv is None else argv)
