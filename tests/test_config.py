@@ -645,3 +645,11 @@ def test_a_hand_written_config_in_the_dump_folder_is_not_overwritten(tmp_path):
     # the trainer's own resolved config, given back to resume as it was, may be written again
     own.write_text(to_toml(load_config(argv)))
     check_config_not_overwritten(argv, load_config(argv))
+
+
+def test_load_step_without_checkpoints_enabled_is_refused():
+    """It was ignored: the run trained from step 1 and set the folder's metrics aside."""
+    with pytest.raises(ConfigError, match=r"\[checkpoint\] load_step = 2 resumes from a "
+                                          r"checkpoint, but \[checkpoint\] enable = false"):
+        load_config(["--checkpoint.load_step", "2"])
+    assert load_config(["--checkpoint.load_step", "2", "--checkpoint.enable", "true"])

@@ -223,6 +223,11 @@ def check_values(cfg: JobConfig) -> None:
     if cfg.checkpoint.load_step < -1:
         raise ConfigError(f"[checkpoint] load_step = {cfg.checkpoint.load_step}: must be a step "
                           ">= 0, or -1 for the latest")
+    if cfg.checkpoint.load_step != -1 and not cfg.checkpoint.enable:
+        # such a run neither saves nor resumes: it trained from step 1, setting the folder's
+        # metrics aside, where a resume was asked for
+        raise ConfigError(f"[checkpoint] load_step = {cfg.checkpoint.load_step} resumes from a "
+                          "checkpoint, but [checkpoint] enable = false: set enable = true")
     for section, key in POSITIVE:
         value = getattr(getattr(cfg, section), key)
         if value < 1:
