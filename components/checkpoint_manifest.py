@@ -139,6 +139,11 @@ def _problems(folder: Path, rank: int, world: int, names: Optional[Iterable[str]
         algorithm = manifest["algorithm"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return [f"{path} is damaged ({type(e).__name__}: {e})"]
+    # the save lists the files of its own folder by name: a path ("../x", "/etc/x") would have
+    # the check read, and its message tell the size of, a file outside the checkpoint
+    outside = sorted(name for name in listed if Path(name).name != name or name in ("", ".", ".."))
+    if outside:
+        return [f"{path} is damaged (it names {outside[0]!r}, not a file of this folder)"]
     if algorithm not in HASHES:  # xxhash missing here: the sizes are checked still
         algorithm = None
     wanted = sorted((set(listed) if names is None else set(names) & set(listed)) - ignore)

@@ -90,6 +90,13 @@ def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
             raise UnsafeCheckpointError(
                 f"{file} points tensor reads at {where!r}, outside {Path(path)}: not loading it "
                 "(DCP writes only names of files in the checkpoint folder)")
+        # a data file replaced by a symbolic link leads out of the folder the same way (the
+        # folder itself may be a link: a step folder moved and linked back)
+        target = Path(path) / where
+        if target.is_symlink() and Path(path).resolve() not in target.resolve().parents:
+            raise UnsafeCheckpointError(
+                f"{target} is a symbolic link to {target.resolve()}, outside {Path(path)}: not "
+                "loading it (DCP writes the files of the checkpoint folder)")
     return metadata
 
 

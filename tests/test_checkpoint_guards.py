@@ -4,6 +4,7 @@ keep_latest_k, a checkpoint folder shared by two dump folders, a read-only dump 
 pickle as torch words its refusal."""
 
 import errno
+import json
 import os
 import pickle
 import shutil
@@ -93,6 +94,31 @@ def test_metadata_pointing_outside_its_folder_is_refused(tmp_path, run, where):
         safe_dcp.read_metadata(step)
     with pytest.raises(safe_dcp.UnsafeCheckpointError, match=refused):
         safe_dcp.load({"model": {}}, step, no_dist=True)
+
+
+def test_a_data_file_linked_outside_its_folder_or_a_manifest_path_is_refused(tmp_path, run):
+    """A .distcp replaced by a symbolic link was read wherever it led; a checksums.json naming
+    "../../x" had the check stat that file and tell its size. A step folder that is itself a
+    link (moved and linked back) still loads."""
+    step, elsewhere = tmp_path / "step-2", tmp_path / "elsewhere"
+    shutil.copytree(run / "step-2", step)
+    elsewhere.mkdir()
+    data = next(step.glob("*.distcp"))
+    shutil.move(data, elsewhere / data.name)
+    data.symlink_to(elsewhere / data.name)
+    with pytest.raises(safe_dcp.UnsafeCheckpointError,
+                       match=rf"{data} is a symbolic link to {elsewhere / data.name}, outside"):
+        safe_dcp.read_metadata(step)
+    linked = tmp_path / "linked"
+    linked.symlink_to(run / "step-2")
+    safe_dcp.read_metadata(linked)
+    manifest = tmp_path / "manifest"
+    shutil.copytree(run / "step-2", manifest)
+    listing = json.loads((manifest / "checksums.json").read_text())
+    listing["files"]["../../../../etc/hostname"] = [1, "0"]
+    (manifest / "checksums.json").write_text(json.dumps(listing))
+    assert find_damage(manifest) == (f"{manifest}/checksums.json is damaged (it names "
+                                     "'../../../../etc/hostname', not a file of this folder)")
 
 
 def test_keep_latest_k_unlinks_a_symlinked_step_folder(tmp_path, run):
