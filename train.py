@@ -431,6 +431,22 @@ class Validation:
             warn_if_read_more_than_once(self.batches, self.steps, self.device)
 
 
+def validate_the_resumed_step(validation: Validation, model, step: int,
+                              metrics: MetricsLogger) -> None:
+    """The validation of the checkpoint's step, where it was due and metrics.jsonl lacks it: a
+    run saves a step before validating it, so one stopped (a signal, a time limit) or killed at
+    a validation step resumed after it with that validation never run. The checkpoint holds the
+    weights it would have scored, and every validation reads the same batches."""
+    if not 1 <= step <= validation.last_step or not validation.due(step):
+        return
+    missing = [not metrics.recorded(step, "val_loss")]  # rank 0 reads it; the others follow
+    if dist.is_initialized():
+        dist.broadcast_object_list(missing, src=0)
+    if missing[0]:
+        log(f"validating step {step}, the checkpoint's: the run that saved it stopped before")
+        validation.run(model, step, metrics)
+
+
 def nan_loss_at_test_steps(model: torch.nn.Module, scheduler) -> None:
     """Test-only fault injection (tests/test_train.py): FLCE_TEST_NAN_STEPS=2,5 makes the training
     loss NaN at those steps, as a bad batch would. Without it (always outside the tests) nothing is
@@ -558,6 +574,9 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
                                      cfg.profiling.save_memory_snapshot_folder))
     if rank == 0:  # after the logger set an earlier run's config aside with its metrics
         (dump / "config.toml").write_text(to_toml(cfg))
+    if validation is not None:
+        with init_timeout_phase():
+            validate_the_resumed_step(validation, model, resumed.step, metrics)
     meter = StepMeter(device, world, flops_per_token(args, cfg.training.seq_len), peak_flops(device))
     bad_steps = BadSteps(device, start_step)
     exit_code, run_tokens, step = 0, 0, start_step - 1

@@ -275,6 +275,21 @@ class MetricsLogger:
             self.close()  # whatever did start
             raise
 
+    def recorded(self, step: int, key: str) -> bool:
+        """Whether metrics.jsonl holds a value of `key` at `step` (rank 0; False elsewhere)."""
+        if not self.enabled or not self.jsonl_path.is_file():
+            return False
+        with open(self.jsonl_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut by a kill
+                    continue
+                if isinstance(record, dict) and record.get("step") == step \
+                        and record.get(key) is not None:
+                    return True
+        return False
+
     def _first_record(self) -> tuple[Optional[int], Optional[float]]:
         """(step, time) of metrics.jsonl's first line; None for what it does not hold."""
         try:

@@ -191,3 +191,25 @@ def test_an_unreadable_config_toml_in_a_checkpoint_is_a_warning(tmp_path, straig
     assert f"resumed from {dump}/checkpoint/step-4" in out
     assert f"warning: {dump}/checkpoint/step-4/config.toml cannot be read (" in out
     assert [r["step"] for r in metric_rows(dump)] == [5, 6]
+
+
+def test_a_validation_step_cut_short_is_validated_on_resume(tmp_path):
+    """Step 4 is saved, then validated: killed in between (or stopped by a signal, which ends the
+    run right after the save), the resumed run started at step 5 and step 4's validation was
+    never run. It runs first now, and gives what a straight run logs there."""
+    valid = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
+    straight, dump = tmp_path / "straight", tmp_path / "run"
+    assert train.main(ARGS + valid + ["--job.dump_folder", str(straight)]) == 0
+    run = ARGS + valid + ["--job.dump_folder", str(dump)]
+    env = {**os.environ, "FLCE_FAULT_POINT": "after_commit@4", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *run], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert 4 not in {r["step"] for r in metric_rows(dump) if "val_loss" in r}
+    assert train.main(run) == 0
+    val = {r["step"]: r["val_loss"] for r in metric_rows(dump) if "val_loss" in r}
+    want = {r["step"]: r["val_loss"] for r in metric_rows(straight) if "val_loss" in r}
+    assert sorted(val) == sorted(want) == [2, 4, 6]
+    assert all(abs(val[s] - want[s]) <= 1e-6 for s in want)
+    assert train.main(run) == 0  # nothing left: step 6 validated already, not again
+    assert [r["step"] for r in metric_rows(dump) if "val_loss" in r].count(6) == 1
