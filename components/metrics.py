@@ -265,6 +265,8 @@ class MetricsLogger:
                 self._set_aside_earlier_run(f"held another run's metrics (its first line is not "
                                             f"this run's, resumed at step {first_step})")
                 self.started = None
+            else:
+                self._take_earlier_steps(first_step)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         try:
             if cfg.enable_wandb:
@@ -274,6 +276,31 @@ class MetricsLogger:
         except BaseException:
             self.close()  # whatever did start
             raise
+
+    def _take_earlier_steps(self, first_step: int) -> None:
+        """`last` and `lowest` from the steps before first_step that metrics.jsonl holds, so
+        that a resumed run's summary (the best validation loss) covers the whole run; later
+        steps are a rollback's abandoned ones."""
+        try:
+            with open(self.jsonl_path, encoding="utf-8") as f:
+                lines = f.readlines()
+        except OSError:
+            return
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a kill
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if not isinstance(step, int) or step >= first_step:
+                continue
+            for key, value in record.items():
+                if key in ("step", "time") or not isinstance(value, (int, float)) \
+                        or isinstance(value, bool):
+                    continue
+                self.last[key] = (step, float(value))
+                if key not in self.lowest or value < self.lowest[key][1]:
+                    self.lowest[key] = (step, float(value))
 
     def recorded(self, step: int, key: str) -> bool:
         """Whether metrics.jsonl holds a value of `key` at `step` (rank 0; False elsewhere)."""

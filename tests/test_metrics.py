@@ -272,3 +272,17 @@ def test_only_outputs_inside_the_dump_folder_go_aside(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "userdata"]
     assert not (dump / "traces").exists() and len(list(dump.glob("traces.*"))) == 1
     assert len(list(dump.glob("metrics.*.jsonl"))) == 1
+
+
+def test_a_resumed_run_knows_the_best_validation_before_it(tmp_path):
+    """The summary's "best" validation loss covered only the steps since the resume (14.88 at
+    step 6 where the file held 6.17 at step 2)."""
+    lines = [{"step": 1, "loss": 9.0}, {"step": 2, "val_loss": 2.0}, {"step": 3, "loss": 8.0},
+             {"step": 4, "val_loss": 3.0}, {"step": 6, "val_loss": 1.0},  # a rollback's, gone
+             {"step": 4, "val_loss": None}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with MetricsLogger(tmp_path, rank=0, total_steps=10, first_step=5) as metrics:
+        assert metrics.lowest["val_loss"] == (2, 2.0) and metrics.last["val_loss"] == (4, 3.0)
+        assert metrics.last["loss"] == (3, 8.0)
+        metrics.log(5, {"val_loss": 14.0})
+        assert metrics.lowest["val_loss"] == (2, 2.0) and metrics.last["val_loss"] == (5, 14.0)
