@@ -59,6 +59,11 @@ def acquire(folder: Path, what: str = "dump folder", key: str = "--job.dump_fold
     if path.is_symlink():  # its holder's text would be written into, then truncate, its target
         raise FolderNotWritable(f"{what} {folder} holds {LOCK_FILE} as a symbolic link (to "
                                 f"{os.readlink(path)}): remove it, or set another {key}")
+    if folder.is_symlink() and not folder.exists():
+        raise FolderNotWritable(f"{what} {folder} is a symbolic link to {os.readlink(folder)}, "
+                                f"which does not exist: create it, or set another {key}")
+    if folder.exists() and not folder.is_dir():
+        raise FolderNotWritable(f"{what} {folder} is a file, not a folder: set another {key}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         return lock_file(path, lambda holder: DumpFolderInUse(

@@ -94,3 +94,19 @@ def test_a_killed_run_s_lock_is_taken_over(tmp_path):
         assert json.loads((dump / LOCK_FILE).read_text())["pid"] == os.getpid()
     finally:
         release(held)
+
+
+def test_a_dump_folder_that_is_a_file_or_a_dangling_link_says_so(tmp_path):
+    """Both said "cannot be written (File exists: .../run.lock): a run writes there"."""
+    from components.lock import FolderNotWritable
+    afile, link = tmp_path / "afile", tmp_path / "link"
+    afile.write_text("notes")
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(FolderNotWritable, match=rf"dump folder {afile} is a file, not a folder: "
+                                                r"set another --job.dump_folder"):
+        acquire(afile)
+    with pytest.raises(FolderNotWritable, match=rf"dump folder {link} is a symbolic link to "
+                                                rf"{tmp_path / 'gone'}, which does not exist"):
+        acquire(link)
+    assert afile.read_text() == "notes" and not (tmp_path / "gone").exists()
+    release(acquire(tmp_path / "made" / "here"))  # a folder not there yet is made
