@@ -375,6 +375,9 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         if cfg.loss.memory_lean and cfg.loss.impl != "flce":
             log(f"warning: [loss] memory_lean = true applies to impl = \"flce\" only; "
                 f"impl = {cfg.loss.impl!r} ignores it")
+        if cfg.loss.chunk_size and cfg.loss.impl == "unfused":
+            log(f"warning: [loss] chunk_size = {cfg.loss.chunk_size} applies to impl = \"flce\" "
+                "and \"torch_chunked\"; impl = 'unfused' ignores it")
         if cfg.loss.parallel == "vocab" and cfg.parallelism.tensor_parallel_degree == 1:
             log("warning: [loss] parallel = \"vocab\" shards the output layer over the tensor-"
                 "parallel ranks; with [parallelism] tensor_parallel_degree = 1 it does nothing")

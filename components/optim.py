@@ -175,10 +175,11 @@ def fit_lr_schedule(cfg: LRScheduler, training_steps: int) -> tuple[LRScheduler,
         decay_steps = total_steps - warmup_steps
         ratio = DEFAULT_WSD_DECAY_RATIO if decay_ratio is None else decay_ratio
         notes.append(f"the decay ([lr_scheduler] decay_ratio = {ratio}) takes the last "
-                     f"{decay_steps} step(s)")
+                     f"{decay_steps} step(s), those after the {warmup_steps} of warmup")
         decay_ratio = decay_steps / total_steps
     fitted = dataclasses.replace(cfg, warmup_steps=warmup_steps, decay_ratio=decay_ratio)
-    return fitted, ("warning: " + "; ".join(notes) + " (a short run)" if notes else None)
+    # no "(a short run)": a decay_ratio of 1.0 overlaps any warmup, however long the run
+    return fitted, ("warning: " + "; ".join(notes) if notes else None)
 
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: LRScheduler, training_steps: int

@@ -521,13 +521,18 @@ def test_values_out_of_range(argv, message):
         load_config(argv)
 
 
-def test_memory_lean_with_an_unfused_loss_warns(tmp_path, capsys):
+def test_memory_lean_or_chunk_size_with_an_unfused_loss_warns(tmp_path, capsys):
+    """chunk_size was ignored by the unfused loss without a word."""
     import train
     assert train.main(["--loss.impl", "unfused", "--loss.memory_lean", "true", "--training.steps",
                        "1", "--job.dump_folder", str(tmp_path), "--job.print_config", "false",
-                       "--validation.enable", "false", "--training.seq_len", "32"]) == 0
+                       "--validation.enable", "false", "--training.seq_len", "32",
+                       "--loss.chunk_size", "7"]) == 0
+    out = capsys.readouterr().out
     assert ('warning: [loss] memory_lean = true applies to impl = "flce" only; impl = '
-            "'unfused' ignores it") in capsys.readouterr().out
+            "'unfused' ignores it") in out
+    assert ('warning: [loss] chunk_size = 7 applies to impl = "flce" and "torch_chunked"; '
+            "impl = 'unfused' ignores it") in out
 
 
 def test_a_vocab_parallel_loss_without_tensor_parallelism_warns(tmp_path, capsys):

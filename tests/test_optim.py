@@ -342,7 +342,11 @@ def test_wsd_decay_is_shortened_to_the_steps_left():
     warmup, decay_ratio = fitted.warmup_steps, fitted.decay_ratio
     assert (warmup, decay_ratio) == (6, 0.4)
     assert warning.endswith("the decay ([lr_scheduler] decay_ratio = 0.5) takes the last "
-                            "4 step(s) (a short run)")
+                            "4 step(s), those after the 6 of warmup")
+    # a long run too, where the decay asked for overlaps the warmup: not "a short run"
+    assert fit_lr_schedule(LRScheduler(2000, "linear", decay_ratio=1.0), 100000)[1] == (
+        "warning: the decay ([lr_scheduler] decay_ratio = 1.0) takes the last 98000 step(s), "
+        "those after the 2000 of warmup")
     lrs = _lrs_seen_by_steps(warmup, 10, decay_type="wsd", min_lr_factor=0.0,
                              decay_ratio=decay_ratio)
     assert lrs == pytest.approx([LR * m for m in (1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1,
