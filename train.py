@@ -342,8 +342,8 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
     to resume (and that it was trained with this tokenizer), the metrics backends, the model's
     shape, the loss, activation checkpointing, attention and float8 settings. The config is
     written to <dump_folder>/config.toml only once the data and the checkpoint to resume were
-    opened too (`record_config`): a refused run leaves the config of the run that wrote the
-    folder's metrics in place."""
+    opened too (in train(), after the MetricsLogger): a refused run leaves the config of the run
+    that wrote the folder's metrics in place."""
     with config_checks():
         dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                     cfg.parallelism.data_parallel_shard_degree,

@@ -236,14 +236,26 @@ def find_resume_point(cfg: Checkpoint, folder: Path) -> ResumePoint:
     return ResumePoint(step_to_load(cfg, folder, found), found)
 
 
-def saved_tokenizer(path: Path) -> Optional[dict]:
+def saved_tokenizer(path: Path, strict: bool = False) -> Optional[dict]:
     """{"fingerprint", "vocab_size"} of the tokenizer the checkpoint at path was trained with, as
     its train_state.json records it; None where it records none (older checkpoints) or cannot be
-    read (a damaged one falls back to an earlier step when it is loaded)."""
+    read (a damaged one falls back to an earlier step when it is loaded). strict: one that cannot
+    be read is a ValueError naming it (export_hf, generate and evaluate have no step to fall
+    back to, and would otherwise leave the tokenizer unchecked)."""
+    file = path / "train_state.json"
     try:
-        record = json.loads((path / "train_state.json").read_text()).get("tokenizer")
+        state = json.loads(file.read_text())
+        if not isinstance(state, dict):
+            raise TypeError(f"a JSON {type(state).__name__}, expected an object")
+        record = state.get("tokenizer")
+        if record is None:
+            return None
         return {"fingerprint": str(record["fingerprint"]), "vocab_size": int(record["vocab_size"])}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if strict:
+            raise ValueError(f"{file} is damaged ({type(e).__name__}: {e})") from None
         return None
 
 

@@ -277,21 +277,27 @@ class MetricsLogger:
             self.close()  # whatever did start
             raise
 
+    def _records(self) -> Iterator[dict]:
+        """metrics.jsonl's records, in order (none where it cannot be read; a line cut by a kill
+        is left out)."""
+        try:
+            with open(self.jsonl_path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(record, dict):
+                        yield record
+        except OSError:
+            return
+
     def _take_earlier_steps(self, first_step: int) -> None:
         """`last` and `lowest` from the steps before first_step that metrics.jsonl holds, so
         that a resumed run's summary (the best validation loss) covers the whole run; later
         steps are a rollback's abandoned ones."""
-        try:
-            with open(self.jsonl_path, encoding="utf-8") as f:
-                lines = f.readlines()
-        except OSError:
-            return
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line cut by a kill
-                continue
-            step = record.get("step") if isinstance(record, dict) else None
+        for record in self._records():
+            step = record.get("step")
             if not isinstance(step, int) or step >= first_step:
                 continue
             for key, value in record.items():
@@ -304,18 +310,8 @@ class MetricsLogger:
 
     def recorded(self, step: int, key: str) -> bool:
         """Whether metrics.jsonl holds a value of `key` at `step` (rank 0; False elsewhere)."""
-        if not self.enabled or not self.jsonl_path.is_file():
-            return False
-        with open(self.jsonl_path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:  # a line cut by a kill
-                    continue
-                if isinstance(record, dict) and record.get("step") == step \
-                        and record.get(key) is not None:
-                    return True
-        return False
+        return self.enabled and any(record.get("step") == step and record.get(key) is not None
+                                    for record in self._records())
 
     def _first_record(self) -> tuple[Optional[int], Optional[float]]:
         """(step, time) of metrics.jsonl's first line; None for what it does not hold."""

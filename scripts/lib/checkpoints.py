@@ -14,7 +14,6 @@ checkpoint with no "model" entry, the top-level tensors (torchtitan's layout). R
 tokenizer paths in config.toml are read from the current directory, as the run did.
 """
 
-import json
 import os
 import sys
 import warnings
@@ -213,29 +212,11 @@ def hf_tokenizer(folder: Path, path: str | None = None) -> HFTokenizer:
     return HFTokenizer(path, **config_special_tokens(hf.read_config(folder), path))
 
 
-def check_train_state(folder: Path) -> None:
-    """A ValueError naming a step folder's train_state.json when it cannot be read: it records
-    the tokenizer the model was trained with, and `saved_tokenizer` takes a damaged one for
-    none (the trainer falls back to an earlier step), so another tokenizer would go unchecked."""
-    path = folder / "train_state.json"
-    if not path.is_file():
-        return
-    try:
-        record = json.loads(path.read_text())
-        if not isinstance(record, dict):
-            raise TypeError(f"a JSON {type(record).__name__}, expected an object")
-        if "tokenizer" in record:
-            str(record["tokenizer"]["fingerprint"]), int(record["tokenizer"]["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e})") from None
-
-
 def _trained_tokenizer(folder: Path, config: JobConfig | None) -> tuple[str, int, str] | None:
     """(fingerprint, vocab size, what) of the tokenizer the run trained with: recorded in the
     checkpoint's train_state.json, else (config given) the run's [tokenizer] when it is at hand;
     None when neither tells."""
-    check_train_state(folder)
-    record = saved_tokenizer(folder)
+    record = saved_tokenizer(folder, strict=True)
     if record is not None:
         return record["fingerprint"], record["vocab_size"], "the run's tokenizer"
     if config is None:
