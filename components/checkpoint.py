@@ -295,6 +295,8 @@ class Checkpointer:
         self.last_step = cfg.training.steps
         self.rank = rank
         self.dp_rank = dp_rank
+        # a CPU run on a GPU host leaves CUDA alone: each use makes a context on GPU 0 in every rank
+        self.on_cuda = any(p.device.type == "cuda" for p in model.parameters())
         self.config_toml = to_toml(cfg)
         self._pending: Optional[Future] = None  # an async save's commit
         # An async save finishes with collectives in a background thread: they get a group of
@@ -333,7 +335,7 @@ class Checkpointer:
         _barrier()
         rank_state = io.BytesIO()
         torch.save({"data": self.data.state_dict(), "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                    "cuda_rng": torch.cuda.get_rng_state() if self.on_cuda else None},
                    rank_state)
         try:
             _write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
@@ -354,7 +356,8 @@ class Checkpointer:
         no_dist = not dist.is_initialized()
         own_files = [f"rank-{self.rank}.pt"] + (["train_state.json", "config.toml"]
                                                 if self.rank == 0 else [])
-        writer = ChecksummingWriter(tmp, self.rank, own_files)  # checksums.json for load()
+        writer = ChecksummingWriter(tmp, self.rank, own_files,  # checksums.json for load()
+                                    on_cpu=not self.on_cuda)
         if self.cfg.async_mode == "async":
             with _one_process_quiet(no_dist):
                 written = dcp.async_save(self._state(), storage_writer=writer, no_dist=no_dist,
@@ -566,7 +569,7 @@ class Checkpointer:
                     f"{rank_file} is damaged ({type(e).__name__})") from None
             self._load_data_state(extra["data"], step)
             torch.set_rng_state(extra["rng"])
-            if extra["cuda_rng"] is not None and torch.cuda.is_available():
+            if extra["cuda_rng"] is not None and self.on_cuda:
                 torch.cuda.set_rng_state(extra["cuda_rng"])
         else:
             saved = len(list(path.glob("rank-*.pt")))

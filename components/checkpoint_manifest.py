@@ -74,10 +74,13 @@ def write_manifest(folder: Path, names: Optional[Iterable[str]] = None) -> None:
 
 class ChecksummingWriter(dcp.FileSystemWriter):
     """DCP's filesystem writer that leaves checksums.json beside what it wrote. own_files: the
-    files this rank wrote into the folder before DCP's save (its rank file, ...)."""
+    files this rank wrote into the folder before DCP's save (its rank file, ...). on_cpu: the
+    state is on the CPU, so DCP's copy-ahead loader, which makes a CUDA stream wherever CUDA is
+    present, stays off: a CPU run on a GPU host would otherwise put a CUDA context on GPU 0 in
+    every rank at each save, and fail there when that GPU is full."""
 
-    def __init__(self, path: Path, rank: int, own_files: Iterable[str]):
-        super().__init__(str(path))
+    def __init__(self, path: Path, rank: int, own_files: Iterable[str], on_cpu: bool = False):
+        super().__init__(str(path), **({"per_thread_copy_ahead": 0} if on_cpu else {}))
         self.folder = Path(path)
         self.checksum_rank = rank
         self.own_files = list(own_files)

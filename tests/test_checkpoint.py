@@ -545,3 +545,24 @@ def test_one_process_saves_and_loads_without_dcps_single_process_warning(tmp_pat
     assert sorted(list_checkpoints(dump / "checkpoint")) == [1, 2, 3]
     noise = [str(w.message) for w in recwarn if "torch.distributed is disabled" in str(w.message)]
     assert not noise, noise
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_cpu_run_on_a_cuda_host_saves_without_touching_cuda(tmp_path, monkeypatch, mode):
+    """DCP's writer made a CUDA stream wherever CUDA is present, for CPU tensors too: a CPU run
+    on a GPU host put a CUDA context on GPU 0 in every rank at each save, and failed when that
+    GPU was full (8 gloo ranks beside other GPU work). Here CUDA 'is present' and any use of it
+    raises."""
+    def no_cuda(*args, **kwargs):
+        raise RuntimeError("CUDA touched by a CPU run's save")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
+    monkeypatch.setattr(torch.cuda, "Stream", no_cuda)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    dump = tmp_path / "run"
+    args = BASE + ["--checkpoint.interval", "1", "--checkpoint.async_mode", mode,
+                   "--job.dump_folder", str(dump)]
+    assert train.main(args + ["--training.steps", "2"]) == 0
+    assert train.main(args + ["--training.steps", "3"]) == 0  # and resumes
+    assert sorted(list_checkpoints(dump / "checkpoint")) == [1, 2, 3]
