@@ -173,7 +173,8 @@ def load_hf(name: str, subset: str | None, split: str, streaming: bool) -> dict:
     path = Path(name).expanduser()
     where = str(path) if path.exists() else name  # "~/data" is a local folder, not a hub name
     try:
-        if path.is_dir() and (path / "dataset_info.json").is_file() and not streaming:
+        saved = any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
+        if path.is_dir() and saved and not streaming:  # save_to_disk's Dataset or DatasetDict
             loaded = datasets.load_from_disk(where)
             if not isinstance(loaded, datasets.DatasetDict):
                 return {"": loaded}
