@@ -43,7 +43,7 @@ CHUNK_BYTES = 1 << 30       # the logits buffer a chunk aims at ...
 MIN_CHUNK_TOKENS = 8192     # ... with at least this many tokens (dW's fp32 accumulation is
 MAX_CHUNK_TOKENS = 32768    # a read and a write of V x H per chunk: few chunks keep it cheap)
 MAX_CHUNK_BYTES = 4 << 30   # and never more logits than this (8192 tokens up to V = 262144:
-# at V = 256000 chunks of 8192 ran 1.0-1.6% faster than 4096 at 6 of 7 points on an H200 and
+# at V = 256000 chunks of 8192 ran 0.5-1.6% faster than 4096 at 7 of 8 points on an H200 and
 # an H100, docs/performance.md "Chunk sizes at V = 256000")
 # float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
 # from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
