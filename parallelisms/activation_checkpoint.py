@@ -78,6 +78,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: str
     check_settings(mode, every)
     torch._functorch.config.activation_memory_budget = (
         memory_budget if mode == "memory_budget" else 1.0)
+    # Under TP and CP the blocks' graphs hold DeviceMeshes (script objects), which the budget's
+    # partitioner refuses to size unless told they weigh nothing: they hold no activations.
+    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
+        torch._functorch.config.unsafe_treat_script_objects_as_zero_size = mode == "memory_budget"
     if mode in ("none", "memory_budget"):
         return 0
     k, options = 1, {}
