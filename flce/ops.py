@@ -10,8 +10,9 @@ than the chunked sweep's buffers would, forward writes them once (one GEMM), a r
 each token's loss and softmax statistics, and the logits are kept for backward. Backward turns them into
 dlogits in place, scaled by the upstream gradient times the loss weight (so the upstream gradient
 is folded in before any rounding, as in the unfused loss), and dx = dlogits @ W, dW = dlogits.T @
-x follow as one GEMM each, written straight in the parameter dtype: no fp32 accumulator, no cast
-pass. 6·N·H·V FLOPs and the memory traffic of the unfused loss under torch.compile.
+x follow, written straight in the parameter dtype: no fp32 accumulator, no cast pass (dW one
+GEMM, dx in row blocks of the chunks' size, `dx_in_row_blocks`). 6·N·H·V FLOPs and the memory
+traffic of the unfused loss under torch.compile.
 
 Chunked (`chunked_pass`): per chunk of tokens, logits = x_c @ W.T (+ b) go into one reused
 [C, V] buffer, the row kernel turns them into dlogits in place, and dx_c = dlogits @ W, dW +=
@@ -51,6 +52,12 @@ MAX_CHUNK_BYTES = 4 << 30   # and never more logits than this (8192 tokens up to
 # at 1024 (x4096x128256, x8192x256000) both modes 7-11% faster; below the work,
 # 2048x1024x32000 both slower, 2048x1024x128256 "logits+dx" 3% slower
 # (benchmarks/flce_float8_gate_h200.md, flce_float8_threshold_h200.md)
+# The one-block path's dx = dlogits @ W runs in row blocks of about this many tokens: on an H100
+# (cuBLAS 13) 16384 rows of H = 8192 took 1.09-1.36x two GEMMs of 8192 rows (K = V of 32000,
+# 128256, 256000), at H = 4096 1.03-1.04x, while 32768 and 65536 rows ran as fast as blocks of
+# 8192 (within 1%): cuBLAS's kernel choice per shape. Blocks of 8192 are the chunked sweep's
+# shapes (benchmarks/flce_grad_gemms_*_h100.md, docs/performance.md "The one-block path's dx").
+DX_BLOCK_TOKENS = 8192
 FLOAT8_MIN_TOKENS = 1024
 FLOAT8_MIN_WORK = 1 << 38
 
@@ -128,6 +135,19 @@ def matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         out.addmm_(a.to(out.dtype), b.to(out.dtype))
     else:
         torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def dx_in_row_blocks(dlogits: Tensor, w: Tensor) -> Tensor:
+    """dlogits @ w in even row blocks of at most DX_BLOCK_TOKENS rows (one GEMM up to that)."""
+    N = dlogits.shape[0]
+    if N <= DX_BLOCK_TOKENS:
+        return torch.mm(dlogits, w)
+    blocks = -(-N // DX_BLOCK_TOKENS)
+    rows = -(-(-(-N // blocks)) // 8) * 8
+    dx = dlogits.new_empty(N, w.shape[1])
+    for start in range(0, N, rows):
+        torch.mm(dlogits[start:start + rows], w, out=dx[start:start + rows])
+    return dx
 
 
 def gemm_vocab(vocab: int, elem_bytes: int) -> int:
@@ -338,7 +358,7 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
         if N:
             fp8.dx_into(dx, weight, 0)
     elif need_dx:
-        dx = torch.mm(gemm_view, gemm_operands(weight, None)[0])
+        dx = dx_in_row_blocks(gemm_view, gemm_operands(weight, None)[0])
     if need_dw:
         dw = unpadded(torch.mm(gemm_view.t(), x), V)
     if need_db:
