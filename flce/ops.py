@@ -11,8 +11,8 @@ each token's loss and softmax statistics, and the logits are kept for backward. 
 dlogits in place, scaled by the upstream gradient times the loss weight (so the upstream gradient
 is folded in before any rounding, as in the unfused loss), and dx = dlogits @ W, dW = dlogits.T @
 x follow, written straight in the parameter dtype: no fp32 accumulator, no cast pass (dW one
-GEMM, dx in row blocks of the chunks' size, `dx_in_row_blocks`). 6·N·H·V FLOPs and the memory
-traffic of the unfused loss under torch.compile.
+GEMM, dx in row blocks of at most 8192 tokens, as in the chunks: `dx_row_blocks`). 6·N·H·V
+FLOPs and the memory traffic of the unfused loss under torch.compile.
 
 Chunked (`chunked_pass`): per chunk of tokens, logits = x_c @ W.T (+ b) go into one reused
 [C, V] buffer, the row kernel turns them into dlogits in place, and dx_c = dlogits @ W, dW +=
@@ -52,11 +52,11 @@ MAX_CHUNK_BYTES = 4 << 30   # and never more logits than this (8192 tokens up to
 # at 1024 (x4096x128256, x8192x256000) both modes 7-11% faster; below the work,
 # 2048x1024x32000 both slower, 2048x1024x128256 "logits+dx" 3% slower
 # (benchmarks/flce_float8_gate_h200.md, flce_float8_threshold_h200.md)
-# The one-block path's dx = dlogits @ W runs in row blocks of about this many tokens: on an H100
+# dx = dlogits @ W runs in row blocks of at most this many tokens (both sweeps): on an H100
 # (cuBLAS 13) 16384 rows of H = 8192 took 1.09-1.36x two GEMMs of 8192 rows (K = V of 32000,
 # 128256, 256000), at H = 4096 1.03-1.04x, while 32768 and 65536 rows ran as fast as blocks of
-# 8192 (within 1%): cuBLAS's kernel choice per shape. Blocks of 8192 are the chunked sweep's
-# shapes (benchmarks/flce_grad_gemms_*_h100.md, docs/performance.md "The one-block path's dx").
+# 8192 (within 1%): cuBLAS's kernel choice per shape, which 16384-token chunks (V = 32000) met
+# too (benchmarks/flce_grad_gemms_*_h100.md, docs/performance.md "The one-block path's dx").
 DX_BLOCK_TOKENS = 8192
 FLOAT8_MIN_TOKENS = 1024
 FLOAT8_MIN_WORK = 1 << 38
@@ -137,16 +137,24 @@ def matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
+def dx_row_blocks(n_rows: int) -> list[tuple[int, int]]:
+    """[start, end) of the even row blocks, of at most DX_BLOCK_TOKENS rows, that a dx GEMM of
+    n_rows runs in (one block up to that many)."""
+    if n_rows <= DX_BLOCK_TOKENS:
+        return [(0, n_rows)]
+    blocks = -(-n_rows // DX_BLOCK_TOKENS)
+    rows = -(-(-(-n_rows // blocks)) // 8) * 8
+    return [(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
+
+
 def dx_in_row_blocks(dlogits: Tensor, w: Tensor) -> Tensor:
-    """dlogits @ w in even row blocks of at most DX_BLOCK_TOKENS rows (one GEMM up to that)."""
-    N = dlogits.shape[0]
-    if N <= DX_BLOCK_TOKENS:
+    """dlogits @ w in `dx_row_blocks`."""
+    bounds = dx_row_blocks(dlogits.shape[0])
+    if len(bounds) == 1:
         return torch.mm(dlogits, w)
-    blocks = -(-N // DX_BLOCK_TOKENS)
-    rows = -(-(-(-N // blocks)) // 8) * 8
-    dx = dlogits.new_empty(N, w.shape[1])
-    for start in range(0, N, rows):
-        torch.mm(dlogits[start:start + rows], w, out=dx[start:start + rows])
+    dx = dlogits.new_empty(dlogits.shape[0], w.shape[1])
+    for start, end in bounds:
+        torch.mm(dlogits[start:end], w, out=dx[start:end])
     return dx
 
 
@@ -188,7 +196,8 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
                fp8: Optional[Float8Gemms] = None) -> None:
     """Per chunk of tokens [start, end): logits = x_c @ W.T (+ b) into one reused buffer;
     row_pass(logits, start, end, width) turns them into dlogits in place (width: the columns
-    of the buffer's rows, which it may touch: `kernels.launch_rows`); then dx_c = dlogits @ W,
+    of the buffer's rows, which it may touch: `kernels.launch_rows`); then dx_c = dlogits @ W
+    (in `dx_row_blocks`),
     dW += dlogits.T @ x_c, db += sum(dlogits), into whichever of dx, dw_acc, db_acc is given.
     The GEMMs run at `gemm_vocab` columns (dw_acc has that many rows: `weight_grad_buffer`).
     With fp8 the logits GEMM, and the dx GEMM if fp8.dx, run in float8."""
@@ -204,7 +213,9 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
     trim = buf.shape[1] != width
     x_parts = x.split(chunk_size)
     dx_parts = dx.split(chunk_size) if dx is not None and (fp8 is None or not fp8.dx) else None
-    views = {}  # chunk height -> (block, logits, rows, logits.T): the last chunk may be shorter
+    # chunk height -> (block, logits, rows, logits.T, dx's row blocks of the logits): the last
+    # chunk may be shorter
+    views = {}
     for i, x_c in enumerate(x_parts):
         start = i * chunk_size
         end = start + x_c.shape[0]
@@ -212,8 +223,9 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
             block = buf if x_c.shape[0] == buf.shape[0] else buf[: x_c.shape[0]]
             logits = block[:, :width] if trim else block  # columns V.. hold 0 (W's padding rows)
             rows = logits if width == V else logits[:, :V]
-            views[x_c.shape[0]] = block, logits, rows, logits.t()
-        block, logits, rows, logits_t = views[x_c.shape[0]]
+            dx_blocks = [(logits[lo:hi], lo, hi) for lo, hi in dx_row_blocks(x_c.shape[0])]
+            views[x_c.shape[0]] = block, logits, rows, logits.t(), dx_blocks
+        block, logits, rows, logits_t, dx_blocks = views[x_c.shape[0]]
         if fp8 is not None:
             fp8.logits(x_c, out=block)
         elif b is None:
@@ -223,8 +235,11 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
         row_pass(rows, start, end, block.shape[1])
         if dx is not None and fp8 is not None and fp8.dx:
             fp8.dx_into(dx[start:end], weight, start)
-        elif dx is not None:
+        elif dx is not None and len(dx_blocks) == 1:
             matmul_into(dx_parts[i], logits, w, accumulate=False)
+        elif dx is not None:
+            for part, lo, hi in dx_blocks:
+                matmul_into(dx_parts[i][lo:hi], part, w, accumulate=False)
         if dw_acc is not None:
             matmul_into(dw_acc, logits_t, x_c, accumulate=start > 0)
         if db_acc is not None:

@@ -433,24 +433,25 @@ def test_one_block_where_it_takes_no_more_memory_than_chunks():
 
 
 @IMPL_DEVICES
-@pytest.mark.parametrize("N", [67, 24])
-def test_one_block_dx_in_row_blocks(impl, device, monkeypatch, N):
-    """The one-block path's dx GEMM runs in even row blocks of about DX_BLOCK_TOKENS rows (one
-    16384-row GEMM ran up to 1.36x two of 8192 on an H100): every row once, as float64 has it,
-    including an uneven last block."""
+@pytest.mark.parametrize("N,chunk", [(67, None), (24, None), (67, 40)],
+                         ids=["one_block", "one_block_even", "chunked"])
+def test_dx_in_row_blocks(impl, device, monkeypatch, N, chunk):
+    """dx = dlogits @ W runs in even row blocks of at most DX_BLOCK_TOKENS rows (one 16384-row
+    GEMM ran up to 1.36x two of 8192 on an H100), in one block of all tokens and in each chunk:
+    every row once, as float64 has it, including an uneven last block."""
     import flce.ops
-    mm, rows = torch.mm, []
+    mm, shapes = torch.mm, []
     monkeypatch.setattr(flce.ops, "DX_BLOCK_TOKENS", 16)
-    monkeypatch.setattr(flce.ops.torch, "mm", lambda a, b, **kw: rows.append(a.shape) or
+    monkeypatch.setattr(flce.ops.torch, "mm", lambda a, b, **kw: shapes.append(a.shape) or
                         mm(a, b, **kw))
-    _check(impl, device, torch.float32, N, 24, 101, None, True, reduction="mean",
+    _check(impl, device, torch.float32, N, 24, 101, chunk, True, reduction="mean",
            label_smoothing=0.1)
-    _check(impl, device, torch.float32, N, 24, 101, None, True, reduction="none", z_loss=1e-3)
-    blocks = -(-N // 16)
-    even = -(-(-(-N // blocks)) // 8) * 8
-    dx_gemms = [r for r in rows if r[1] >= 101 and r[0] <= even]  # dlogits blocks: [rows, V]
-    assert sorted({r[0] for r in dx_gemms}) == sorted({even, N - (blocks - 1) * even}), rows
-    assert len(dx_gemms) == 2 * blocks, rows
+    _check(impl, device, torch.float32, N, 24, 101, chunk, True, reduction="none", z_loss=1e-3)
+    heights = [N] if chunk is None else [chunk, N - chunk]
+    expected = sorted(b - a for h in heights for a, b in flce.ops.dx_row_blocks(h))
+    assert max(expected) <= 16 and sum(expected) == N
+    dx_gemms = sorted(r[0] for r in shapes if r[1] >= 101)  # dlogits blocks: [rows, V]
+    assert dx_gemms == sorted(expected * 2), shapes  # once a call: "mean", then "none"
 
 
 def test_chunked_torch_loss_matches_unfused():
