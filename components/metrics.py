@@ -292,26 +292,42 @@ class MetricsLogger:
         except OSError:
             return
 
-    def _take_earlier_steps(self, first_step: int) -> None:
-        """`last` and `lowest` from the steps before first_step that metrics.jsonl holds, so
-        that a resumed run's summary (the best validation loss) covers the whole run; later
-        steps are a rollback's abandoned ones."""
+    def _timeline(self) -> dict[int, dict]:
+        """metrics.jsonl's numeric values by step, as the run's timeline has them: a run resumed
+        from an earlier checkpoint (a rollback, a kill after the last save) appends steps below
+        the file's last, and from there on the steps after its first are the abandoned
+        timeline's; a step logged again keeps each key's last value."""
+        timeline: dict[int, dict] = {}
+        previous = None
         for record in self._records():
             step = record.get("step")
-            if not isinstance(step, int) or step >= first_step:
+            if not isinstance(step, int) or isinstance(step, bool):
                 continue
-            for key, value in record.items():
-                if key in ("step", "time") or not isinstance(value, (int, float)) \
-                        or isinstance(value, bool):
-                    continue
-                self.last[key] = (step, float(value))
+            if previous is not None and step < previous:
+                for abandoned in [s for s in timeline if s > step]:
+                    del timeline[abandoned]
+            previous = step
+            timeline.setdefault(step, {}).update(
+                (key, float(value)) for key, value in record.items()
+                if key not in ("step", "time") and isinstance(value, (int, float))
+                and not isinstance(value, bool))
+        return timeline
+
+    def _take_earlier_steps(self, first_step: int) -> None:
+        """`last` and `lowest` from the steps before first_step of the run's timeline, so that a
+        resumed run's summary (the best validation loss) covers the whole run."""
+        for step, values in sorted(self._timeline().items()):
+            if step >= first_step:
+                continue
+            for key, value in values.items():
+                self.last[key] = (step, value)
                 if key not in self.lowest or value < self.lowest[key][1]:
-                    self.lowest[key] = (step, float(value))
+                    self.lowest[key] = (step, value)
 
     def recorded(self, step: int, key: str) -> bool:
-        """Whether metrics.jsonl holds a value of `key` at `step` (rank 0; False elsewhere)."""
-        return self.enabled and any(record.get("step") == step and record.get(key) is not None
-                                    for record in self._records())
+        """Whether the run's timeline in metrics.jsonl holds a value of `key` at `step` (rank 0;
+        False elsewhere)."""
+        return self.enabled and key in self._timeline().get(step, {})
 
     def _first_record(self) -> tuple[Optional[int], Optional[float]]:
         """(step, time) of metrics.jsonl's first line; None for what it does not hold."""
@@ -363,7 +379,9 @@ class MetricsLogger:
     def _start_tensorboard(self):
         SummaryWriter = _import_summary_writer()  # noqa: N806 (a class)
         self.tensorboard_dir = self.dump_folder / "tb"
-        return SummaryWriter(log_dir=str(self.tensorboard_dir))
+        # a resumed run hides what an earlier one logged from its first step on (a rollback's or
+        # a killed run's abandoned steps), as it leaves them out of its summary
+        return SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=self.first_step)
 
     def logs_at(self, step: int) -> bool:
         """Whether the trainer logs this step (the same answer on every rank)."""

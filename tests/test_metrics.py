@@ -286,3 +286,36 @@ def test_a_resumed_run_knows_the_best_validation_before_it(tmp_path):
         assert metrics.last["loss"] == (3, 8.0)
         metrics.log(5, {"val_loss": 14.0})
         assert metrics.lowest["val_loss"] == (2, 2.0) and metrics.last["val_loss"] == (5, 14.0)
+
+
+def test_a_resumed_run_leaves_a_rolled_back_timeline_out_of_its_summary(tmp_path):
+    """Run A validated 4.30 at step 5 and went on; run B rolled back to step 3 (load_step) and
+    validated 5.29 at step 5; run C resumed B at step 7: its summary's best was A's 4.30, a
+    timeline no longer in the model."""
+    a = [{"step": 5, "loss": 5.0}, {"step": 5, "val_loss": 4.30}, {"step": 10, "loss": 4.0},
+         {"step": 10, "val_loss": 4.10}]
+    b = [{"step": 5, "loss": 6.0}, {"step": 5, "val_loss": 5.29}, {"step": 7, "loss": 5.9}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in a + b))
+    with MetricsLogger(tmp_path, rank=0, total_steps=10, first_step=8) as metrics:
+        assert metrics.lowest["val_loss"] == (5, 5.29) and metrics.last["loss"] == (7, 5.9)
+        assert metrics.lowest["loss"] == (7, 5.9)
+        assert metrics.recorded(5, "val_loss") and not metrics.recorded(10, "val_loss")
+
+
+def test_a_resumed_run_hides_the_abandoned_steps_in_tensorboard(tmp_path):
+    """A run killed after step 6 and resumed from its step-4 checkpoint logged steps 5 and 6
+    twice in TensorBoard, both timelines' values side by side."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = Metrics(enable_tensorboard=True)
+    with MetricsLogger(tmp_path, rank=0, total_steps=8, cfg=cfg) as logger:
+        for step in range(1, 7):
+            logger.log(step, {"loss": 10.0 - step})
+    with MetricsLogger(tmp_path, rank=0, total_steps=8, cfg=cfg, resumed=True,
+                       first_step=5) as logger:
+        for step in range(5, 9):
+            logger.log(step, {"loss": 20.0 - step})
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert got == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 14.0), (7, 13.0),
+                   (8, 12.0)]
