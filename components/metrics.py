@@ -192,9 +192,18 @@ def _import_summary_writer():
 
 def check_metrics_backends(cfg: Metrics) -> None:
     """An ImportError naming the key when an enabled backend is not installed (the trainer asks
-    before it builds the model; MetricsLogger would say the same later)."""
+    before it builds the model; MetricsLogger would say the same later), and a ValueError naming
+    the key for a project or run name wandb refuses (a traceback otherwise, once the earlier
+    run's files in the dump folder had been set aside)."""
     if cfg.enable_wandb:
-        _import_wandb()
+        wandb = _import_wandb()
+        for key in ("wandb_project", "wandb_run_name"):
+            value = getattr(cfg, key)
+            try:  # wandb's own rules, which may change with its versions
+                wandb.Settings(**{key.removeprefix("wandb_"): value or None})
+            except Exception as e:
+                raise ValueError(f"[metrics] {key} = {value!r}: wandb refuses it "
+                                 f"({' '.join(str(e).split())})") from None
     if cfg.enable_tensorboard:
         _import_summary_writer()
 
@@ -373,7 +382,8 @@ class MetricsLogger:
         run = wandb.init(mode=cfg.wandb_mode, dir=str(self.dump_folder), project=cfg.wandb_project,
                          name=cfg.wandb_run_name or None, notes=notes or None, config=config,
                          settings=settings)
-        self.wandb_dir = Path(run.dir).parent  # run.dir is the run folder's files/
+        if cfg.wandb_mode != "disabled":  # a disabled run's dir is a temporary name, never made
+            self.wandb_dir = Path(run.dir).parent  # run.dir is the run folder's files/
         return run
 
     def _start_tensorboard(self):

@@ -154,6 +154,15 @@ def test_wandb_run_is_offline_and_under_dump_folder(tmp_path, monkeypatch):
     assert b"a run's [job] description" in history  # the run's notes
 
 
+@needs_wandb
+def test_a_disabled_wandb_run_names_no_folder(tmp_path):
+    """With wandb_mode = "disabled" the summary named a folder under /tmp that was never made."""
+    with MetricsLogger(tmp_path, rank=0, total_steps=10,
+                       cfg=Metrics(enable_wandb=True, wandb_mode="disabled")) as logger:
+        logger.log(1, {"loss": 2.5})
+    assert logger.wandb_dir is None
+
+
 def test_wandb_missing_is_an_import_error_with_a_hint(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # what an uninstalled package looks like
     with pytest.raises(ImportError, match=r"\[metrics\] enable_wandb.*pip install wandb"):

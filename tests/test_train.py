@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import train
+from components.config.parse import refusal_line
 from components.config.schema import ConfigError
 from components.optim import lr_multiplier
 from installed import needs_wandb
@@ -614,3 +615,17 @@ def test_the_docs_own_data_and_tokenizer_example_runs(tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert "tokenizer my_tokenizer.json: " in out and "bos '<s>' (id 0, a common name)" in out
     assert (tmp_path / "outputs/mine/metrics.jsonl").is_file()
+
+
+@needs_wandb
+def test_a_project_name_wandb_refuses_is_a_config_error_before_anything_moves(tmp_path):
+    """[metrics] wandb_project = "a/b" was a wandb UsageError traceback after the model was
+    built, once the earlier run's metrics.jsonl and config.toml had been set aside."""
+    code, dump, rows = run(tmp_path, "r", "--training.steps", "2")
+    before = sorted(p.name for p in dump.iterdir())
+    with pytest.raises(ValueError) as refused:
+        train.main(SMALL + ["--job.dump_folder", str(dump), "--training.steps", "2",
+                            "--metrics.enable_wandb", "true", "--metrics.wandb_project", "a/b"])
+    assert refusal_line(refused.value).startswith(
+        "config error: [metrics] wandb_project = 'a/b': wandb refuses it (Invalid project name")
+    assert sorted(p.name for p in dump.iterdir()) == before
