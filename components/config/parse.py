@@ -267,6 +267,7 @@ def check_values(cfg: JobConfig) -> None:
     if "/" in cfg.comm.save_traces_file_prefix:  # NCCL would not make the folder: no record written
         raise ConfigError(f"[comm] save_traces_file_prefix = {cfg.comm.save_traces_file_prefix!r}: "
                           "a file name's start, without '/' (the folder is save_traces_folder)")
+    _check_profiling_folders(cfg)
     _check_mixture(cfg.data)
     for name in cfg.model.converters:
         if cfg.model.converters.count(name) > 1:
@@ -323,6 +324,34 @@ def _check_types(section, where: str) -> None:
         _coerce(f"[{where}] {name}", getattr(section, name), hints[name], from_text=False)
     for name in _subsections(section):
         _check_types(getattr(section, name), f"{where}.{name}" if where else name)
+
+
+# What a run writes in its dump folder before its first profiled step (components/metrics.py,
+# train.py, components/lock.py): a profiling folder of one of these names cannot be made.
+RUN_FILES = ("metrics.jsonl", "config.toml", "run.lock")
+
+
+def _check_profiling_folders(cfg: JobConfig) -> None:
+    """The profiling folders are made at the first profiled step, maybe hours in: one that
+    cannot be made (a file on the way) is refused when the config is read. Inside the dump
+    folder only: a fresh run sets an earlier run's aside from there, and "" or "." would write
+    step-<N>/ among the run's own files."""
+    dump = Path(cfg.job.dump_folder).expanduser()
+    for key in ("save_traces_folder", "save_memory_snapshot_folder"):
+        value = getattr(cfg.profiling, key)
+        parts = Path(os.path.normpath(value)).parts if value.strip() else ()  # "." has none
+        if not parts or os.path.isabs(value) or parts[0] == "..":
+            raise ConfigError(f"[profiling] {key} = {value!r}: must name a folder inside the "
+                              f"dump folder, as a relative path (the default: "
+                              f"{getattr(type(cfg.profiling), key)!r})")
+        for n in range(1, len(parts) + 1):
+            path = dump.joinpath(*parts[:n])
+            if n == 1 and parts[0] in RUN_FILES:
+                raise ConfigError(f"[profiling] {key} = {value!r}: {path} is the run's own "
+                                  "file, not a folder: name another folder")
+            if path.exists() and not path.is_dir():
+                raise ConfigError(f"[profiling] {key} = {value!r}: {path} is a file, not a "
+                                  "folder: name another folder")
 
 
 def _check_mixture(data: Data) -> None:
