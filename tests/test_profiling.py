@@ -81,8 +81,7 @@ def test_a_trace_that_cannot_be_written_is_an_error_not_a_crash(tmp_path):
     """Raised inside torch.profiler's step, the error left the profiler half-stopped, and its
     exit killed the process: exit status 139 and no message."""
     code = f"""
-import sys, torch
-sys.path.insert(0, {str(ROOT)!r})
+import torch
 from pathlib import Path
 from components.config.schema import Profiling
 from components.profiling import maybe_profile
@@ -98,8 +97,8 @@ try:
 except OSError as e:
     print("raised", type(e).__name__, e.filename)
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"raised NotADirectoryError {tmp_path / 'blocked' / 'step-2'}" in result.stdout
 
