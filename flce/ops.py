@@ -53,7 +53,7 @@ MAX_CHUNK_BYTES = 4 << 30   # and never more logits than this (8192 tokens up to
 # 2048x1024x32000 both slower, 2048x1024x128256 "logits+dx" 3% slower
 # (benchmarks/flce_float8_gate_h200.md, flce_float8_threshold_h200.md)
 # dx = dlogits @ W runs in row blocks of at most this many tokens (both sweeps): on an H100
-# (cuBLAS 13) 16384 rows of H = 8192 took 1.09-1.36x two GEMMs of 8192 rows (K = V of 32000,
+# (cuBLAS 13) 16384 rows of H = 8192 took 1.07-1.35x two GEMMs of 8192 rows (K = V of 32000,
 # 128256, 256000), at H = 4096 1.03-1.04x, while 32768 and 65536 rows ran as fast as blocks of
 # 8192 (within 1%): cuBLAS's kernel choice per shape, which 16384-token chunks (V = 32000) met
 # too (benchmarks/flce_grad_gemms_*_h100.md, docs/performance.md "The one-block path's dx").

@@ -437,7 +437,7 @@ def test_one_block_where_it_takes_no_more_memory_than_chunks():
                          ids=["one_block", "one_block_even", "chunked"])
 def test_dx_in_row_blocks(impl, device, monkeypatch, N, chunk):
     """dx = dlogits @ W runs in even row blocks of at most DX_BLOCK_TOKENS rows (one 16384-row
-    GEMM ran up to 1.36x two of 8192 on an H100), in one block of all tokens and in each chunk:
+    GEMM ran up to 1.35x two of 8192 on an H100), in one block of all tokens and in each chunk:
     every row once, as float64 has it, including an uneven last block."""
     import flce.ops
     mm, shapes = torch.mm, []
