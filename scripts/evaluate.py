@@ -152,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         metrics = train.evaluate(model, batches, steps * dp, device, token_bytes)
         seconds = time.perf_counter() - start
-    except MissingTextField as e:  # its fix names [data] text_field, which is --text-field here
-        print(f"evaluate: error: {str(e).replace('set [data] text_field', 'pass --text-field')}",
-              file=sys.stderr)
+    except MissingTextField as e:  # the field is --text-field's here, not [data] text_field
+        e.fix = "pass --text-field"
+        print(f"evaluate: error: {e}", file=sys.stderr)
         return 1
     except (FileNotFoundError, ValueError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)

@@ -71,9 +71,10 @@ class MissingTextField(KeyError, ValueError):
     # A ValueError too: a data mistake, which the trainer's command line shows as one line.
     # KeyError would print its message in quotes, as if it were a key.
     user_error = True  # one line and exit status 2 from train.py, no traceback
+    fix = "set [data] text_field"  # what names the field: a command of its own sets its option
 
     def __str__(self) -> str:
-        return str(self.args[0])
+        return f"{self.args[0]}; {self.fix}"
 
 
 @dataclass
@@ -103,7 +104,7 @@ def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_
         report = _report(path, text_field, cache_dir / "checked" / key)
         if report.without_field and report.without_field == report.bad and not report.documents:
             raise MissingTextField(f"{path}: the documents have no field {text_field!r} (their fields: "
-                                   f"{', '.join(report.fields) or 'none'}); set [data] text_field")
+                                   f"{', '.join(report.fields) or 'none'})")
         if report.bad and on_bad_document == "error":
             raise BadDocumentError(
                 f"{path}: {report.named[0]}; {report.bad} bad document(s) in this file. Set [data] "
@@ -351,7 +352,7 @@ def _scan_parquet(path: Path, text_field: str, out: BinaryIO | None = None) -> F
         parquet = pq.ParquetFile(path)
         if text_field not in parquet.schema_arrow.names:
             raise MissingTextField(f"{path}: the documents have no field {text_field!r} (their fields: "
-                                   f"{', '.join(parquet.schema_arrow.names)}); set [data] text_field")
+                                   f"{', '.join(parquet.schema_arrow.names)})")
         kind = parquet.schema_arrow.field(text_field).type
         if not _is_text_type(kind):
             raise BadDocumentError(f"{path}: column {text_field!r} holds {kind}, not text; set [data] "

@@ -85,7 +85,7 @@ def bind_to_parent(parent: int) -> None:
 def texts_of_rows(documents, rows: list[int], text_field: str, first_document: int) -> list:
     if text_field not in documents.column_names:
         raise MissingTextField(f"document {first_document} has no field {text_field!r} (its fields: "
-                               f"{', '.join(documents.column_names)}); set [data] text_field")
+                               f"{', '.join(documents.column_names)})")
     return documents[rows][text_field]
 
 

@@ -113,7 +113,7 @@ def load_documents(source: str, split: str, text_field: str = "text", streaming:
     columns = documents.column_names  # None for some streams; then TokenWindows checks the first document
     if columns is not None and text_field not in columns:
         raise MissingTextField(f"{source}: the documents have no field {text_field!r} (their fields: "
-                               f"{', '.join(columns)}); set [data] text_field")
+                               f"{', '.join(columns)})")
     return documents
 
 

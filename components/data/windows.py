@@ -195,7 +195,7 @@ class TokenWindows:
     def _text_of(self, example: dict, document: int):
         if self.text_field not in example:
             raise MissingTextField(f"document {document} has no field {self.text_field!r} (its fields: "
-                                   f"{', '.join(example)}); set [data] text_field")
+                                   f"{', '.join(example)})")
         return example[self.text_field]
 
     def state_dict(self) -> dict:

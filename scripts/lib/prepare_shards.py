@@ -260,8 +260,10 @@ def _documents(unit: Unit, text_field: str) -> Iterator[tuple[str | None, str, i
 
 def _check_field(fields: list[str], text_field: str, where: str) -> None:
     if text_field not in fields:
-        raise MissingTextField(f"{where}: the documents have no field {text_field!r} (their fields: "
-                               f"{', '.join(fields)}); set --text-field")
+        missing = MissingTextField(f"{where}: the documents have no field {text_field!r} (their "
+                                   f"fields: {', '.join(fields)})")
+        missing.fix = "set --text-field"
+        raise missing
 
 
 def _checked(text, where: str, text_field: str) -> tuple[str | None, str, int, str | None]:
