@@ -5,7 +5,8 @@
     tokenizer.py   the byte tokenizer and Hugging Face tokenizers
     loss.py        [loss] impl: the training loss and the module joining it to the model
     optim.py       AdamW and the learning-rate schedule
-    metrics.py     what a step achieved and where it is recorded; bad_steps.py: non-finite steps
+    metrics.py     what a step achieved and where it is recorded (metrics_timeline.py: the file
+                   read back as the run's timeline); bad_steps.py: non-finite steps
     checkpoint.py  DCP checkpoints (checkpoint_manifest.py: checksums; safe_dcp.py: loading
                    without running code; initial_load.py: settings from initial_load_path)
     float8_linear.py  linear layers converted to torchao's float8

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from components.config.schema import Metrics, WandbMode
+from components.metrics_timeline import records, timeline
 
 GIB = 2**30
 
@@ -286,41 +287,15 @@ class MetricsLogger:
             self.close()  # whatever did start
             raise
 
-    def _records(self) -> Iterator[dict]:
-        """metrics.jsonl's records, in order (none where it cannot be read; a line cut by a kill
-        is left out)."""
-        try:
-            with open(self.jsonl_path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(record, dict):
-                        yield record
-        except OSError:
-            return
-
     def _timeline(self) -> dict[int, dict]:
-        """metrics.jsonl's numeric values by step, as the run's timeline has them: a run resumed
-        from an earlier checkpoint (a rollback, a kill after the last save) appends steps below
-        the file's last, and from there on the steps after its first are the abandoned
-        timeline's; a step logged again keeps each key's last value."""
-        timeline: dict[int, dict] = {}
-        previous = None
-        for record in self._records():
-            step = record.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                continue
-            if previous is not None and step < previous:
-                for abandoned in [s for s in timeline if s > step]:
-                    del timeline[abandoned]
-            previous = step
-            timeline.setdefault(step, {}).update(
-                (key, float(value)) for key, value in record.items()
-                if key not in ("step", "time") and isinstance(value, (int, float))
-                and not isinstance(value, bool))
-        return timeline
+        """metrics.jsonl's numeric values by step, as the run's timeline has them
+        (`metrics_timeline.timeline`: the steps a resumed run abandoned are left out)."""
+        numeric = ({key: (value if key == "step" else float(value))
+                    for key, value in record.items() if key != "time"
+                    and isinstance(value, (int, float)) and not isinstance(value, bool)}
+                   for record in records(self.jsonl_path))
+        return {step: {key: value for key, value in values.items() if key != "step"}
+                for step, values in timeline(numeric).items()}
 
     def _take_earlier_steps(self, first_step: int) -> None:
         """`last` and `lowest` from the steps before first_step of the run's timeline, so that a

@@ -6,10 +6,11 @@
         [--threshold X] [--metric loss] [--out PATH.png]
 
 A run is a dump folder holding metrics.jsonl, or the file itself. Lines without the metric
-(validation lines have val_loss, not loss) are skipped; when a step appears more than once (a
-resumed run repeats the steps after its checkpoint) the last line wins, as in the trainer, with
-a note. A file whose steps start over from its first step holds two runs, not a resumed one:
-that is refused (exit 2). Runs are aligned on the steps they all logged; runs that end
+(validation lines have val_loss, not loss) are skipped. A resumed run appends from its
+checkpoint's step on: its lines replace the earlier run's from there, and the earlier run's
+later steps are left out even where the resumed run has not reached them yet (a rollback
+abandons them), as in the trainer's own summary, with a note. A file whose steps start over
+from its first step holds two runs, not a resumed one: that is refused (exit 2). Runs are aligned on the steps they all logged; runs that end
 at different steps (one stopped early) are refused too.
 
 For each run after the first: mean and max |run - A| and the first step where |diff| exceeds
@@ -85,7 +86,12 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
                                    "folder (a trainer that keeps runs apart renames the earlier "
                                    "run's file metrics.<time>.jsonl); split it and compare the runs")
                 print(f"note: {path}:{number}: steps go back from {previous} to {step}: a resumed "
-                      "run; its lines replace the earlier ones for those steps", file=sys.stderr)
+                      f"run; its lines replace the earlier run's after step {step - 1}",
+                      file=sys.stderr)
+                # the earlier run's later steps are a timeline the resumed run abandoned
+                # (components/metrics_timeline.py, which this stdlib-only script cannot import)
+                for abandoned in [s for s in values if s > step]:
+                    del values[abandoned]
             first = step if first is None else first
             previous = step
             values[step] = math.nan if value is None else float(value)

@@ -629,6 +629,19 @@ def test_the_last_line_of_a_repeated_step_wins(tmp_path):
     assert "steps go back from 30 to 11: a resumed run" in result.stderr
 
 
+def test_a_rolled_back_run_leaves_its_abandoned_steps_out(tmp_path):
+    """B ran to step 30 on a bad curve, was resumed from its step-10 checkpoint and has reached
+    step 20: its steps 21-30 belong to the abandoned timeline, not to the run compared with A."""
+    a = write_metrics(tmp_path / "a", curve, steps=range(1, 21))
+    b = write_metrics(tmp_path / "b", lambda s: curve(s) + (1.0 if s > 10 else 0.0))
+    with open(b / "metrics.jsonl", "a") as f:
+        for step in range(11, 21):
+            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
+    result = compare(a, b)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "replace the earlier run's after step 10" in result.stderr
+
+
 def test_two_runs_in_one_file_are_refused(tmp_path):
     """A second run from step 1 appended to the first's file (what the trainer did before it
     kept fresh runs apart) is not a resumed run: comparing the mix would mislead."""

@@ -1088,3 +1088,20 @@ def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(module, args, tmp_pat
     assert result.stderr == (f"error: scripts.bench.{module} times CUDA kernels and needs a CUDA "
                              f"GPU; torch {torch.__version__} sees none\n")
 
+
+
+def test_bench_runs_read_the_timeline_a_rollback_left(tmp_path):
+    """A benchmark's run resumed from step 2 after logging to step 4 (its steps 3-4 abandoned)
+    and stopped at step 3: its throughput rows are steps 1-3, step 3 the resumed run's."""
+    from scripts.lib.runs import read_metrics
+    lines = [{"step": s, "time": 0.0, "loss": 5.0 - s, "tokens_per_second": 100.0 * s}
+             for s in (1, 2, 3, 4)]
+    lines += [{"step": 2, "time": 0.0, "val_loss": 3.5},  # a validation line has no throughput
+              {"step": 3, "time": 1.0, "loss": 0.5, "tokens_per_second": 777.0},
+              "{cut short by a ki"]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines))
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["tokens_per_second"] for r in rows] == [100.0, 200.0, 777.0]
+    assert rows[2]["loss"] == 0.5

@@ -1,7 +1,6 @@
 """Trainer runs as child processes: launch one in its own process group, stop it and whatever it
 started, read its log and metrics.jsonl, and say how it went. Never imports torch."""
 
-import json
 import os
 import re
 import shlex
@@ -11,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from components.metrics_timeline import records, timeline
 
 REPO = Path(__file__).resolve().parents[2]
 # What a CUDA allocation failure prints, from torch, cuBLAS or a raw CUDA call (also under
@@ -97,20 +98,10 @@ def last_lines(text: str, n: int = TAIL_LINES) -> str:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Training rows of metrics.jsonl by step (validation rows have no tokens_per_second)."""
-    rows = {}
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        if row.get("tokens_per_second") is not None:
-            rows[row["step"]] = row  # the last line for a step wins
-    return [rows[s] for s in sorted(rows)]
+    """Training rows of metrics.jsonl by step, as the run's timeline has them (validation rows
+    have no tokens_per_second; the steps a resumed run abandoned are left out)."""
+    rows = timeline(records(path))
+    return [rows[s] for s in sorted(rows) if rows[s].get("tokens_per_second") is not None]
 
 
 def throughput(rows: list[dict], warmup: int) -> dict:
