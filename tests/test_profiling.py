@@ -149,3 +149,41 @@ def test_profiling_folders_inside_the_dump_folder_are_accepted(tmp_path):
                        "--profiling.save_traces_folder", "./runs/a/../traces",
                        "--profiling.save_memory_snapshot_folder", "linked/memory"])
     assert cfg.profiling.save_traces_folder == "./runs/a/../traces"
+
+
+@pytest.mark.parametrize("traces, snapshots, checkpoint, error", [
+    # the run died at its first save
+    ("checkpoint", "memory_snapshot", "checkpoint",
+     "[profiling] save_traces_folder is [checkpoint] folder ({dump}/checkpoint)"),
+    ("traces", "./ckpt/../ckpt", "ckpt",
+     "[profiling] save_memory_snapshot_folder is [checkpoint] folder ({dump}/ckpt)"),
+    ("prof", "prof", "checkpoint",
+     "[profiling] save_traces_folder is [profiling] save_memory_snapshot_folder ({dump}/prof)"),
+    # a fresh run sets the earlier run's traces aside, checkpoints and all
+    ("prof", "memory_snapshot", "prof/ckpt",
+     "[profiling] save_traces_folder holds [checkpoint] folder ({dump}/prof/ckpt)"),
+    ("profile_traces", "profile_traces/memory", "checkpoint",
+     "[profiling] save_traces_folder holds [profiling] save_memory_snapshot_folder "
+     "({dump}/profile_traces/memory)"),
+])
+def test_profiling_and_checkpoint_folders_that_meet_are_refused(tmp_path, traces, snapshots,
+                                                                 checkpoint, error):
+    """Traces in the checkpoint folder: the trace of step 2 took step-2/, and the save of step 2
+    died renaming step-2.tmp onto it (OSError: Directory not empty) after the step was done."""
+    from components.config.parse import load_config
+    with pytest.raises(ConfigError) as raised:
+        load_config([*BASE, "--job.dump_folder", str(tmp_path),
+                     "--profiling.save_traces_folder", traces,
+                     "--profiling.save_memory_snapshot_folder", snapshots,
+                     "--checkpoint.folder", checkpoint])
+    assert str(raised.value) == (error.format(dump=tmp_path) + ": each writes its own "
+                                 "step-<N>/ folders; name separate folders")
+
+
+@pytest.mark.parametrize("checkpoint", [".", "profile_traces/.."])
+def test_a_checkpoint_folder_holding_the_profiling_folders_is_accepted(tmp_path, checkpoint):
+    """Checkpoints in the dump folder itself: its step-<N>/ beside profile_traces/."""
+    from components.config.parse import load_config
+    cfg = load_config([*BASE, "--job.dump_folder", str(tmp_path), "--checkpoint.folder",
+                       checkpoint])
+    assert cfg.checkpoint.folder == checkpoint

@@ -352,6 +352,18 @@ def _check_profiling_folders(cfg: JobConfig) -> None:
             if path.exists() and not path.is_dir():
                 raise ConfigError(f"[profiling] {key} = {value!r}: {path} is a file, not a "
                                   "folder: name another folder")
+    # Each writes step-<N>/ folders: in one folder they collide (a trace in step-2/ made the
+    # save of step 2 fail renaming step-2.tmp onto it); and a fresh run sets an earlier run's
+    # profiling folder aside whole, with whatever folder it holds.
+    profiling = {f"[profiling] {key}": dump / os.path.normpath(getattr(cfg.profiling, key))
+                 for key in ("save_traces_folder", "save_memory_snapshot_folder")}
+    folders = {**profiling, "[checkpoint] folder": dump / os.path.normpath(cfg.checkpoint.folder)}
+    for key, path in profiling.items():
+        for other, other_path in folders.items():
+            if other != key and (path == other_path or path in other_path.parents):
+                raise ConfigError(f"{key} {'is' if path == other_path else 'holds'} {other} "
+                                  f"({other_path}): each writes its own step-<N>/ folders; name "
+                                  "separate folders")
 
 
 def _check_mixture(data: Data) -> None:

@@ -411,14 +411,16 @@ class Profiling:
     enable_profiling: bool = False
     """Record traces."""
     save_traces_folder: str = "profile_traces"
-    """The traces' folder, under the dump folder (step-<N>/rank-<r>.json, for Perfetto)."""
+    """The traces' folder, under the dump folder (step-<N>/rank-<r>.json, for Perfetto); not the
+    checkpoint folder nor one holding it."""
     profile_freq: int = 10
     """Profile one step every this many steps (traces), dump a memory snapshot every this many."""
     enable_memory_snapshot: bool = False
     """CUDA memory history with Python stacks, dumped every profile_freq steps and on running out
     of memory (`python3 -m scripts.bench.summarize_memory` reads it)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
-    """The snapshots' folder, under the dump folder (step-<N>/rank-<r>.pickle, oom-step-<N>/)."""
+    """The snapshots' folder, under the dump folder (step-<N>/rank-<r>.pickle, oom-step-<N>/);
+    not the checkpoint folder, the traces' folder, nor one holding either."""
 
 
 @dataclass
