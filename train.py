@@ -9,7 +9,6 @@ loss divided by the global token count, clipping, a sync-free skip of non-finite
 metrics, validation).
 """
 
-import dataclasses
 import datetime
 import os
 import sys
@@ -33,15 +32,13 @@ from components.config.docs import help_text
 from components.config.parse import (check_config_not_overwritten, config_changes, config_checks,
                                      is_config_error, load_config, refusal_line,
                                      resolve_global_batch, to_toml, wants_help)
-from components.config.schema import ConfigError, JobConfig
+from components.config.schema import JobConfig
 from components.data.build import build_data
-from components.float8_linear import (CONVERTER as FLOAT8_CONVERTER, check_fp8_device,
-                                       convert_to_float8, ignored_settings)
+from components.float8_linear import CONVERTER as FLOAT8_CONVERTER, check_fp8_device
 from components.initial_load import other_tokenizer_warning, take_settings_from_initial_load
 from components.lock import dump_folder_lock
-from components.loss import IGNORE_INDEX, ModelWithLoss, TrainingLoss
-from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, check_metrics_backends,
-                                peak_flops)
+from components.loss import IGNORE_INDEX, TrainingLoss
+from components.metrics import MetricsLogger, StepMeter, check_metrics_backends, peak_flops
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
 from components.process import (back_to_init_timeout, exit_process, init_timeout_phase,
@@ -49,90 +46,21 @@ from components.process import (back_to_init_timeout, exit_process, init_timeout
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
-from models import FLAVORS, Llama, LlamaArgs, flops_per_token, with_context
+from components.validation import Validation, validate_the_resumed_step
+from models import LlamaArgs, flops_per_token
 from models.hf import load_hf_weights
-from models.sdpa import check_sdpa_backend, set_sdpa_backend
-from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from models.sdpa import check_sdpa_backend
 from parallelisms.activation_checkpoint import check_settings as check_ac_settings
-from parallelisms.compile import compile_blocks
-from parallelisms.context_parallel import NoSharding, SequenceSharding, check_context_parallel
-from parallelisms.fsdp import apply_fsdp, precompute_float8_scales
-from parallelisms.init import init_as_on_one_device
+from parallelisms.build import build_model, model_args
+from parallelisms.context_parallel import NoSharding, SequenceSharding
+from parallelisms.fsdp import precompute_float8_scales
 from parallelisms.mesh import ParallelDims
-from parallelisms.tp import apply_tp, check_loss_parallel, check_tp_degree
+from parallelisms.tp import check_loss_parallel
 
 
 def log(msg: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(msg, flush=True)
-
-
-def model_args(cfg: JobConfig, vocab_floor: int = 0, dims: ParallelDims | None = None
-               ) -> LlamaArgs:
-    """The model a run trains: the flavor's shape with [model] vocab_size, max_seq_len and
-    rope_scaling_factor (scripts/lib/checkpoints.py rebuilds a run's model with it), checked
-    against seq_len, the tokenizer's vocab_floor ids and, given dims, the TP and CP degrees."""
-    if cfg.model.flavor not in FLAVORS:
-        raise ConfigError(f"[model] flavor = {cfg.model.flavor!r}: expected one of the "
-                          f"{cfg.model.name} flavors {list(FLAVORS)}")
-    args = FLAVORS[cfg.model.flavor]
-    args = with_context(dataclasses.replace(args, vocab_size=cfg.model.vocab_size or args.vocab_size),
-                        cfg.model.max_seq_len, cfg.model.rope_scaling_factor)
-    if dims is not None:
-        check_tp_degree(args, cfg.model.flavor, dims.tp, cfg.training.seq_len)
-        check_context_parallel(dims.cp, dims.tp, cfg.training.seq_len, cfg.model.sdpa_backend)
-    if cfg.training.seq_len > args.max_seq_len:
-        whose = "" if cfg.model.max_seq_len else f" (the {cfg.model.flavor} flavor's)"
-        raise ConfigError(f"[training] seq_len = {cfg.training.seq_len} exceeds [model] "
-                          f"max_seq_len = {args.max_seq_len}{whose}: set [model] max_seq_len = "
-                          f"{cfg.training.seq_len} or more to train longer sequences")
-    if args.vocab_size < vocab_floor:
-        whose = "" if cfg.model.vocab_size else f" (the {cfg.model.flavor} flavor's)"
-        raise ConfigError(f"[model] vocab_size {args.vocab_size}{whose} is smaller than the "
-                          f"tokenizer's {vocab_floor} ids: set --model.vocab_size {vocab_floor} "
-                          "or more")
-    return args
-
-
-def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, dims: ParallelDims,
-                mesh=None) -> ModelWithLoss:
-    """The model of args (model_args(): checked) with the configured loss, converted, parallelised
-    and initialised in torchtitan's order."""
-    set_sdpa_backend(cfg.model.sdpa_backend, device)  # before compile traces the attention
-    with torch.device("meta"):
-        model = ModelWithLoss(Llama(args, seq_len=cfg.training.seq_len), TrainingLoss(cfg.loss))
-    # torchtitan's order: float8 swaps the linear layers that TP's plan then shards (with
-    # float8 styles); the plan names the blocks' submodules, so it goes before the checkpoint
-    # wrapper renames them; compile wraps what AC built; FSDP comes last.
-    if mesh is None and dist.is_initialized():
-        mesh = dims.build_mesh(device.type)
-    float8 = cfg.quantize.linear.float8
-    if FLOAT8_CONVERTER in cfg.model.converters:
-        # the loss takes output.weight itself: a Float8Linear there would never run as one
-        done = convert_to_float8(model.model, float8, device, fsdp=mesh is not None,
-                                 keep={"output": "the loss reads its weight directly"})
-        log(done.summary())
-    elif ignored_settings(float8):
-        log(f"warning: [quantize.linear.float8] sets {', '.join(ignored_settings(float8))}, but "
-            f"[model] converters does not list {FLOAT8_CONVERTER!r}: float8 is off")
-    if mesh is not None and dims.tp > 1:
-        apply_tp(model, mesh["tp"], cfg.loss.parallel)
-    ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(model.model, ac.mode, ac.selective_ac_option, ac.memory_budget)
-    if cfg.compile.enable and "model" in cfg.compile.components:
-        compile_blocks(model.model)
-    if cfg.compile.enable and "loss" in cfg.compile.components:
-        model.loss.compile()  # matters for the unfused loss; the fused one is a custom op
-    if mesh is not None:
-        bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-        reduce_bf16 = device.type == "cuda" and cfg.training.mixed_precision_reduce == "bfloat16"
-        apply_fsdp(model, mesh, dims, torch.bfloat16 if bf16 else torch.float32,
-                   reduce_dtype=torch.bfloat16 if reduce_bf16 else torch.float32,
-                   reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
-    model.to_empty(device=device)
-    torch.manual_seed(cfg.training.seed)
-    init_as_on_one_device(model, model.model.init_weights)  # the same weights for any layout
-    return model
 
 
 def grad_norm_and_clip(params: list, max_norm: float) -> torch.Tensor:
@@ -180,49 +108,6 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 def once_per_batch(total, shared_by: int):
     """total counted once where shared_by ranks each counted it (see above); an int stays one."""
     return total // shared_by if isinstance(total, int) else total / shared_by
-
-
-def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | None = None,
-             shard=NoSharding()) -> dict:
-    """val_loss: the mean cross-entropy per token over `steps` held-out batches (all ranks;
-    without label smoothing or z-loss), and val_bpb when token_bytes (UTF-8 bytes per token
-    id, on the CPU) is given: the same summed losses / (ln 2 x the bytes the target tokens
-    decode to). Bytes are counted on the CPU from the labels, so nothing waits for the device.
-    shard: context parallelism's (each of its ranks scores its part of every sequence)."""
-    model.eval()
-    total = torch.zeros(2, device=device, dtype=torch.float64)
-    n_bytes = 0
-    one = torch.ones((), device=device)
-    with torch.no_grad(), model.loss.cross_entropy_only():
-        for _ in range(steps):
-            inputs, labels = next(batches)
-            if token_bytes is not None:
-                n_bytes += int(token_bytes[labels[labels != IGNORE_INDEX]].sum())
-            inputs, labels = inputs.to(device), labels.to(device)
-            total[1] += (labels != IGNORE_INDEX).sum()
-            with shard(inputs, labels) as (inputs, labels):
-                total[0] += model(inputs, labels, one).double()
-    model.train()
-    total = torch.cat([total, torch.tensor([n_bytes], dtype=torch.float64, device=device)])
-    nats, tokens, n_bytes = all_reduce_sum(total).tolist()
-    # the cp ranks of a batch each scored a part of it but counted all of its tokens and bytes
-    tokens, n_bytes = once_per_batch(tokens, shard.degree), once_per_batch(n_bytes, shard.degree)
-    metrics = {"val_loss": nats / max(tokens, 1)}
-    if token_bytes is not None and n_bytes > 0:
-        metrics["val_bpb"] = bits_per_byte(nats, n_bytes)
-    return metrics
-
-
-def warn_if_read_more_than_once(val_batches, steps: int, device) -> bool:
-    """After an evaluation: warn when it read its validation split more than once on any rank
-    (its numbers then weigh the repeated windows twice)."""
-    repeated = val_batches.read_more_than_once()
-    anywhere = all_reduce_sum(torch.tensor([float(bool(repeated))], device=device)).item() > 0
-    if anywhere:
-        log(f"warning: [validation] steps = {steps} batches read more than the "
-            f"validation split holds ({', '.join(repeated) or 'on another rank'}): every "
-            "evaluation scores some windows more than once; fewer steps would not")
-    return anywhere
 
 
 def train_step(model, micro, optimizer, scheduler, params, max_norm: float, same_batch: int,
@@ -403,53 +288,6 @@ def log_run(cfg: JobConfig, params: list, world: int, dims: ParallelDims, device
         + f"), device {device.type}")
 
 
-class Validation:
-    """[validation]: the loss (and bits per byte) on the same held-out batches every freq steps
-    and at the last step, so that validation losses compare."""
-
-    def __init__(self, cfg: JobConfig, batches, tokenizer: Tokenizer, vocab_size: int, device,
-                 shard):
-        self.batches, self.device, self.shard = batches, device, shard
-        self.steps, self.freq, self.last_step = (cfg.validation.steps, cfg.validation.freq,
-                                                 cfg.training.steps)
-        self.start = batches.state_dict()  # every evaluation starts here
-        # UTF-8 bytes per token id for bits per byte (ids past the tokenizer's: padding, 0 bytes)
-        self.token_bytes = None
-        if not cfg.data.synthetic:
-            lengths = tokenizer.byte_lengths()
-            self.token_bytes = torch.tensor(lengths + [0] * (vocab_size - len(lengths)))
-        self.repeats_checked = False
-
-    def due(self, step: int) -> bool:
-        return step % self.freq == 0 or step == self.last_step
-
-    def run(self, model, step: int, metrics: MetricsLogger) -> None:
-        """Evaluate and log; after the first evaluation, warn if it read a batch twice (every
-        evaluation reads the same ones)."""
-        self.batches.load_state_dict(self.start)
-        metrics.log(step, evaluate(model, self.batches, self.steps, self.device, self.token_bytes,
-                                   self.shard))
-        if not self.repeats_checked:
-            self.repeats_checked = True
-            warn_if_read_more_than_once(self.batches, self.steps, self.device)
-
-
-def validate_the_resumed_step(validation: Validation, model, step: int,
-                              metrics: MetricsLogger) -> None:
-    """The validation of the checkpoint's step, where it was due and metrics.jsonl lacks it: a
-    run saves a step before validating it, so one stopped (a signal, a time limit) or killed at
-    a validation step resumed after it with that validation never run. The checkpoint holds the
-    weights it would have scored, and every validation reads the same batches."""
-    if not 1 <= step <= validation.last_step or not validation.due(step):
-        return
-    missing = [not metrics.recorded(step, "val_loss")]  # rank 0 reads it; the others follow
-    if dist.is_initialized():
-        dist.broadcast_object_list(missing, src=0)
-    if missing[0]:
-        log(f"validating step {step}, the checkpoint's: the run that saved it stopped before")
-        validation.run(model, step, metrics)
-
-
 def nan_loss_at_test_steps(model: torch.nn.Module, scheduler) -> None:
     """Test-only fault injection (tests/test_train.py): FLCE_TEST_NAN_STEPS=2,5 makes the training
     loss NaN at those steps, as a bad batch would. Without it (always outside the tests) nothing is
@@ -512,7 +350,7 @@ def build_datasets(cfg: JobConfig, tokenizer: Tokenizer, args: LlamaArgs, dims: 
             train_batches = build_data(cfg.data, cfg.training, split="train", **share)
             validation = (Validation(cfg, build_data(cfg.data, cfg.training, split="validation",
                                                      **share),
-                                     tokenizer, args.vocab_size, device, shard)
+                                     tokenizer, args.vocab_size, device, shard, log)
                           if cfg.validation.enable else None)
     except Exception as e:
         failure = e
@@ -548,7 +386,7 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     started = time.monotonic()
     dims, tokenizer, args, schedule, resume = check_before_building(cfg, rank, world, device)
     mesh = dims.build_mesh(device.type) if dist.is_initialized() else None
-    model = build_model(cfg, args, device, dims, mesh)
+    model = build_model(cfg, args, device, dims, mesh, log=log)
     shard = (SequenceSharding(mesh["cp"], model.model, cfg.parallelism.context_parallel_rotate_method)
              if dims.cp > 1 else NoSharding())
     params = [p for p in model.parameters() if p.requires_grad]

@@ -13,4 +13,5 @@
     lock.py, stop_request.py, process.py  the run's lifetime: the dump folder's lock, stop
                    signals, the process group and the process's exit
     profiling.py   the torch profiler, when [profiling] asks for it
+    validation.py  [validation]: the loss and bits per byte on held-out batches (evaluate())
 """

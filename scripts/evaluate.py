@@ -13,9 +13,9 @@ windows of the run's seq_len, as many batches as its validation scored on each o
 data-parallel ranks' shares: at a step where the run validated, the numbers are its val_loss and
 val_bpb (for a run with float8 GEMMs, [model] converters or [loss] float8, they differ slightly:
 evaluate scores the weights without float8, and says so). --source takes any source the trainer
-takes, its documents' text in --text-field. Loss and bits per byte are train.py's
-evaluate(): the plain cross-entropy, and bpb = summed losses (nats) / (ln 2 x the UTF-8 bytes
-of the target tokens).
+takes, its documents' text in --text-field. Loss and bits per byte are the trainer's
+validation numbers (components/validation.py evaluate()): the plain cross-entropy, and bpb =
+summed losses (nats) / (ln 2 x the UTF-8 bytes of the target tokens).
 A split shorter than the batches asked is read again from its start; a note names it, and the
 --json record says read_more_than_once.
 """
@@ -35,12 +35,13 @@ import torch  # noqa: E402
 
 from scripts.lib import checkpoints  # noqa: E402
 from scripts.lib.checkpoints import pick_device, pick_dtype  # noqa: E402
-import train  # noqa: E402
 from components.config.schema import JobConfig, Training  # noqa: E402
 from components.data.build import build_data  # noqa: E402
 from components.data.checks import MissingTextField  # noqa: E402
 from components.float8_linear import CONVERTER as FLOAT8_CONVERTER  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
+from components.validation import evaluate  # noqa: E402
+from parallelisms.context_parallel import NoSharding  # noqa: E402
 
 
 def data_parallel_ranks(folder: Path, cfg: JobConfig) -> int:
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = loaded.tokenizer.byte_lengths()
         token_bytes = torch.tensor(lengths + [0] * (loaded.args.vocab_size - len(lengths)))
         start = time.perf_counter()
-        metrics = train.evaluate(model, batches, steps * dp, device, token_bytes)
+        metrics = evaluate(model, batches, steps * dp, device, token_bytes, shard=NoSharding())
         seconds = time.perf_counter() - start
     except MissingTextField as e:  # the field is --text-field's here, not [data] text_field
         e.fix = "pass --text-field"

@@ -44,8 +44,8 @@ from components.tokenizer import (ByteTokenizer, HFTokenizer, byte_tokenizer_jso
                                   with_training_framing)
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
+from parallelisms.build import model_args  # noqa: E402
 from scripts.lib import checkpoints  # noqa: E402
-from train import model_args  # noqa: E402
 
 DTYPES = hf.DTYPES
 # Written into every exported folder: --overwrite replaces only folders holding it.

@@ -22,6 +22,7 @@ from components.config.schema import ConfigError, Training
 from components.config.parse import load_config
 from models import FLAVORS, Llama, with_context
 from models import hf
+from parallelisms.build import model_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = FLAVORS["debug"]
@@ -220,8 +221,8 @@ def test_the_long_config_fits_its_context_on_one_gpu_and_with_cp():
     assert (cfg.training.local_batch_size, cfg.activation_checkpoint.mode) == (1, "full")
     assert cfg.training.seq_len > FLAVORS["llama_1b"].max_seq_len
     assert cfg.loss.impl == "flce" and cfg.validation.enable
-    args = train.model_args(cfg, 259, ParallelDims.resolve(1, -1, 1, 1))
+    args = model_args(cfg, 259, ParallelDims.resolve(1, -1, 1, 1))
     assert args.max_seq_len == cfg.training.seq_len
     two = load_config(["--config", config, "--parallelism.context_parallel_degree", "2",
                        "--training.seq_len", "524288", "--model.max_seq_len", "524288"])
-    assert train.model_args(two, 259, ParallelDims.resolve(1, -1, 1, 2, cp=2)).max_seq_len == 524288
+    assert model_args(two, 259, ParallelDims.resolve(1, -1, 1, 2, cp=2)).max_seq_len == 524288

@@ -25,6 +25,7 @@ import train
 from components.checkpoint import Checkpointer
 from components.config.schema import ConfigError
 from components.config.parse import load_config
+from parallelisms.build import model_args
 from parallelisms.context_parallel import check_context_parallel
 from parallelisms.mesh import ParallelDims
 from test_parallelisms import BASE, torchrun, weights
@@ -84,7 +85,7 @@ def test_settings_cp_cannot_shard_are_refused(cp, tp, seq_len, backend, match):
 def test_refused_before_the_model_is_built_as_a_config_error():
     cfg = load_config(["--training.seq_len", "66", "--parallelism.context_parallel_degree", "2"])
     with pytest.raises(ValueError, match="multiple of 4"):
-        train.model_args(cfg, 259, ParallelDims.resolve(1, -1, 1, 2, cp=2))
+        model_args(cfg, 259, ParallelDims.resolve(1, -1, 1, 2, cp=2))
 
 
 def test_rotate_method_is_one_of_torchtitans():

@@ -27,8 +27,10 @@ from components.data.build import build_data  # noqa: E402
 from components.data.document_tokens import frame_texts  # noqa: E402
 from components.loss import ModelWithLoss, TrainingLoss  # noqa: E402
 from components.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
+from components.validation import evaluate  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
+from parallelisms.context_parallel import NoSharding  # noqa: E402
 from scripts import export_hf  # noqa: E402
 from scripts.lib import checkpoints as reader  # noqa: E402
 
@@ -534,7 +536,7 @@ def _project_loss(model: Llama, tokenizer, seq_len: int, tmp_path: Path) -> floa
     batches = build_data(data, Training(seq_len=seq_len, local_batch_size=1), split="validation",
                          tokenizer=tokenizer, max_token_id=model.args.vocab_size)
     scored = ModelWithLoss(model, TrainingLoss(Loss(impl="unfused")))
-    return train.evaluate(scored, batches, 1, torch.device("cpu"))["val_loss"]
+    return evaluate(scored, batches, 1, torch.device("cpu"), shard=NoSharding())["val_loss"]
 
 
 @pytest.mark.parametrize("kind", ["bpe", "byte"])

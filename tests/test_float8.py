@@ -29,6 +29,7 @@ from components.config.schema import ConfigError, Float8, Loss
 from components.config.parse import is_config_error, load_config, to_toml
 from components.float8_linear import check_fp8_device, convert_to_float8, has_fp8, is_float8_linear
 from models import Llama, LlamaArgs
+from parallelisms.build import build_model, model_args
 from parallelisms.mesh import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +108,7 @@ def test_float8_toml_errors(tmp_path, text, match):
 def test_float8_settings_without_the_converter_warn(capsys):
     cfg = load_config(["--quantize.linear.float8.recipe_name", "rowwise"])
     dims = ParallelDims.resolve(1, -1, 1, 1)
-    model = train.build_model(cfg, train.model_args(cfg, 259, dims), CPU, dims)
+    model = build_model(cfg, model_args(cfg, 259, dims), CPU, dims, log=print)
     assert not any(is_float8_linear(m) for m in model.modules())
     assert ("warning: [quantize.linear.float8] sets recipe_name, but [model] converters does not "
             "list 'quantize.linear.float8': float8 is off") in capsys.readouterr().out
@@ -203,7 +204,7 @@ def test_missing_torchao_is_a_clear_error(tmp_path):
 def _build(*overrides):
     cfg = load_config(["--training.seq_len", "64", "--loss.impl", "unfused", *overrides])
     dims = ParallelDims.resolve(1, -1, 1, 1)
-    return train.build_model(cfg, train.model_args(cfg, 259, dims), CPU, dims)
+    return build_model(cfg, model_args(cfg, 259, dims), CPU, dims, log=print)
 
 
 def test_emulate_rounds_operands_to_float8():

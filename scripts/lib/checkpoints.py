@@ -32,7 +32,7 @@ from components.initial_load import config_special_tokens
 from components.tokenizer import HFTokenizer, build_tokenizer
 from models import Llama, LlamaArgs, build_rope_cache
 from models import hf
-from train import model_args
+from parallelisms.build import model_args
 
 # Wrapper segments that torch.compile (`_orig_mod.`) and activation checkpointing
 # (`_checkpoint_wrapped_module.`) may leave in parameter names; the weights are the same.
