@@ -198,11 +198,13 @@ def chunk_sizes_report(meta):
 
 
 def test_grad_gemms_bench_reads_its_chunks_and_sets_each_variant_beside_its_bf16_twin():
-    assert bench_grad_gemms.parse_chunks("4096x4096x256000,8x4x2") == [(4096, 4096, 256000),
-                                                                       (8, 4, 2)]
+    from argparse import ArgumentTypeError
+    chunks = loss_grid.parse_shapes("4096x4096x256000,8x4x2", "CxHxV")
+    assert [loss_grid.parse_shape(c, "CxHxV") for c in chunks] == [(4096, 4096, 256000),
+                                                                   (8, 4, 2)]
     for bad in ("4096x4096", "4096x4096x0", "ax4x2"):
-        with pytest.raises(SystemExit, match="--chunks"):
-            bench_grad_gemms.parse_chunks(bad)
+        with pytest.raises(ArgumentTypeError, match=f"'{bad}' (is not CxHxV|has a size below 1)"):
+            loss_grid.parse_shapes(bad, "CxHxV")
     ms = {"logits": 5.0, "dx_bf16": 4.0, "dx_fp32": 4.2, "dw_bf16_acc": 2.0, "dw_fp32_acc": 2.5,
           "dw_fp32_first": 2.2, "dwt_fp32_acc": 3.0}
     text = bench_grad_gemms.markdown(KERNEL_META, [{"chunk": "8x4x2", "ms": ms}])
@@ -211,11 +213,14 @@ def test_grad_gemms_bench_reads_its_chunks_and_sets_each_variant_beside_its_bf16
 
 
 def test_chunk_sizes_bench_reads_its_points_and_reports_each_run():
-    assert bench_chunk_sizes.parse_points("16384x1024x128256:4096/16384,8x4x2:1") == [
+    from argparse import ArgumentTypeError
+    form = bench_chunk_sizes.POINT
+    points = loss_grid.parse_shapes("16384x1024x128256:4096/16384,8x4x2:1", form)
+    assert [loss_grid.parse_shape(p, form) for p in points] == [
         (16384, 1024, 128256, [4096, 16384]), (8, 4, 2, [1])]
     for bad in ("16384x1024:4096", "16384x1024x128256", "8x4x2:0", "8x4x2:a/4"):
-        with pytest.raises(SystemExit, match="--points"):
-            bench_chunk_sizes.parse_points(bad)
+        with pytest.raises(ArgumentTypeError, match=f"'{bad}' (is not NxHxV:C1/C2/|has a size)"):
+            loss_grid.parse_shapes(bad, form)
     # the path flce takes for a forced chunk size: N or more is the one-block path
     assert bench_chunk_sizes.path_name(16384, 1024, 128256, 16384) == "one block"
     assert bench_chunk_sizes.path_name(16384, 1024, 128256, 4096) == "chunks of 4096"
@@ -1105,3 +1110,49 @@ def test_bench_runs_read_the_timeline_a_rollback_left(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["tokens_per_second"] for r in rows] == [100.0, 200.0, 777.0]
     assert rows[2]["loss"] == 0.5
+
+
+def test_the_benchmarks_read_their_shapes_with_one_parser(tmp_path):
+    """bench.flce, float8_grid, logits_epilogue, loss_kernels, loss_parallel, row_overlap,
+    row_order (NxHxV), attention (BxHQxHKVxTxD), grad_gemms (CxHxV) and chunk_sizes
+    (NxHxV:C1/C2/...) each split their shapes themselves; most with a ValueError's traceback for
+    a bad one (after measuring the shapes before it), and those that checked refused a size
+    below 1 (a rule all of them keep now). A list keeps each shape as given: the reports' key."""
+    from argparse import ArgumentTypeError
+    parse_shape, parse_shapes = loss_grid.parse_shape, loss_grid.parse_shapes
+    assert parse_shape("16384x8192x256000") == (16384, 8192, 256000)
+    assert parse_shape("4x32x8x8192x64", "BxHQxHKVxTxD") == (4, 32, 8, 8192, 64)
+    assert parse_shape("64x8x32:16/8", "NxHxV:C1/C2/...") == (64, 8, 32, [16, 8])
+    assert parse_shapes("8192x2048x128256,64x8x32") == ["8192x2048x128256", "64x8x32"]
+    assert parse_shapes(" 64x8x32") == [" 64x8x32"]  # int()'s spaces, accepted as before
+    assert [parse_shape(s) for s in loss_grid.grid_shapes()] == list(itertools.product(
+        loss_grid.GRID_N, loss_grid.GRID_H, loss_grid.GRID_V))
+    for bad, form, why in [("16384x8192", "NxHxV", "is not NxHxV"),
+                           ("16384x8192x256000x1", "NxHxV", "is not NxHxV"),
+                           ("8x4xa", "NxHxV", "is not NxHxV"), ("", "NxHxV", "is not NxHxV"),
+                           ("8x4x2:16", "NxHxV", "is not NxHxV"),
+                           ("8x0x2", "NxHxV", "has a size below 1"),
+                           ("8x-4x2", "CxHxV", "has a size below 1"),
+                           ("4x32x8x8192", "BxHQxHKVxTxD", "is not BxHQxHKVxTxD"),
+                           ("8x4x2", "NxHxV:C1/C2/...", "is not NxHxV:C1/C2/..."),
+                           ("8x4x2:16:8", "NxHxV:C1/C2/...", "is not NxHxV:C1/C2/..."),
+                           ("8x4x2:16/", "NxHxV:C1/C2/...", "is not NxHxV:C1/C2/..."),
+                           ("8x4x2:16/-1", "NxHxV:C1/C2/...", "has a size below 1")]:
+        good = {"BxHQxHKVxTxD": "1x2x1x8x4", "NxHxV:C1/C2/...": "64x8x32:16"}.get(form, "64x8x32")
+        with pytest.raises(ArgumentTypeError) as error:
+            parse_shapes(f"{good},{bad}", form)  # the bad one named, not the list
+        assert str(error.value) == f"{bad!r} {why}"
+    # on the command line: argparse's one-line error naming the option and the value, exit 2
+    for module, args, line in [
+            ("flce", ["--shapes", "8192x2048x128256,16384x8192"],
+             "error: argument --shapes: '16384x8192' is not NxHxV"),
+            ("grad_gemms", ["--chunks", "16x8x0"],
+             "error: argument --chunks: '16x8x0' has a size below 1"),
+            ("chunk_sizes", ["--points", "64x8x32"],
+             "error: argument --points: '64x8x32' is not NxHxV:C1/C2/..."),
+            ("attention", ["--shapes", "4x32x8x8192"],
+             "error: argument --shapes: '4x32x8x8192' is not BxHQxHKVxTxD")]:
+        result = subprocess.run([sys.executable, "-m", f"scripts.bench.{module}", *args,
+                                 "--out", str(tmp_path / "report")], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.splitlines()[-1].endswith(line)

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import grid_table, provenance, warning_lines, write_report  # noqa: E402
 from scripts.lib.timing import median_ms, require_cuda  # noqa: E402
 
@@ -27,19 +28,21 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
 # batch x query heads x kv heads x seq x head dim: llama_1b at local batch 4 (and its TP=2
 # half), llama_8b at batch 1.
 SHAPES = "4x32x8x8192x64,4x16x4x8192x64,1x32x8x8192x128"
+FORM = "BxHQxHKVxTxD"
 
 
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.attention", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", default=SHAPES, help="comma-separated BxHQxHKVxTxD")
+    p.add_argument("--shapes", default=SHAPES, type=lambda s: parse_shapes(s, FORM),
+                   help="comma-separated BxHQxHKVxTxD")
     p.add_argument("--out", default="benchmarks/attention_bench", help="output path without suffix")
     args = p.parse_args()
     require_cuda("scripts.bench.attention")
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     results = []
-    for shape in args.shapes.split(","):
-        B, HQ, HKV, T, D = map(int, shape.split("x"))
+    for shape in args.shapes:
+        B, HQ, HKV, T, D = parse_shape(shape, FORM)
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(B, HQ, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16, generator=g)

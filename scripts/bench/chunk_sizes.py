@@ -26,25 +26,11 @@ import flce  # noqa: E402
 from flce.ops import pick_chunk_size, uses_one_block  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 make_inputs, run_meta, timing_meta)
+from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
 
-
-def parse_points(text: str) -> list[tuple[int, int, int, list[int]]]:
-    """"NxHxV:C1/C2,..." -> [(N, H, V, [C1, C2]), ...], with a clear error for a malformed one."""
-    points = []
-    for item in text.split(","):
-        try:
-            shape, chunks = item.split(":")
-            N, H, V = map(int, shape.split("x"))
-            sizes = [int(c) for c in chunks.split("/")]
-        except ValueError:
-            raise SystemExit(f"--points: {item!r} is not NxHxV:C1/C2/... (e.g. "
-                             "16384x1024x128256:4096/8192/16384)") from None
-        if min(N, H, V, *sizes) < 1:
-            raise SystemExit(f"--points: {item!r} has a size below 1")
-        points.append((N, H, V, sizes))
-    return points
+POINT = "NxHxV:C1/C2/..."  # e.g. 16384x1024x128256:4096/8192/16384 (`parse_shape`)
 
 
 def path_name(N: int, H: int, V: int, chunk_size, lean: bool = False) -> str:
@@ -104,7 +90,8 @@ def measure_point(N, H, V, sizes, seconds, reps, lean: bool = False,
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.chunk_sizes", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--points", required=True, help="comma-separated NxHxV:C1/C2/...")
+    p.add_argument("--points", required=True, type=lambda s: parse_shapes(s, POINT),
+                   help="comma-separated NxHxV:C1/C2/...")
     p.add_argument("--seconds", type=float, default=0.5,
                    help="about this long timing each run at each point")
     p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
@@ -116,12 +103,11 @@ def main():
     p.add_argument("--out", default="benchmarks/flce_chunk_sizes",
                    help="output path without suffix")
     args = p.parse_args()
-    points = parse_points(args.points)
     require_cuda("scripts.bench.chunk_sizes")
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds,
             **timing_meta(args.host_ahead)}
     results = []
-    for N, H, V, sizes in points:
+    for N, H, V, sizes in (parse_shape(point, POINT) for point in args.points):
         results.append(measure_point(N, H, V, sizes, args.seconds, args.reps, args.lean,
                                      args.host_ahead))
         print(" | ".join([results[-1]["shape"]] + [

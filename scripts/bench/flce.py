@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import flce  # noqa: E402
 from flce.ops import gemm_operands, pick_chunk_size  # noqa: E402
 from scripts.lib.loss_grid import (GRID_METHODS, HOST_AHEAD, grid_markdown,  # noqa: E402
-                                   grid_shapes)
+                                   grid_shapes, parse_shape, parse_shapes)
 from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
                                 write_report)
 from scripts.lib.timing import (AHEAD_FILL, SETTLE_MS, interleaved_rounds,  # noqa: E402
@@ -257,7 +257,7 @@ def errors_vs_float64(fns, N, H, V, dtype):
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.flce", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", default=None,
+    p.add_argument("--shapes", default=None, type=parse_shapes,
                    help=f"comma-separated NxHxV (default {SHAPES}; with --grid: the grid's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--reps", type=int, default=12,
@@ -309,10 +309,10 @@ def main():
         flce.ops.FLOAT8_MIN_TOKENS = flce.ops.FLOAT8_MIN_WORK = 0
     if args.grid:
         return run_grid(args, origin, dtype)
-    args.shapes = args.shapes or SHAPES
+    args.shapes = args.shapes or parse_shapes(SHAPES)
     results, accuracy = [], {}
-    for i, shape in enumerate(args.shapes.split(",")):
-        N, H, V = map(int, shape.split("x"))
+    for i, shape in enumerate(args.shapes):
+        N, H, V = parse_shape(shape)
         fns = methods(N, H, V, args.sweep, args.float8, args.lean_paths)
         if args.only:
             fns = {k: v for k, v in fns.items() if k in args.only.split(",")}
@@ -428,7 +428,7 @@ def grid_plan(earlier: dict | None, shapes: list[str], remeasure: bool, meta: di
 def in_grid_order(results: list[dict]) -> list[dict]:
     """Records by N, then H, then V (a remeasured point goes back to its row), each shape's
     methods in the order measured."""
-    return sorted(results, key=lambda r: tuple(map(int, r["shape"].split("x"))))
+    return sorted(results, key=lambda r: parse_shape(r["shape"]))
 
 
 # a grid is written point by point: a fresh run over a report (the committed one is the
@@ -442,10 +442,9 @@ def run_grid(args, origin, dtype):
     earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
             **timing_meta(args.host_ahead), "compiled_peer": COMPILED_PEER}
-    results, todo = grid_plan(earlier, args.shapes.split(",") if args.shapes else grid_shapes(),
-                              args.remeasure, meta)
+    results, todo = grid_plan(earlier, args.shapes or grid_shapes(), args.remeasure, meta)
     for shape in todo:
-        N, H, V = map(int, shape.split("x"))
+        N, H, V = parse_shape(shape)
         fns = {k: f for k, f in methods(N, H, V, sweep=False).items() if k in GRID_METHODS}
         x, t, w = make_inputs(N, H, V, dtype)
         floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)

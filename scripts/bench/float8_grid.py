@@ -27,7 +27,8 @@ import flce  # noqa: E402
 from flce.ops import float8_used, gemm_operands  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, GRID_EXISTS, first_calls,  # noqa: E402
                                 gemm_floor, make_inputs, run_meta)
-from scripts.lib.loss_grid import grid_shapes, hbm_peak, logit_traffic_ms  # noqa: E402
+from scripts.lib.loss_grid import (grid_shapes, hbm_peak, logit_traffic_ms,  # noqa: E402
+                                   parse_shape, parse_shapes)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians, require_cuda  # noqa: E402
 
@@ -81,7 +82,7 @@ def float8_floor(x, w, max_logits_bytes=None):
 
 
 def measure_point(shape: str, dtype, seconds: float, reps: int) -> list[dict]:
-    N, H, V = map(int, shape.split("x"))
+    N, H, V = parse_shape(shape)
     x, t, w = make_inputs(N, H, V, dtype)
     runs = {"bare_gemms": gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)[0],
             "float8_floor": float8_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)[0]}
@@ -187,7 +188,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.float8_grid", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", default=None, help="comma-separated NxHxV (default: the grid)")
+    p.add_argument("--shapes", default=None, type=parse_shapes,
+                   help="comma-separated NxHxV (default: the grid)")
     p.add_argument("--seconds", type=float, default=0.5,
                    help="about this long timing each run at each point")
     p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
@@ -205,7 +207,7 @@ def main():
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds,
             "timing": "interleaved rounds as bench.flce --grid (each visit settled for "
                       f"{SETTLE_MS:.0f} ms, in balanced orders); the median"}
-    for shape in args.shapes.split(",") if args.shapes else grid_shapes():
+    for shape in args.shapes or grid_shapes():
         if shape in done:
             continue
         results += measure_point(shape, torch.bfloat16, args.seconds, args.reps)

@@ -24,24 +24,11 @@ if not __package__:
 import torch  # noqa: E402
 
 from scripts.bench.flce import run_meta  # noqa: E402
+from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
 
 F32 = torch.float32
-
-
-def parse_chunks(text: str) -> list[tuple[int, int, int]]:
-    """"CxHxV,..." -> [(C, H, V), ...], with a clear error for a malformed one."""
-    shapes = []
-    for item in text.split(","):
-        try:
-            C, H, V = map(int, item.split("x"))
-        except ValueError:
-            raise SystemExit(f"--chunks: {item!r} is not CxHxV (e.g. 4096x4096x256000)") from None
-        if min(C, H, V) < 1:
-            raise SystemExit(f"--chunks: {item!r} has a size below 1")
-        shapes.append((C, H, V))
-    return shapes
 
 
 def gemm_runs(C: int, H: int, V: int) -> dict:
@@ -90,16 +77,16 @@ def markdown(meta: dict, results: list[dict]) -> str:
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.grad_gemms", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--chunks", required=True, help="comma-separated CxHxV")
+    p.add_argument("--chunks", required=True, type=lambda s: parse_shapes(s, "CxHxV"),
+                   help="comma-separated CxHxV")
     p.add_argument("--seconds", type=float, default=0.3, help="about this long a run a shape")
     p.add_argument("--reps", type=int, default=40, help="at most this many rounds")
     p.add_argument("--out", default="benchmarks/flce_grad_gemms", help="output path, no suffix")
     args = p.parse_args()
-    shapes = parse_chunks(args.chunks)
     require_cuda("scripts.bench.grad_gemms")
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
-    for C, H, V in shapes:
+    for C, H, V in (parse_shape(chunk, "CxHxV") for chunk in args.chunks):
         runs = gemm_runs(C, H, V)
         rounds = interleaved_rounds(runs, args.seconds, args.reps)
         results.append({"chunk": f"{C}x{H}x{V}", "ms": medians(rounds), "rounds_ms": rounds})

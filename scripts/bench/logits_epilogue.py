@@ -25,6 +25,7 @@ import triton.language as tl  # noqa: E402
 
 from flce.kernels import launch_row_stats  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
+from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import median_ms, require_cuda  # noqa: E402
 
@@ -98,7 +99,7 @@ def triton_logits(x, w, config, stats: bool):
 
 
 def measure(shape: str) -> dict:
-    N, H, V = map(int, shape.split("x"))
+    N, H, V = parse_shape(shape)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=g) * H ** -0.5
@@ -164,13 +165,13 @@ def markdown(meta, results) -> str:
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.logits_epilogue",
                                 description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", default=SHAPES, help="comma-separated NxHxV")
+    p.add_argument("--shapes", default=SHAPES, type=parse_shapes, help="comma-separated NxHxV")
     p.add_argument("--out", default="benchmarks/logits_epilogue", help="output path, no suffix")
     args = p.parse_args()
     require_cuda("scripts.bench.logits_epilogue")
     origin = provenance()
     results = []
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         results.append(measure(shape))
         r = results[-1]
         print(f"{shape}: cuBLAS {r['cublas_ms']:.3f} + pass {r['stats_pass_ms']:.3f} ms; Triton "

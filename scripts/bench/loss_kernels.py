@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from scripts.bench.flce import fwd_bwd, gemm_floor, make_inputs, methods, run_meta  # noqa: E402
 from scripts.bench.summarize_trace import KINDS, kind_of  # noqa: E402
+from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import ahead_ms, gpu_sleep, median_ms, require_cuda  # noqa: E402
 
@@ -74,7 +75,7 @@ def host_ms(run, trials: int = HOST_TRIALS) -> float:
 
 
 def measure_point(shape: str, fns: dict, calls: int) -> list[dict]:
-    N, H, V = map(int, shape.split("x"))
+    N, H, V = parse_shape(shape)
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     floor_run, buffers = gemm_floor(x.detach(), w.detach())
     runs = {"bare_gemms": floor_run, **{name: fwd_bwd(f, x, t, w) for name, f in fns.items()}}
@@ -149,7 +150,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.loss_kernels", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", required=True, help="comma-separated NxHxV")
+    p.add_argument("--shapes", required=True, type=parse_shapes, help="comma-separated NxHxV")
     p.add_argument("--only", default="", help="comma-separated names of bench.flce's methods")
     p.add_argument("--float8", action="store_true", help="the bf16 loss and the float8 ones")
     p.add_argument("--calls", type=int, default=3, help="profiled calls of each run")
@@ -158,8 +159,8 @@ def main():
     require_cuda("scripts.bench.loss_kernels")
     meta = {**run_meta(provenance(), "bfloat16"), "calls": args.calls}
     results = []
-    for shape in args.shapes.split(","):
-        N, H, V = map(int, shape.split("x"))
+    for shape in args.shapes:
+        N, H, V = parse_shape(shape)
         fns = methods(N, H, V, sweep=False, float8=args.float8)
         if args.only:
             fns = {k: f for k, f in fns.items() if k in args.only.split(",")}

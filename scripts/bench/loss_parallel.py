@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 import flce  # noqa: E402
 from flce.parallel import LinearLossParallel, VocabParallelLinearLoss  # noqa: E402
 from components.process import exit_without_teardown  # noqa: E402
+from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import provenance, warning_lines, write_report  # noqa: E402
 from scripts.lib.timing import median_ms  # noqa: E402
 
@@ -128,7 +129,8 @@ def main():
     p = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node <TP> -m scripts.bench.loss_parallel", description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", default=SHAPES, help="comma-separated global NxHxV")
+    p.add_argument("--shapes", default=SHAPES, type=parse_shapes,
+                   help="comma-separated global NxHxV")
     p.add_argument("--modes", default="sequence,vocab", help="of sequence, vocab, vocab_unfused")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
@@ -154,8 +156,8 @@ def main():
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = []
-    for shape in args.shapes.split(","):
-        N, H, V = map(int, shape.split("x"))
+    for shape in args.shapes:
+        N, H, V = parse_shape(shape)
         rows += bench_shape(N, H, V, args, mesh, device, dtype)
         if dist.get_rank() == 0:
             for r in rows[-len(args.modes):]:

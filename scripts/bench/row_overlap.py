@@ -27,6 +27,7 @@ import flce.ops  # noqa: E402
 from flce.ops import gemm_operands, gemm_vocab, matmul_into  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 make_inputs, run_meta)
+from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
 
@@ -128,7 +129,7 @@ def measure_point(shape: str, seconds: float, reps: int, make_variants=None) -> 
     """One point: flce and its variants (`variants()`, or make_variants'; flce first) timed in
     interleaved rounds with the bare GEMMs, and whether each
     gives flce's results bit for bit."""
-    N, H, V = map(int, shape.split("x"))
+    N, H, V = parse_shape(shape)
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     fns = (make_variants or variants)()
     same = bitwise_same(fns, x, t, w)
@@ -196,7 +197,7 @@ def run_variants(module: str, doc: str, default_out: str, measure, render) -> No
     results) and written after every point."""
     p = argparse.ArgumentParser(prog=f"python3 -m scripts.bench.{module}", description=doc,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shapes", required=True, help="comma-separated NxHxV")
+    p.add_argument("--shapes", required=True, type=parse_shapes, help="comma-separated NxHxV")
     p.add_argument("--seconds", type=float, default=0.5,
                    help="about this long timing each run at each point")
     p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
@@ -205,7 +206,7 @@ def run_variants(module: str, doc: str, default_out: str, measure, render) -> No
     require_cuda("scripts.bench.row_overlap")
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds}
     results = []
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         results.append(measure(shape, args.seconds, args.reps))
         print(" | ".join([shape] + [f"{r['run']} {r['ms']:.2f} ms" for r in results[-1]["runs"]
                                     if r["ms"] is not None]), flush=True)

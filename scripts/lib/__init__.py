@@ -8,6 +8,8 @@ repository root as modules: `python3 -m scripts.bench.train`, see scripts/__init
     report.py   a report's provenance (environment, command, commit; a dirty tree flagged) and
                 its files (<out>.json and <out>.md, written atomically), table helpers
     timing.py   the one timer of the GPU benchmarks (median ms; CUDA events, or the wall clock)
+    loss_grid.py  the loss grid of `bench.flce --grid` (its points, its report), and the one
+                reader of the benchmarks' shapes ("NxHxV" and lists of them: parse_shape(s))
     checkpoints.py  a trained model as export_hf, generate and evaluate read it
     prepare_shards.py  raw documents to token shards, in worker processes (prepare_data's engine)
 

@@ -3,9 +3,11 @@ the runs it times (GRID_METHODS), and its report rendered from the records: the 
 20's targets, the floor no loss that leaves the GEMMs to cuBLAS passes, flce by tokens N, which
 runs a resumed grid joined and which points it has not measured yet, and the host's time a call.
 `tests/test_benchmarks.py` checks each grid report in benchmarks/ is its JSON rendered here.
-Never imports torch.
+It also holds the one reader of the shapes the benchmarks take on their command lines
+("16384x8192x256000" and comma lists of them: `parse_shape`, `parse_shapes`). Never imports torch.
 """
 
+import argparse
 import itertools
 import math
 import statistics
@@ -37,6 +39,39 @@ def grid_shapes() -> list[str]:
     return [f"{n}x{h}x{v}" for n, h, v in itertools.product(GRID_N, GRID_H, GRID_V)]
 
 
+def parse_shape(text: str, form: str = "NxHxV") -> tuple:
+    """The sizes of one shape as the benchmarks take it: "16384x8192x256000" -> (16384, 8192,
+    256000). `form` names them, as many sizes as it has x-separated names ("NxHxV", "CxHxV",
+    "BxHQxHKVxTxD"); a form with a ':' ("NxHxV:C1/C2/...") takes one or more /-separated sizes
+    after a ':' too, their list the tuple's last item. Every size is 1 or more. Anything else is
+    an argparse.ArgumentTypeError naming `text` and `form`: as a type= (`parse_shapes`), the
+    command line exits 2 with "error: argument --shapes: '16384x8192' is not NxHxV"."""
+    head, colon, _ = form.partition(":")
+    malformed = argparse.ArgumentTypeError(f"{text!r} is not {form}")
+    try:
+        shape, after = text.split(":") if colon else (text, "")
+        sizes = [int(s) for s in shape.split("x")]
+        listed = [int(s) for s in after.split("/")] if colon else []
+    except ValueError:
+        raise malformed from None
+    if len(sizes) != len(head.split("x")):
+        raise malformed
+    if min(sizes + listed) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} has a size below 1")
+    return (*sizes, listed) if colon else tuple(sizes)
+
+
+def parse_shapes(text: str, form: str = "NxHxV") -> list[str]:
+    """A comma-separated list of shapes of `form`, each checked by `parse_shape` and kept as
+    given (the text a report's records are keyed by; parse_shape gives each one's sizes): the
+    type= of the benchmarks' --shapes, `type=lambda s: parse_shapes(s, "CxHxV")` for another
+    form."""
+    shapes = text.split(",")
+    for shape in shapes:
+        parse_shape(shape, form)
+    return shapes
+
+
 def hbm_peak(gpu: str):
     """The HBM's peak bytes/s of a GPU named `gpu` (torch.cuda.get_device_name), or None."""
     return next((bps for name, bps in HBM_BYTES_PER_S.items() if name in gpu), None)
@@ -44,7 +79,7 @@ def hbm_peak(gpu: str):
 
 def logit_traffic_ms(shape: str, bytes_per_logit: float, bytes_per_s: float) -> float:
     """bytes_per_logit over the N·V logits of an "NxHxV" shape at bytes_per_s, in ms."""
-    N, _, V = map(int, shape.split("x"))
+    N, _, V = parse_shape(shape)
     return bytes_per_logit * N * V / bytes_per_s * 1e3
 
 
