@@ -41,8 +41,9 @@ from components.loss import IGNORE_INDEX, TrainingLoss
 from components.metrics import MetricsLogger, StepMeter, check_metrics_backends, peak_flops
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
-from components.process import (back_to_init_timeout, exit_process, init_timeout_phase,
-                                make_traces_folder, process_group, start_train_timeout)
+from components.process import (all_reduce_sum, back_to_init_timeout, exit_process,
+                                init_timeout_phase, make_traces_folder, process_group,
+                                start_train_timeout)
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
@@ -84,12 +85,6 @@ def grad_norm_and_clip(params: list, max_norm: float) -> torch.Tensor:
         for grads in groups.values():
             torch._foreach_mul_(grads, coef)
     return total
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:

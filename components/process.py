@@ -1,5 +1,6 @@
 """The trainer process's distributed lifetime: its process group, started and torn down
-(process_group), its collectives' timeouts ([comm]), and its exit (exit_process).
+(process_group), its collectives' timeouts ([comm]), a sum over its ranks (all_reduce_sum), and
+its exit (exit_process).
 
 Leaving a process that used gloo with several ranks skips the interpreter's teardown. DTensor's
 sharding caches (torch-internal, global) keep the device mesh, and through it its gloo process
@@ -286,3 +287,10 @@ def exit_without_teardown(code: int) -> None:
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """t summed over every rank, in place (itself with one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t

@@ -9,14 +9,8 @@ import torch.distributed as dist
 from components.config.schema import JobConfig
 from components.loss import IGNORE_INDEX
 from components.metrics import MetricsLogger, bits_per_byte
+from components.process import all_reduce_sum
 from components.tokenizer import Tokenizer
-
-
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """train.py's all_reduce_sum (components import nothing from train.py)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
 
 
 def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | None = None, *,
@@ -42,7 +36,7 @@ def evaluate(model, batches, steps: int, device, token_bytes: torch.Tensor | Non
                 total[0] += model(inputs, labels, one).double()
     model.train()
     total = torch.cat([total, torch.tensor([n_bytes], dtype=torch.float64, device=device)])
-    nats, tokens, n_bytes = _all_reduce_sum(total).tolist()
+    nats, tokens, n_bytes = all_reduce_sum(total).tolist()
     # the cp ranks of a batch each scored a part of it but counted all of its tokens and bytes
     # (train.py's once_per_batch: floats here)
     tokens, n_bytes = tokens / shard.degree, n_bytes / shard.degree
@@ -57,7 +51,7 @@ def warn_if_read_more_than_once(val_batches, steps: int, device,
     """After an evaluation: warn when it read its validation split more than once on any rank
     (its numbers then weigh the repeated windows twice)."""
     repeated = val_batches.read_more_than_once()
-    anywhere = _all_reduce_sum(torch.tensor([float(bool(repeated))], device=device)).item() > 0
+    anywhere = all_reduce_sum(torch.tensor([float(bool(repeated))], device=device)).item() > 0
     if anywhere:
         log(f"warning: [validation] steps = {steps} batches read more than the "
             f"validation split holds ({', '.join(repeated) or 'on another rank'}): every "
