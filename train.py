@@ -9,6 +9,7 @@ loss divided by the global token count, clipping, a sync-free skip of non-finite
 metrics, validation).
 """
 
+import dataclasses
 import datetime
 import os
 import sys
@@ -168,7 +169,7 @@ def log_summary(cfg: JobConfig, started: float, first_step: int, last_step: int,
     wall = datetime.timedelta(seconds=round(time.monotonic() - started))
     if last_step < first_step:
         log(f"done: no step left to train (resumed after step {last_step} of "
-            f"{cfg.training.steps}) in {wall}")
+            f"{cfg.training.steps}) in {wall}; config.toml is the run's that trained")
     else:
         steps = f"steps {first_step}-{last_step}" if last_step > first_step else f"step {last_step}"
         resumed = f" ({tokens_seen:,} since step 1)" if tokens_seen != tokens else ""
@@ -403,13 +404,19 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     precompute_float8 = (FLOAT8_CONVERTER in cfg.model.converters
                          and cfg.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
     dump = Path(cfg.job.dump_folder)
-    metrics = MetricsLogger(dump, rank, cfg.training.steps, cfg.metrics, config=cfg.to_dict(),
+    # A resume with no step left writes over nothing the run that trained wrote: its
+    # config.toml says what made the metrics, and a wandb run or a TensorBoard file of this
+    # one's would hold no step (a validation of the resumed step still goes to metrics.jsonl).
+    nothing_left = start_step > cfg.training.steps
+    backends = (dataclasses.replace(cfg.metrics, enable_wandb=False, enable_tensorboard=False)
+                if nothing_left else cfg.metrics)
+    metrics = MetricsLogger(dump, rank, cfg.training.steps, backends, config=cfg.to_dict(),
                             notes=cfg.job.description, first_step=start_step,
                             timeline=resumed.metrics_started,
                             outputs=(cfg.profiling.save_traces_folder,
                                      cfg.profiling.save_memory_snapshot_folder))
-    if rank == 0:  # after the logger set an earlier run's config aside with its metrics
-        (dump / "config.toml").write_text(to_toml(cfg))
+    if rank == 0 and not (nothing_left and (dump / "config.toml").is_file()):
+        (dump / "config.toml").write_text(to_toml(cfg))  # after the logger set any earlier aside
     if validation is not None:
         with init_timeout_phase():
             validate_the_resumed_step(validation, model, resumed.step, metrics)

@@ -244,6 +244,26 @@ def test_a_fresh_run_starts_a_new_metrics_file_and_a_resumed_one_appends(tmp_pat
     assert steps(f"config.{earlier.name[8:-6]}.toml") == 4 and steps("config.toml") == 3
 
 
+def test_a_resume_with_no_step_left_writes_over_nothing(tmp_path, capsys):
+    """Launched again after its last step (another lr on the command line), the run trained
+    nothing but wrote its own config.toml over the one that made the metrics, and an empty
+    TensorBoard file."""
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "3",
+            "--metrics.enable_tensorboard", "true", "--training.steps", "3"]
+    run(tmp_path, "r", *ckpt)
+    dump = tmp_path / "r"
+    config, events = (dump / "config.toml").read_text(), sorted((dump / "tb").iterdir())
+    capsys.readouterr()
+    code, _, rows = run(tmp_path, "r", *ckpt, "--optimizer.lr", "0.5")
+    assert code == 0 and [r["step"] for r in rows] == [1, 2, 3]
+    assert "done: no step left to train (resumed after step 3 of 3)" in capsys.readouterr().out
+    assert (dump / "config.toml").read_text() == config
+    assert sorted((dump / "tb").iterdir()) == events
+    (dump / "config.toml").unlink()  # every run leaves a config.toml
+    assert run(tmp_path, "r", *ckpt, "--optimizer.lr", "0.5")[0] == 0
+    assert "lr = 0.5" in (dump / "config.toml").read_text()
+
+
 def test_a_resumed_run_does_not_append_to_another_runs_metrics(tmp_path, capsys):
     """A run checkpointed to step 4, then a fresh run in the same folder without checkpoints
     (its metrics.jsonl steps 1-2), then the first resumed: it appended steps 5-6 to the fresh
