@@ -10,8 +10,9 @@ A run is a dump folder holding metrics.jsonl, or the file itself. Lines without 
 checkpoint's step on: its lines replace the earlier run's from there, and the earlier run's
 later steps are left out even where the resumed run has not reached them yet (a rollback
 abandons them), as in the trainer's own summary, with a note. A file whose steps start over
-from its first step holds two runs, not a resumed one: that is refused (exit 2). Runs are aligned on the steps they all logged; runs that end
-at different steps (one stopped early) are refused too.
+from its first step holds two runs, not a resumed one: that is refused (exit 2). Runs are
+aligned on the steps they all logged; runs that end at different steps (one stopped early) are
+refused too.
 
 For each run after the first: mean and max |run - A| and the first step where |diff| exceeds
 --threshold (default: --tolerance). --seed-run names the same config as A at another seed: it
@@ -58,7 +59,7 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
     except UnicodeDecodeError as e:
         raise BadInput(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): not a "
                        "metrics.jsonl") from None
-    values, first, previous = {}, None, None
+    values, first, previous, latest = {}, None, None, None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -72,8 +73,17 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
         if not isinstance(record, dict):
             raise BadInput(f"{path}:{number}: a JSON {type(record).__name__}, not a metrics line "
                            "(an object with step and the metric)")
+        step = record.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            # Any line going back starts a resumed run's timeline: the earlier run's lines after
+            # its step belong to the one it abandoned, whichever metrics they hold
+            # (components/metrics_timeline.py, which this stdlib-only script cannot import).
+            if latest is not None and step < latest:
+                for abandoned in [s for s in values if s > step]:
+                    del values[abandoned]
+            latest = step
         if metric in record and "step" in record:
-            step, value = record["step"], record[metric]
+            value = record[metric]
             if isinstance(step, bool) or not isinstance(step, int):
                 raise BadInput(f"{path}:{number}: step {step!r} is not a step number")
             if value is not None and (isinstance(value, bool)
@@ -84,14 +94,11 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
                     raise BadInput(f"{path}:{number}: step {step} follows step {previous}: the "
                                    "file holds more than one run, started over in the same dump "
                                    "folder (a trainer that keeps runs apart renames the earlier "
-                                   "run's file metrics.<time>.jsonl); split it and compare the runs")
+                                   "run's file metrics.<time>.jsonl); split it and compare the "
+                                   "runs")
                 print(f"note: {path}:{number}: steps go back from {previous} to {step}: a resumed "
                       f"run; its lines replace the earlier run's after step {step - 1}",
                       file=sys.stderr)
-                # the earlier run's later steps are a timeline the resumed run abandoned
-                # (components/metrics_timeline.py, which this stdlib-only script cannot import)
-                for abandoned in [s for s in values if s > step]:
-                    del values[abandoned]
             first = step if first is None else first
             previous = step
             values[step] = math.nan if value is None else float(value)

@@ -642,6 +642,19 @@ def test_a_rolled_back_run_leaves_its_abandoned_steps_out(tmp_path):
     assert "replace the earlier run's after step 10" in result.stderr
 
 
+def test_a_rollback_drops_the_abandoned_validations_too(tmp_path):
+    """B validated at steps 10, 20 and 30, was resumed from step 15 and reached 18: its going
+    back showed only on training lines, so --metric val_loss kept the validations of 20 and 30."""
+    a = write_metrics(tmp_path / "a", curve, steps=range(1, 19))
+    b = write_metrics(tmp_path / "b", curve)
+    with open(b / "metrics.jsonl", "a") as f:
+        for step in range(16, 19):
+            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
+    result = compare(a, b, "--metric", "val_loss")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "vs A" in result.stdout
+
+
 def test_two_runs_in_one_file_are_refused(tmp_path):
     """A second run from step 1 appended to the first's file (what the trainer did before it
     kept fresh runs apart) is not a resumed run: comparing the mix would mislead."""
