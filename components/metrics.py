@@ -3,7 +3,8 @@
 MetricsLogger writes, on rank 0 only:
   <dump_folder>/metrics.jsonl  one JSON object per log() call, always; a fresh run starts a new
                                file (an earlier run's is renamed metrics.<time>.jsonl), a resumed
-                               run appends
+                               run appends (after {"step": <its checkpoint's>, "resumed": true}
+                               where the file went on past it: components/metrics_timeline.py)
   stdout                       one line per log() call, always
   <dump_folder>/wandb/         a wandb run (offline unless asked for "online"), when enabled
   <dump_folder>/tb/            TensorBoard event files, when enabled
@@ -277,8 +278,16 @@ class MetricsLogger:
                 self.started = None
             else:
                 self._take_earlier_steps(first_step)
+        abandoned = resumed and first_step > 1 and max(self._timeline(), default=0) >= first_step
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         try:
+            if abandoned:
+                # The steps logged after the checkpoint are a timeline this run abandons: a line
+                # at the checkpoint's step says where the file's timeline goes back to, which
+                # the run's own first line (log_freq steps on) could not (metrics_timeline.py).
+                self._jsonl.write(json.dumps({"step": first_step - 1, "time": time.time(),
+                                              "resumed": True}) + "\n")
+                self._jsonl.flush()
             if cfg.enable_wandb:
                 self._wandb_run = self._start_wandb(cfg, config, notes)
             if cfg.enable_tensorboard:

@@ -3,8 +3,10 @@
 A resumed run appends to its folder's metrics.jsonl from its checkpoint's step on, so a step below
 the file's last one starts the timeline again from there: the earlier lines of the steps after it
 belong to a timeline the run abandoned (a rollback to an older checkpoint, or a kill after the
-last save), even where the resumed run stopped before reaching them. The trainer's summary, its
-resume checks, `compare_losses` and the benchmarks' readers all see the same steps."""
+last save), even where the resumed run stopped before reaching them. Where the file went on past
+the checkpoint, the resumed run's first line is {"step": <the checkpoint's>, "resumed": true}
+(its own first step may be log_freq steps on, past some abandoned ones). The trainer's summary,
+its resume checks, `compare_losses` and the benchmarks' readers all see the same steps."""
 
 import json
 from pathlib import Path

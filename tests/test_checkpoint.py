@@ -135,7 +135,8 @@ def test_incomplete_folder_is_skipped_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="skipping incomplete checkpoint folder"):
         assert train.main(BASE + ["--training.steps", "5", "--job.dump_folder", str(dump)]) == 0
     steps = [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 3, 4, 5]  # the second run resumed from step 2
+    # the second run resumed from step 2, which its first line marks ({"resumed": true})
+    assert steps == [1, 2, 3, 4, 2, 3, 4, 5]
 
 
 def test_the_checkpoint_to_resume_is_looked_for_once(tmp_path):
@@ -449,7 +450,7 @@ def test_a_kept_load_step_resumes_from_the_latest_once_passed(tmp_path, capsys):
     assert ("[checkpoint] load_step = 2 was passed: a run with this load_step went on from step 2 "
             "to step 5") in out and f"resumed from {dump}/checkpoint/step-5" in out, out
     steps = [json.loads(x)["step"] for x in (dump / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6, 3, 4, 5]  # nothing trained twice
+    assert steps == [1, 2, 3, 4, 5, 6, 2, 3, 4, 5]  # nothing trained twice; 2: the rollback's mark
     assert sorted(list_checkpoints(dump / "checkpoint")) == [2, 4, 5]
     assert len([p for p in (dump / "checkpoint").iterdir() if p.name.startswith("superseded-")]) == 1
 

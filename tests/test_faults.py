@@ -36,7 +36,10 @@ ARGS = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu"
 
 
 def metric_rows(dump: Path) -> list[dict]:
-    return [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's lines of logged steps: without the line where a resume goes back to its
+    checkpoint's step ({"step": N, "resumed": true}, tests/test_metrics.py checks it)."""
+    rows = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if not r.get("resumed")]
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from components.config.schema import Metrics
 from components.metrics import (MetricsLogger, StepMeter, bits_per_byte, peak_flops,
                                 peak_flops_for_name)
 from installed import needs_wandb
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FULL_STEP_METRICS = {"loss": 3.45123, "grad_norm": 1.234, "lr": 3e-4, "tokens_per_second": 12345.4,
                      "mfu_percent": 41.23, "memory_max_reserved_gib": 10.24}
@@ -309,6 +313,44 @@ def test_a_resumed_run_leaves_a_rolled_back_timeline_out_of_its_summary(tmp_path
         assert metrics.lowest["val_loss"] == (5, 5.29) and metrics.last["loss"] == (7, 5.9)
         assert metrics.lowest["loss"] == (7, 5.9)
         assert metrics.recorded(5, "val_loss") and not metrics.recorded(10, "val_loss")
+
+
+def test_a_resumed_run_marks_where_its_timeline_goes_back_to(tmp_path):
+    """Run A logged every 10 steps to 40 and validated 3.0 at step 20; run B resumed A's step-10
+    checkpoint and stopped at step 20 before validating. B's first line (step 20) went back only
+    to 20: A's validation at 20 stayed in the timeline, and run C, resuming B's step 20, took it
+    for B's (no validation of its resumed step; A's value in the summary), as did the scripts."""
+    from scripts.lib.runs import read_metrics
+    path = tmp_path / "metrics.jsonl"
+    cfg = Metrics(log_freq=10)
+    with MetricsLogger(tmp_path, rank=0, total_steps=40, cfg=cfg) as a:
+        for step in (1, 10, 20, 30, 40):
+            a.log(step, {"loss": 9.0 - step / 10, "tokens_per_second": 1.0})
+            if step == 20:
+                a.log(step, {"val_loss": 3.0})
+    with MetricsLogger(tmp_path, rank=0, total_steps=40, cfg=cfg, first_step=11) as b:
+        assert not b.recorded(20, "val_loss")
+        b.log(20, {"loss": 5.0, "tokens_per_second": 2.0})
+    marker = json.loads(path.read_text().splitlines()[6])
+    assert (marker["step"], marker["resumed"]) == (10, True)
+    with MetricsLogger(tmp_path, rank=0, total_steps=40, cfg=cfg, first_step=21) as c:
+        assert not c.recorded(20, "val_loss") and "val_loss" not in c.lowest
+        assert c.last["loss"] == (20, 5.0)
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 8.9), (10, 8.0),
+                                                                    (20, 5.0)]
+    compare = subprocess.run([sys.executable, "scripts/compare_losses.py", str(path), str(path),
+                              "--metric", "val_loss"], cwd=ROOT, capture_output=True, text=True)
+    assert compare.returncode == 2 and "no line has the metric 'val_loss'" in compare.stderr
+
+
+def test_a_resume_with_nothing_abandoned_adds_no_line(tmp_path):
+    with MetricsLogger(tmp_path, rank=0, total_steps=8) as a:
+        for step in range(1, 5):
+            a.log(step, {"loss": 1.0})
+    with MetricsLogger(tmp_path, rank=0, total_steps=8, first_step=5) as b:
+        b.log(5, {"loss": 1.0})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5]
 
 
 def test_a_resumed_run_hides_the_abandoned_steps_in_tensorboard(tmp_path):

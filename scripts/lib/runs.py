@@ -98,8 +98,9 @@ def last_lines(text: str, n: int = TAIL_LINES) -> str:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Training rows of metrics.jsonl by step, as the run's timeline has them (validation rows
-    have no tokens_per_second; the steps a resumed run abandoned are left out)."""
+    """The training steps of metrics.jsonl, as the run's timeline has them: each step's lines
+    merged (a later line's keys win), the steps without tokens_per_second (validation only) and
+    those a resumed run abandoned left out."""
     rows = timeline(records(path))
     return [rows[s] for s in sorted(rows) if rows[s].get("tokens_per_second") is not None]
 
