@@ -180,6 +180,23 @@ def test_profiling_and_checkpoint_folders_that_meet_are_refused(tmp_path, traces
                                  "step-<N>/ folders; name separate folders")
 
 
+def test_a_profiling_folder_in_a_checkpoints_step_folder_is_refused(tmp_path):
+    """Spelled through an absolute checkpoint folder and a symlinked dump folder alike."""
+    from components.config.parse import load_config
+    (tmp_path / "linked").symlink_to(tmp_path, target_is_directory=True)
+    for dump, checkpoint, traces in ((tmp_path, "checkpoint", "checkpoint/step-2"),
+                                     (tmp_path / "linked", str(tmp_path / "ck"), "ck/step-10/x")):
+        with pytest.raises(ConfigError) as raised:
+            load_config([*BASE, "--job.dump_folder", str(dump), "--checkpoint.folder",
+                         checkpoint, "--profiling.save_traces_folder", traces])
+        assert str(raised.value) == (
+            f"[profiling] save_traces_folder ({tmp_path / traces}) is inside a checkpoint's step "
+            "folder: name a folder outside [checkpoint] folder's step-<N>/")
+    with pytest.raises(ConfigError, match=r"save_traces_folder is \[checkpoint\] folder"):
+        load_config([*BASE, "--job.dump_folder", str(tmp_path / "linked"), "--checkpoint.folder",
+                     str(tmp_path / "ck"), "--profiling.save_traces_folder", "ck"])
+
+
 @pytest.mark.parametrize("checkpoint", [".", "profile_traces/.."])
 def test_a_checkpoint_folder_holding_the_profiling_folders_is_accepted(tmp_path, checkpoint):
     """Checkpoints in the dump folder itself: its step-<N>/ beside profile_traces/."""

@@ -355,15 +355,22 @@ def _check_profiling_folders(cfg: JobConfig) -> None:
     # Each writes step-<N>/ folders: in one folder they collide (a trace in step-2/ made the
     # save of step 2 fail renaming step-2.tmp onto it); and a fresh run sets an earlier run's
     # profiling folder aside whole, with whatever folder it holds.
-    profiling = {f"[profiling] {key}": dump / os.path.normpath(getattr(cfg.profiling, key))
+    # (Checked whether or not profiling or checkpointing is on: the set-aside goes by the
+    # folders' names, and a later run may turn either on.)
+    profiling = {f"[profiling] {key}": (dump / getattr(cfg.profiling, key)).resolve()
                  for key in ("save_traces_folder", "save_memory_snapshot_folder")}
-    folders = {**profiling, "[checkpoint] folder": dump / os.path.normpath(cfg.checkpoint.folder)}
+    checkpoints = (dump / cfg.checkpoint.folder).resolve()
+    folders = {**profiling, "[checkpoint] folder": checkpoints}
     for key, path in profiling.items():
         for other, other_path in folders.items():
             if other != key and (path == other_path or path in other_path.parents):
                 raise ConfigError(f"{key} {'is' if path == other_path else 'holds'} {other} "
                                   f"({other_path}): each writes its own step-<N>/ folders; name "
                                   "separate folders")
+        if checkpoints in path.parents and path.relative_to(checkpoints).parts[0].startswith(
+                "step-"):
+            raise ConfigError(f"{key} ({path}) is inside a checkpoint's step folder: name a "
+                              "folder outside [checkpoint] folder's step-<N>/")
 
 
 def _check_mixture(data: Data) -> None:
