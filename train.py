@@ -3,10 +3,10 @@
     python train.py --config configs/debug.toml                       # CPU is fine
     torchrun --nproc_per_node 8 train.py --config configs/llama_1b.toml --training.steps 300
 
-Reads top to bottom: config -> distributed setup -> tokenizer and data -> model on the meta
-device -> parallelise -> initialise -> optimizer -> the loop (gradient accumulation with the
-loss divided by the global token count, clipping, a sync-free skip of non-finite steps,
-metrics, validation).
+Reads top to bottom: config -> distributed setup -> tokenizer and data -> the model
+(parallelisms/build.py: on the meta device, parallelised, initialised) -> optimizer -> the loop
+(gradient accumulation with the loss divided by the global token count, clipping, a sync-free
+skip of non-finite steps, metrics, validation: components/validation.py).
 """
 
 import dataclasses

@@ -11,6 +11,7 @@ repository root as modules: `python3 -m scripts.bench.train`, see scripts/__init
     loss_grid.py  the loss grid of `bench.flce --grid` (its points, its report), and the one
                 reader of the benchmarks' shapes ("NxHxV" and lists of them: parse_shape(s))
     checkpoints.py  a trained model as export_hf, generate and evaluate read it
+    trace_timeline.py  where a profiled step's GPU time goes on its timeline (summarize_trace)
     prepare_shards.py  raw documents to token shards, in worker processes (prepare_data's engine)
 
 runs.py and report.py never import torch: a CUDA context in a launcher would take GPU memory from
