@@ -423,7 +423,9 @@ class MetricsLogger:
                   if key in values]
         # The average step time is measured from the first logged step on, which leaves out the
         # slow first steps (compilation, allocator warmup) and works the same after a resume.
-        if self._first_logged is None:
+        if step < self.first_step:  # a resumed step's validation: before the first step's warm-up
+            pass
+        elif self._first_logged is None:
             self._first_logged = (step, now)
         elif step > self._first_logged[0]:
             first_step, first_time = self._first_logged

@@ -127,6 +127,19 @@ def test_stdout_line_format_and_eta(tmp_path, capsys):
     assert re.fullmatch(r"step 12/100 \| loss 3\.0000 \| eta \d+:\d\d:\d\d", second), second
 
 
+def test_the_eta_of_a_resume_that_validates_first_leaves_out_the_warm_up(tmp_path, capsys,
+                                                                         monkeypatch):
+    """The resumed step's validation (step 4) started the ETA's clock, so the first training
+    step's warm-up (100 s here, a compile) counted as a step's time: 50.5 s a step, not 1."""
+    clock = iter([1000.0, 1100.0, 1101.0])
+    monkeypatch.setattr("components.metrics.time.time", lambda: next(clock))
+    with MetricsLogger(tmp_path, rank=0, total_steps=1006, first_step=5) as logger:
+        logger.log(4, {"val_loss": 3.0})
+        logger.log(5, {"loss": 3.0})
+        logger.log(6, {"loss": 3.0})
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| eta 0:16:40")  # 1000 steps, 1 s
+
+
 def test_bad_values_and_names_are_errors(tmp_path):
     with MetricsLogger(tmp_path, rank=0, total_steps=10) as logger:
         with pytest.raises(TypeError, match=r"metric 'loss'.*shape \(2,\)"):
