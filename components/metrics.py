@@ -266,6 +266,7 @@ class MetricsLogger:
             return
 
         self.dump_folder.mkdir(parents=True, exist_ok=True)
+        abandoned = False  # whether the file's timeline went on past this run's checkpoint
         if not resumed:
             self._set_aside_earlier_run()
         else:
@@ -277,8 +278,7 @@ class MetricsLogger:
                                             f"this run's, resumed at step {first_step})")
                 self.started = None
             else:
-                self._take_earlier_steps(first_step)
-        abandoned = resumed and first_step > 1 and max(self._timeline(), default=0) >= first_step
+                abandoned = self._take_earlier_steps(first_step) and first_step > 1
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         try:
             if abandoned:
@@ -306,16 +306,19 @@ class MetricsLogger:
         return {step: {key: value for key, value in values.items() if key != "step"}
                 for step, values in timeline(numeric).items()}
 
-    def _take_earlier_steps(self, first_step: int) -> None:
+    def _take_earlier_steps(self, first_step: int) -> bool:
         """`last` and `lowest` from the steps before first_step of the run's timeline, so that a
-        resumed run's summary (the best validation loss) covers the whole run."""
-        for step, values in sorted(self._timeline().items()):
+        resumed run's summary (the best validation loss) covers the whole run; whether the
+        timeline holds steps from first_step on (ones this run abandons)."""
+        timeline = self._timeline()
+        for step, values in sorted(timeline.items()):
             if step >= first_step:
                 continue
             for key, value in values.items():
                 self.last[key] = (step, value)
                 if key not in self.lowest or value < self.lowest[key][1]:
                     self.lowest[key] = (step, value)
+        return max(timeline, default=0) >= first_step
 
     def recorded(self, step: int, key: str) -> bool:
         """Whether the run's timeline in metrics.jsonl holds a value of `key` at `step` (rank 0;
@@ -423,11 +426,10 @@ class MetricsLogger:
                   if key in values]
         # The average step time is measured from the first logged step on, which leaves out the
         # slow first steps (compilation, allocator warmup) and works the same after a resume.
-        if step < self.first_step:  # a resumed step's validation: before the first step's warm-up
-            pass
-        elif self._first_logged is None:
+        # A resumed step's validation comes before the first step's warm-up: not a start.
+        if self._first_logged is None and step >= self.first_step:
             self._first_logged = (step, now)
-        elif step > self._first_logged[0]:
+        elif self._first_logged is not None and step > self._first_logged[0]:
             first_step, first_time = self._first_logged
             seconds_per_step = (now - first_time) / (step - first_step)
             parts.append(f"eta {_format_eta(seconds_per_step * (self.total_steps - step))}")

@@ -524,6 +524,13 @@ def curve(step):
     return 2.0 + 4.0 * math.exp(-step / 8)
 
 
+def append_resumed(run: Path, steps) -> None:
+    """The lines of a run resumed in run's folder: `curve` at steps."""
+    with open(run / "metrics.jsonl", "a") as f:
+        for step in steps:
+            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
+
+
 def compare(*args):
     return run([*COMPARE, *map(str, args)])
 
@@ -621,9 +628,7 @@ def test_null_is_a_divergence(tmp_path):
 def test_the_last_line_of_a_repeated_step_wins(tmp_path):
     a = write_metrics(tmp_path / "a", curve)
     b = write_metrics(tmp_path / "b", lambda s: curve(s) + (1.0 if s > 10 else 0.0))
-    with open(b / "metrics.jsonl", "a") as f:  # resumed from step 10, repeating 11-30 correctly
-        for step in range(11, 31):
-            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
+    append_resumed(b, range(11, 31))  # resumed from step 10, repeating 11-30 correctly
     result = compare(a, b)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "steps go back from 30 to 11: a resumed run" in result.stderr
@@ -634,9 +639,7 @@ def test_a_rolled_back_run_leaves_its_abandoned_steps_out(tmp_path):
     step 20: its steps 21-30 belong to the abandoned timeline, not to the run compared with A."""
     a = write_metrics(tmp_path / "a", curve, steps=range(1, 21))
     b = write_metrics(tmp_path / "b", lambda s: curve(s) + (1.0 if s > 10 else 0.0))
-    with open(b / "metrics.jsonl", "a") as f:
-        for step in range(11, 21):
-            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
+    append_resumed(b, range(11, 21))
     result = compare(a, b)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "replace the earlier run's after step 10" in result.stderr
@@ -647,9 +650,7 @@ def test_a_rollback_drops_the_abandoned_validations_too(tmp_path):
     back showed only on training lines, so --metric val_loss kept the validations of 20 and 30."""
     a = write_metrics(tmp_path / "a", curve, steps=range(1, 19))
     b = write_metrics(tmp_path / "b", curve)
-    with open(b / "metrics.jsonl", "a") as f:
-        for step in range(16, 19):
-            f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
+    append_resumed(b, range(16, 19))
     result = compare(a, b, "--metric", "val_loss")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "vs A" in result.stdout

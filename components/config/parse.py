@@ -329,6 +329,7 @@ def _check_types(section, where: str) -> None:
 # What a run writes in its dump folder before its first profiled step (components/metrics.py,
 # train.py, components/lock.py): a profiling folder of one of these names cannot be made.
 RUN_FILES = ("metrics.jsonl", "config.toml", "run.lock")
+PROFILING_FOLDERS = ("save_traces_folder", "save_memory_snapshot_folder")
 
 
 def _check_profiling_folders(cfg: JobConfig) -> None:
@@ -337,7 +338,7 @@ def _check_profiling_folders(cfg: JobConfig) -> None:
     folder only: a fresh run sets an earlier run's aside from there, and "" or "." would write
     step-<N>/ among the run's own files."""
     dump = Path(cfg.job.dump_folder).expanduser()
-    for key in ("save_traces_folder", "save_memory_snapshot_folder"):
+    for key in PROFILING_FOLDERS:
         value = getattr(cfg.profiling, key)
         parts = Path(os.path.normpath(value)).parts if value.strip() else ()  # "." has none
         if not parts or os.path.isabs(value) or parts[0] == "..":
@@ -358,7 +359,7 @@ def _check_profiling_folders(cfg: JobConfig) -> None:
     # (Checked whether or not profiling or checkpointing is on: the set-aside goes by the
     # folders' names, and a later run may turn either on.)
     profiling = {f"[profiling] {key}": (dump / getattr(cfg.profiling, key)).resolve()
-                 for key in ("save_traces_folder", "save_memory_snapshot_folder")}
+                 for key in PROFILING_FOLDERS}
     checkpoints = (dump / cfg.checkpoint.folder).resolve()
     folders = {**profiling, "[checkpoint] folder": checkpoints}
     for key, path in profiling.items():
