@@ -143,7 +143,8 @@ def dx_row_blocks(n_rows: int) -> list[tuple[int, int]]:
     if n_rows <= DX_BLOCK_TOKENS:
         return [(0, n_rows)]
     blocks = -(-n_rows // DX_BLOCK_TOKENS)
-    rows = -(-(-(-n_rows // blocks)) // 8) * 8
+    even_rows = -(-n_rows // blocks)
+    rows = -(-even_rows // 8) * 8
     return [(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
 
 
