@@ -1127,6 +1127,7 @@ def test_the_benchmarks_read_their_shapes_with_one_parser(tmp_path):
     assert parse_shapes(" 64x8x32") == [" 64x8x32"]  # int()'s spaces, accepted as before
     assert [parse_shape(s) for s in loss_grid.grid_shapes()] == list(itertools.product(
         loss_grid.GRID_N, loss_grid.GRID_H, loss_grid.GRID_V))
+    assert loss_grid.parse_sizes("8192,32768") == [8192, 32768]
     for bad, form, why in [("16384x8192", "NxHxV", "is not NxHxV"),
                            ("16384x8192x256000x1", "NxHxV", "is not NxHxV"),
                            ("8x4xa", "NxHxV", "is not NxHxV"), ("", "NxHxV", "is not NxHxV"),
@@ -1151,7 +1152,11 @@ def test_the_benchmarks_read_their_shapes_with_one_parser(tmp_path):
             ("chunk_sizes", ["--points", "64x8x32"],
              "error: argument --points: '64x8x32' is not NxHxV:C1/C2/..."),
             ("attention", ["--shapes", "4x32x8x8192"],
-             "error: argument --shapes: '4x32x8x8192' is not BxHQxHKVxTxD")]:
+             "error: argument --shapes: '4x32x8x8192' is not BxHQxHKVxTxD"),
+            ("tune_rows_kernel", ["--vocab", "32000,0"],
+             "error: argument --vocab: '0' has a size below 1"),
+            ("tune_rows_kernel", ["--rows", "8192,4k"],
+             "error: argument --rows: '4k' is not a size")]:
         result = subprocess.run([sys.executable, "-m", f"scripts.bench.{module}", *args,
                                  "--out", str(tmp_path / "report")], cwd=REPO,
                                 capture_output=True, text=True, timeout=120)

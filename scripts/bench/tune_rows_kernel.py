@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from flce.kernels import _block_and_warps, launch_rows, walks_back  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
 from scripts.bench.flce import run_meta  # noqa: E402
+from scripts.lib.loss_grid import parse_sizes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_ms, median_ms, require_cuda  # noqa: E402
 
@@ -118,8 +119,10 @@ def markdown(meta: dict, results: list[dict]) -> str:
 def main():
     p = argparse.ArgumentParser(prog="python3 -m scripts.bench.tune_rows_kernel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="8192,32768", help="comma-separated chunk heights")
-    p.add_argument("--vocab", default="32000,128256", help="comma-separated vocabulary sizes")
+    p.add_argument("--rows", default="8192,32768", type=parse_sizes,
+                   help="comma-separated chunk heights")
+    p.add_argument("--vocab", default="32000,128256", type=parse_sizes,
+                   help="comma-separated vocabulary sizes")
     p.add_argument("--smoothing", action="store_true", help="with label smoothing and softcap")
     p.add_argument("--passes", default="", help="comma-separated pass names (default: all): "
                    "stats, stats+off_max, grad, grad+e4m3, full, full+e4m3")
@@ -136,8 +139,8 @@ def main():
     meta = {**run_meta(provenance(), "bfloat16"), "smoothing_and_softcap": args.smoothing,
             "seconds_per_config": args.seconds}
     results = []
-    for C in map(int, args.rows.split(",")):
-        for V in map(int, args.vocab.split(",")):
+    for C in args.rows:
+        for V in args.vocab:
             runs, copy, copy_e4m3, n = passes(C, V, opts)
             point = {"rows": C, "vocab": V, "copy_gbs": 2 * n / median_ms(copy, 3, 20) / 1e6,
                      "copy_e4m3_gbs": 1.5 * n / median_ms(copy_e4m3, 3, 20) / 1e6,

@@ -72,6 +72,12 @@ def parse_shapes(text: str, form: str = "NxHxV") -> list[str]:
     return shapes
 
 
+def parse_sizes(text: str) -> list[int]:
+    """A comma-separated list of sizes, each 1 or more ("8192,32768" -> [8192, 32768]), checked
+    as `parse_shape` checks a shape's: the type= of a benchmark's list of heights or widths."""
+    return [parse_shape(size, "a size")[0] for size in text.split(",")]
+
+
 def hbm_peak(gpu: str):
     """The HBM's peak bytes/s of a GPU named `gpu` (torch.cuda.get_device_name), or None."""
     return next((bps for name, bps in HBM_BYTES_PER_S.items() if name in gpu), None)
