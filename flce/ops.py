@@ -46,31 +46,40 @@ MAX_CHUNK_TOKENS = 32768    # a read and a write of V x H per chunk: few chunks 
 MAX_CHUNK_BYTES = 4 << 30   # and never more logits than this (8192 tokens up to V = 262144:
 # at V = 256000 chunks of 8192 ran 0.5-1.6% faster than 4096 at 7 of 8 points on an H200 and
 # an H100, docs/performance.md "Chunk sizes at V = 256000")
-# float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
-# from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
-# rounds: at 512 tokens (x4096x256000, x8192x128256) "logits+dx" ran 7-8% slower than bf16,
-# at 1024 (x4096x128256, x8192x256000) both modes 7-11% faster; below the work,
-# 2048x1024x32000 both slower, 2048x1024x128256 "logits+dx" 3% slower
-# (benchmarks/flce_float8_gate_h200.md, flce_float8_threshold_h200.md)
 # dx = dlogits @ W runs in row blocks of at most this many tokens (both sweeps): on an H100
 # (cuBLAS 13) 16384 rows of H = 8192 took 1.07-1.35x two GEMMs of 8192 rows (K = V of 32000,
 # 128256, 256000), at H = 4096 1.03-1.04x, while 32768 and 65536 rows ran as fast as blocks of
 # 8192 (within 1%): cuBLAS's kernel choice per shape, which 16384-token chunks (V = 32000) met
 # too (benchmarks/flce_grad_gemms_*_h100.md, docs/performance.md "The one-block path's dx").
 DX_BLOCK_TOKENS = 8192
+
+# The float8 dx GEMM (one `_scaled_mm` of a chunk's, or all, rows) is not split so: with float8
+# "logits+dx" a call takes chunks of at most DX_BLOCK_TOKENS instead of one block or larger
+# chunks. On an H100 at N = 10240-65536 (H 2048-8192, V 32000-256000) chunks of 8192 (or N/2)
+# ran 0.2-4.6% faster than the float8 one block or 16384-token chunks, and at 16384x8192x256000
+# 295.7 ms against one block's 304.1 (the bf16 loss 300.9): docs/performance.md "Float8 chunks".
+# At N = 8192 the one block stays (at 8192x8192x256000 148.9 ms against halves' 152.2).
+
+# float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
+# from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
+# rounds: at 512 tokens (x4096x256000, x8192x128256) "logits+dx" ran 7-8% slower than bf16,
+# at 1024 (x4096x128256, x8192x256000) both modes 7-11% faster; below the work,
+# 2048x1024x32000 both slower, 2048x1024x128256 "logits+dx" 3% slower
+# (benchmarks/flce_float8_gate_h200.md, flce_float8_threshold_h200.md)
 FLOAT8_MIN_TOKENS = 1024
 FLOAT8_MIN_WORK = 1 << 38
 
 
 def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
-                    chunk_size: Optional[int], lean: bool) -> int:
+                    chunk_size: Optional[int], lean: bool, float8: str = "none") -> int:
     """Tokens per chunk of the chunked sweep, evened out so that the last chunk is not a sliver.
 
     Default: about CHUNK_BYTES of logits, within MIN_CHUNK_TOKENS..MAX_CHUNK_TOKENS tokens and at
     most MAX_CHUNK_BYTES (8192 tokens at V = 128256 and 256000, 16384 at V = 32000). Smaller
     chunks make the dW accumulation cost more (each chunk reads and writes the fp32
     accumulator), larger ones cost memory for little speed. Lean: a logits buffer about the size of x,
-    next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel."""
+    next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel. With float8 "logits+dx" (the mode a call
+    runs, `float8_used`) at most DX_BLOCK_TOKENS (why: beside it)."""
     vocab = max(vocab, 1)  # an empty vocabulary slice (vocab-parallel, fewer classes than ranks)
     if chunk_size is None:
         if lean:
@@ -79,24 +88,29 @@ def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
             row_bytes = vocab * elem_bytes
             chunk_size = min(MAX_CHUNK_TOKENS, max(MIN_CHUNK_TOKENS, CHUNK_BYTES // row_bytes))
             chunk_size = max(256, min(chunk_size, MAX_CHUNK_BYTES // row_bytes))
+        if float8 == "logits+dx":
+            chunk_size = min(chunk_size, DX_BLOCK_TOKENS)
     n_chunks = max(1, -(-n_tokens // chunk_size))
     even = -(-n_tokens // n_chunks)
     return max(1, min(chunk_size, -(-even // 8) * 8))
 
 
 def uses_one_block(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
-                   chunk_size: Optional[int], lean: bool) -> bool:
+                   chunk_size: Optional[int], lean: bool, float8: str = "none") -> bool:
     """Whether a call with gradients takes the one-block path: when its peak memory (the logits
     of all tokens, then dx and dW in the parameter dtype) is no more than the chunked sweep's
     (one chunk of logits, dx and dW accumulated in fp32, then their casts). A given chunk_size
-    smaller than N asks for chunks; memory_lean always chunks."""
+    smaller than N asks for chunks; memory_lean always chunks. With float8 "logits+dx" (the
+    mode the call runs, `float8_used`) never over more than DX_BLOCK_TOKENS tokens."""
     if lean:
         return False
     if chunk_size is not None:
         return chunk_size >= n_tokens
-    C = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=False)
+    C = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=False, float8=float8)
     if C >= n_tokens:
         return True
+    if float8 == "logits+dx":
+        return False
     e, acc = elem_bytes, max(4, elem_bytes)
     grads = (n_tokens + vocab) * hidden
     one_block = n_tokens * vocab * e + grads * e
@@ -276,7 +290,8 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     dw_acc = weight_grad_buffer(weight, accum_dtype, N) if need_dw else None
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
 
-    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
+    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean,
+                        float8 if need_dx else "none")
     fp8 = None
     if float8 != "none":
         fp8 = Float8Gemms(weight, bias, target, min(C, N), need_dx and float8 == "logits+dx",

@@ -393,6 +393,32 @@ def test_chunk_size_independence(impl, device, float8):
 
 @IMPL_DEVICES
 @pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_float8_dx_takes_chunks_of_at_most_a_dx_block(impl, device, monkeypatch, reduction):
+    """With "logits+dx" a call over more than DX_BLOCK_TOKENS tokens takes chunks of at most that
+    many, not one block of all (its float8 dx GEMM is one `_scaled_mm`, slow over 16384 rows on
+    an H100): the same result as asking for those chunks, and the one-block path never entered.
+    "logits" (dx in bf16 row blocks) keeps one block."""
+    import flce.function
+    import flce.ops
+    monkeypatch.setattr(flce.ops, "DX_BLOCK_TOKENS", 16)
+    one_block = flce.function._OneBlockLoss.apply
+    entered = []
+    monkeypatch.setattr(flce.function._OneBlockLoss, "apply",
+                        lambda *a: entered.append(a[6]) or one_block(*a))
+    x, t, w, b = make_inputs(50, 16, 70, device, torch.float32)
+    up = torch.rand(50 if reduction == "none" else (), dtype=torch.float64) + 0.5
+    kw = dict(impl=impl, label_smoothing=0.1, float8="logits+dx", reduction=reduction)
+    picked = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up, **kw)
+    asked = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up, chunk_size=16, **kw)
+    assert entered == []
+    assert torch.equal(picked[0], asked[0])
+    assert all(torch.equal(g, h) for g, h in zip(picked[1], asked[1]))
+    loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up, **{**kw, "float8": "logits"})
+    assert entered == ["logits"]
+
+
+@IMPL_DEVICES
+@pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_all_ignored_and_memory_lean(impl, device, reduction):
     x, t, w, b = make_inputs(20, 16, 30, device, torch.bfloat16)
     t.fill_(-100)

@@ -225,6 +225,13 @@ def test_chunk_sizes_bench_reads_its_points_and_reports_each_run():
     assert bench_chunk_sizes.path_name(16384, 1024, 128256, 16384) == "one block"
     assert bench_chunk_sizes.path_name(16384, 1024, 128256, 4096) == "chunks of 4096"
     assert bench_chunk_sizes.path_name(65536, 2048, 128256, None) == "chunks of 8192"
+    # float8 as the loss runs it: "logits+dx" chunks above 8192 tokens, none below its threshold
+    assert bench_chunk_sizes.path_name(16384, 8192, 256000, None, float8="logits+dx") == \
+        "chunks of 8192"
+    assert bench_chunk_sizes.path_name(16384, 8192, 256000, None) == "one block"
+    assert bench_chunk_sizes.path_name(65536, 8192, 32000, None, float8="logits+dx") == \
+        "chunks of 8192"
+    assert bench_chunk_sizes.path_name(512, 64, 32000, None, float8="logits+dx") == "one block"
     text = chunk_sizes_report(CLEAN)
     assert "| 16384x8x16 | default | chunks of 8192 | 11.00 | 1.375 | 1.100 | 300 |" in text
     assert "| 16384x8x16 | c16384 | one block | 10.00 | 1.250 | 1.000 | 500 |" in text
@@ -241,11 +248,13 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
     seen = []
     real = bench_chunk_sizes.flce.fused_linear_cross_entropy
 
-    def loss(x, t, w, chunk_size=None, memory_lean=False):
-        seen.append((chunk_size, memory_lean))
+    def loss(x, t, w, chunk_size=None, memory_lean=False, float8="none"):
+        seen.append((chunk_size, memory_lean) if float8 == "none" else
+                    (chunk_size, memory_lean, float8))
         if chunk_size == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(x, t, w, chunk_size=chunk_size, memory_lean=memory_lean, impl="torch")
+        return real(x, t, w, chunk_size=chunk_size, memory_lean=memory_lean, impl="torch",
+                    float8=float8)
 
     torch.manual_seed(0)
     monkeypatch.setattr(bench_chunk_sizes.flce, "fused_linear_cross_entropy", loss)
@@ -270,6 +279,14 @@ def test_chunk_sizes_bench_times_each_forced_size_through_flce(monkeypatch):
     assert [(r["run"], r["path"]) for r in point["runs"]] == [
         ("default", "one block"), ("c4", "chunks of 4"), ("lean", "chunks of 8 (lean)"),
         ("c4_lean", "chunks of 4 (lean)")]
+    # --float8: every flce run in that mode, the bf16 loss at its own choice beside them
+    seen.clear()
+    point = bench_chunk_sizes.measure_point(16, 8, 12, [4], 0.1, 3, float8="logits+dx")
+    assert set(seen) == {(None, False), (None, False, "logits+dx"), (4, False, "logits+dx")}
+    assert [(r["run"], r["float8"]) for r in point["runs"]] == [
+        ("bf16", "none"), ("default", "logits+dx"), ("c4", "logits+dx")]
+    text = bench_chunk_sizes.markdown({**KERNEL_META, "float8": "logits+dx"}, [point])
+    assert 'every run but bf16 (the bf16 loss at its own choice) with float8 "logits+dx"' in text
 
 
 def float8_grid_results():

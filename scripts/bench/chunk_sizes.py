@@ -3,6 +3,7 @@
 
     python3 -m scripts.bench.chunk_sizes --points 16384x1024x128256:4096/8192/16384,...
     python3 -m scripts.bench.chunk_sizes --lean --points 65536x4096x256000:4096/8192
+    python3 -m scripts.bench.chunk_sizes --float8 logits+dx --points 16384x8192x256000:8192/16384
 
 Each point is NxHxV:C1/C2/...; a chunk size of N or more is the one-block path. At each point
 flce's default (its own choice) and every forced chunk size are timed forward+backward in
@@ -10,7 +11,9 @@ interleaved rounds (each visit settled by untimed calls, in balanced orders, as
 `bench.flce --grid`), with the bare GEMMs as the floor, and their peak extra memory measured.
 --lean also times memory_lean at its own choice and at each forced size: the same chunks with
 dx and dW in bf16 (dW accumulated in bf16, the loss weight folded into dlogits), which tells
-what flce's fp32 gradients cost apart from its chunk size.
+what flce's fp32 gradients cost apart from its chunk size. --float8 MODE runs every flce (and
+memory_lean) call with float8=MODE, and the bf16 loss at its own choice beside them ("bf16");
+the floor stays the bare bf16 GEMMs.
 Writes <out>.json and <out>.md, after every point (a run cut short keeps what it measured).
 """
 
@@ -23,7 +26,7 @@ if not __package__:
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from flce.ops import pick_chunk_size, uses_one_block  # noqa: E402
+from flce.ops import float8_used, pick_chunk_size, uses_one_block  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 make_inputs, run_meta, timing_meta)
 from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
@@ -33,18 +36,24 @@ from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa
 POINT = "NxHxV:C1/C2/..."  # e.g. 16384x1024x128256:4096/8192/16384 (`parse_shape`)
 
 
-def path_name(N: int, H: int, V: int, chunk_size, lean: bool = False) -> str:
-    """"one block" or "chunks of C", as flce takes it for this chunk_size (None: its choice),
-    with " (lean)" for memory_lean."""
-    if uses_one_block(N, H, V, 2, chunk_size, lean):
+def path_name(N: int, H: int, V: int, chunk_size, lean: bool = False,
+              float8: str = "none") -> str:
+    """"one block" or "chunks of C", as flce takes it for this chunk_size (None: its choice)
+    and float8 mode, with " (lean)" for memory_lean."""
+    float8 = float8_used(float8, N, H, V)
+    if uses_one_block(N, H, V, 2, chunk_size, lean, float8):
         return "one block"
-    chunks = f"chunks of {pick_chunk_size(N, H, V, 2, chunk_size, lean)}"
+    chunks = f"chunks of {pick_chunk_size(N, H, V, 2, chunk_size, lean, float8)}"
     return chunks + (" (lean)" if lean else "")
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
     has_lean = any(r.get("memory_lean") for point in results for r in point["runs"])
     lean = ", and memory_lean at each (lean: dx and dW in bf16)" if has_lean else ""
+    float8 = meta.get("float8", "none")
+    if float8 != "none":
+        lean += (f"; every run but bf16 (the bf16 loss at its own choice) with float8 "
+                 f"\"{float8}\"")
     lines = [*kernel_report_head(meta, "bfloat16"),
              "flce forward+backward at forced chunk sizes (a size of N or more: the one-block "
              f"path) and at its own choice (default){lean}, in interleaved rounds: ms (× the "
@@ -65,23 +74,25 @@ def markdown(meta: dict, results: list[dict]) -> str:
 
 
 def measure_point(N, H, V, sizes, seconds, reps, lean: bool = False,
-                  host_ahead: bool = False) -> dict:
+                  host_ahead: bool = False, float8: str = "none") -> dict:
     x, t, w = make_inputs(N, H, V, torch.bfloat16)
     floor_run, bufs = gemm_floor(x.detach(), w.detach(), FLOOR_LOGITS_BYTES)
-    configs = {"default": (None, False), **{f"c{c}": (c, False) for c in sizes}}  # (C, lean)
+    configs = {"bf16": (None, False, "none")} if float8 != "none" else {}  # (C, lean, float8)
+    configs |= {"default": (None, False, float8), **{f"c{c}": (c, False, float8) for c in sizes}}
     if lean:
-        configs |= {"lean": (None, True), **{f"c{c}_lean": (c, True) for c in sizes}}
-    losses = {name: (lambda x, t, w, c=c, m=m: flce.fused_linear_cross_entropy(
-        x, t, w, chunk_size=c, memory_lean=m)) for name, (c, m) in configs.items()}
+        configs |= {"lean": (None, True, float8),
+                    **{f"c{c}_lean": (c, True, float8) for c in sizes}}
+    losses = {name: (lambda x, t, w, c=c, m=m, f=f: flce.fused_linear_cross_entropy(
+        x, t, w, chunk_size=c, memory_lean=m, float8=f)) for name, (c, m, f) in configs.items()}
     runs, mib = first_calls(losses, x, t, w)
     rounds = interleaved_rounds({"bare_gemms": floor_run, **runs}, seconds, reps,
                                 host_ahead=host_ahead)
     ms = medians(rounds)
     point = {"shape": f"{N}x{H}x{V}", "gemms_ms": ms["bare_gemms"],
-             "runs": [{"run": name, "chunk_size": c, "memory_lean": m,
-                       "path": path_name(N, H, V, c, m), "ms": ms.get(name),
+             "runs": [{"run": name, "chunk_size": c, "memory_lean": m, "float8": f,
+                       "path": path_name(N, H, V, c, m, f), "ms": ms.get(name),
                        "extra_mib": mib[name], "rounds_ms": rounds.get(name, [])}
-                      for name, (c, m) in configs.items()]}
+                      for name, (c, m, f) in configs.items()]}
     del x, t, w, runs, floor_run, bufs
     torch.cuda.empty_cache()
     return point
@@ -97,6 +108,8 @@ def main():
     p.add_argument("--reps", type=int, default=20, help="at most this many rounds")
     p.add_argument("--lean", action="store_true",
                    help="also memory_lean at its own choice and at each forced size")
+    p.add_argument("--float8", choices=["none", "logits", "logits+dx"], default="none",
+                   help="run flce (and memory_lean) with this float8 mode, the bf16 loss beside")
     p.add_argument("--host-ahead", action="store_true",
                    help="time each call queued behind GEMMs that keep the GPU busy, as in a "
                         "training step whose host runs ahead (`bench.flce --host-ahead`)")
@@ -105,11 +118,11 @@ def main():
     args = p.parse_args()
     require_cuda("scripts.bench.chunk_sizes")
     meta = {**run_meta(provenance(), "bfloat16"), "seconds_per_run": args.seconds,
-            **timing_meta(args.host_ahead)}
+            "float8": args.float8, **timing_meta(args.host_ahead)}
     results = []
     for N, H, V, sizes in (parse_shape(point, POINT) for point in args.points):
         results.append(measure_point(N, H, V, sizes, args.seconds, args.reps, args.lean,
-                                     args.host_ahead))
+                                     args.host_ahead, args.float8))
         print(" | ".join([results[-1]["shape"]] + [
             f"{r['run']} " + ("OOM" if r["ms"] is None else
                               f"{r['ms']:.2f} ms {r['extra_mib']:.0f} MiB")
