@@ -27,8 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from components.allocator import default_allocator_settings
 from components.bad_steps import BadSteps, too_many_bad_steps
-from components.checkpoint import (Checkpointer, ResumePoint, TrainState, check_resumed_tokenizer,
-                                   find_resume_point, list_checkpoints)
+from components.checkpoint import Checkpointer, TrainState
+from components.checkpoint_folders import (ResumePoint, check_resumed_tokenizer, find_resume_point,
+                                           list_checkpoints)
 from components.config.docs import help_text
 from components.config.parse import (check_config_not_overwritten, config_changes, config_checks,
                                      is_config_error, load_config, refusal_line,

@@ -7,11 +7,15 @@
     optim.py       AdamW and the learning-rate schedule
     metrics.py     what a step achieved and where it is recorded (metrics_timeline.py: the file
                    read back as the run's timeline); bad_steps.py: non-finite steps
-    checkpoint.py  DCP checkpoints (checkpoint_manifest.py: checksums; safe_dcp.py: loading
-                   without running code; initial_load.py: settings from initial_load_path)
+    checkpoint.py  DCP checkpoints (checkpoint_folders.py: which step folders are whole and
+                   which one a run resumes from; checkpoint_manifest.py: checksums; safe_dcp.py:
+                   loading without running code; initial_load.py: settings from
+                   initial_load_path)
     float8_linear.py  linear layers converted to torchao's float8
     lock.py, stop_request.py, process.py  the run's lifetime: the dump folder's lock, stop
                    signals, the process group and the process's exit
+    synced_files.py  writes a kill or a power loss cannot leave half done (checkpoints, token
+                   shards, data caches; scripts/lib's reports)
     profiling.py   the torch profiler, when [profiling] asks for it
     validation.py  [validation]: the loss and bits per byte on held-out batches (evaluate())
 """

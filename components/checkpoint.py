@@ -4,24 +4,27 @@
 load them), `train_state.json` (step, tokens seen, lr schedule), `rank-<r>.pt` per rank (data
 iterator position and RNG states) and the resolved `config.toml`. A run with no checkpoint of
 its own can start from `initial_load_path`'s model weights: a DCP step folder, or a Hugging Face
-LlamaForCausalLM folder (safetensors, read through the reader the trainer passes in).
+LlamaForCausalLM folder (safetensors, read through the reader the trainer passes in). Which step
+folders are whole checkpoints, and which one a run resumes from: components/checkpoint_folders.py.
 
 Nothing damaged is resumed: each save writes checksums.json (components/checkpoint_manifest.py),
 and a resume falls back to the previous checkpoint, naming the file, when a file of the chosen one
 is missing or does not match.
 
 Nothing is lost to a kill at any point:
-- a save is written to `step-<N>.tmp/` and renamed to `step-<N>/` by rank 0 as soon as DCP
-  reports it written (DCP writes `.metadata` only after gathering every rank's write results,
-  and each rank wrote its rank file before that). An async save is committed by a callback in
-  DCP's writer thread, not at the next save. Folders without the final name or without
-  `.metadata` are skipped (with a warning) when looking for the latest;
+- a save is written to `step-<N>.tmp/` (each file synced: components/synced_files.py) and
+  renamed to `step-<N>/` by rank 0 as soon as DCP reports it written (DCP writes `.metadata`
+  only after gathering every rank's write results, and each rank wrote its rank file before
+  that). An async save is committed by a callback in DCP's writer thread, not at the next save.
+  Folders without the final name or without `.metadata` are skipped (with a warning) when
+  looking for the latest;
 - pruning (keep_latest_k) renames a checkpoint to `step-<N>.pruned` before deleting it, and
   never touches the checkpoint just written;
 - resuming from a step before the latest (load_step) moves the later step folders, another
   timeline, into `superseded-<time>-from-step-<N>/` rather than letting this run prune or
   overwrite them, or a later resume pick them. The checkpoints of such a run record its
-  load_step: the same command again (a requeued job) resumes from them, not from load_step.
+  load_step: the same command again (a requeued job) resumes from them, not from load_step
+  (components/checkpoint_folders.py).
 
 Trust: loading a checkpoint runs no code from it. Rank files are read with
 `torch.load(weights_only=True)` (tensors and plain data only), train_state.json is JSON, and
@@ -35,7 +38,6 @@ import io
 import json
 import os
 import pickle
-import re
 import shutil
 import signal
 import time
@@ -53,14 +55,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from components import safe_dcp
+from components.checkpoint_folders import STEP_DIR, ResumePoint, list_checkpoints, saved_tokenizer
 from components.checkpoint_manifest import ChecksummingWriter, find_damage
-from components.config.schema import Checkpoint, JobConfig
+from components.config.schema import JobConfig
 from components.config.parse import to_toml
 from components.float8_linear import plain_weights
 from components.process import keep_own_timeout, note_process_group
-
-STEP_DIR = re.compile(r"^step-(\d+)$")
-
+from components.synced_files import sync_dir, write_synced
 
 @dataclass
 class TrainState:
@@ -93,22 +94,6 @@ def _fault_point(name: str, step: int) -> None:
     itself here, to prove that a kill at that point loses nothing. Unset, it does nothing."""
     if os.environ.get("FLCE_FAULT_POINT") == f"{name}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    """Write and fsync, so a committed checkpoint survives a power loss, not only a kill."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: Path) -> None:
@@ -145,32 +130,6 @@ def _save_failed(final: Path, error: BaseException) -> RuntimeError:
                         "filesystem. The checkpoints committed before it are intact")
 
 
-def is_complete(path: Path, resumable: bool = True) -> bool:
-    """Whether a step folder holds a whole checkpoint: DCP writes .metadata last, once every
-    rank's files are written (and this trainer commits a save by renaming the folder after
-    that). Resuming also needs train_state.json (step, tokens, schedule), which this trainer
-    writes before .metadata; with resumable=False a folder of model weights alone (another
-    trainer's: torchtitan's) counts too, for what reads only the model
-    (scripts/lib/checkpoints.py)."""
-    return (path / ".metadata").is_file() and (not resumable
-                                               or (path / "train_state.json").is_file())
-
-
-def list_checkpoints(folder: Path, resumable: bool = True) -> dict[int, Path]:
-    """Complete checkpoints (is_complete) by step; incomplete step folders are skipped with a
-    warning."""
-    found = {}
-    if not folder.is_dir():
-        return found
-    for path in sorted(folder.iterdir()):
-        match = STEP_DIR.match(path.name)
-        if match and is_complete(path, resumable):
-            found[int(match.group(1))] = path
-        elif path.is_dir() and path.name.startswith("step-"):
-            warnings.warn(f"skipping incomplete checkpoint folder {path}")
-    return found
-
-
 def check_model_shapes(path: Path, model_sd: dict) -> None:
     """A clear error when the checkpoint was saved from a model of another shape."""
     meta = safe_dcp.read_metadata(path).state_dict_metadata
@@ -184,91 +143,6 @@ def check_model_shapes(path: Path, model_sd: dict) -> None:
         if shape != tuple(tensor.shape):
             raise ValueError(f"checkpoint {path}: parameter {name} has shape {shape} but the model "
                              f"built from this config has {tuple(tensor.shape)} (check [model])")
-
-
-def _written_with_load_step(path: Path) -> Optional[int]:
-    """The [checkpoint] load_step of the run that wrote this checkpoint (None: -1 or unknown)."""
-    try:
-        return json.loads((path / "train_state.json").read_text()).get("load_step")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def step_to_load(cfg: Checkpoint, folder: Path, found: Optional[dict[int, Path]] = None
-                 ) -> Optional[int]:
-    """The step a run resumes from ([checkpoint] load_step; -1: the latest), None when there is
-    none; an error naming load_step when it names a missing one. A load_step that this timeline
-    has passed (the latest checkpoint was written by a run with the same load_step: the same
-    command, restarted or requeued) gives the latest, or a requeued job would go back to it for
-    ever. Cheap: the trainer asks before it builds the model."""
-    found = list_checkpoints(folder) if found is None else found
-    if found:
-        step = max(found) if cfg.load_step == -1 else cfg.load_step
-        if (cfg.load_step >= 0 and max(found) > cfg.load_step
-                and _written_with_load_step(found[max(found)]) == cfg.load_step):
-            step = max(found)
-        if step not in found:
-            raise FileNotFoundError(f"[checkpoint] load_step = {step}: no complete checkpoint "
-                                    f"{folder}/step-{step} (have {sorted(found)})")
-        return step
-    if cfg.load_step not in (-1, 0):
-        raise FileNotFoundError(f"[checkpoint] load_step = {cfg.load_step}, but {folder} holds "
-                                "no complete checkpoint")
-    return None
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a run resumes: the step ([checkpoint] load_step; None: none) and the complete
-    checkpoints it was chosen among. Found once, before the model is built, so that a wrong
-    load_step fails fast; Checkpointer.load() then resumes from it (the run lock keeps other runs
-    out of the folder in between)."""
-    step: Optional[int]
-    found: dict[int, Path]
-
-
-def find_resume_point(cfg: Checkpoint, folder: Path) -> ResumePoint:
-    """The step to resume from and the checkpoints found; none with [checkpoint] enable = false
-    (such a run neither saves nor resumes)."""
-    if not cfg.enable:
-        return ResumePoint(None, {})
-    found = list_checkpoints(folder)
-    return ResumePoint(step_to_load(cfg, folder, found), found)
-
-
-def saved_tokenizer(path: Path, strict: bool = False) -> Optional[dict]:
-    """{"fingerprint", "vocab_size"} of the tokenizer the checkpoint at path was trained with, as
-    its train_state.json records it; None where it records none (older checkpoints) or cannot be
-    read (a damaged one falls back to an earlier step when it is loaded). strict: one that cannot
-    be read is a ValueError naming it (export_hf, generate and evaluate have no step to fall
-    back to, and would otherwise leave the tokenizer unchecked)."""
-    file = path / "train_state.json"
-    try:
-        state = json.loads(file.read_text())
-        if not isinstance(state, dict):
-            raise TypeError(f"a JSON {type(state).__name__}, expected an object")
-        record = state.get("tokenizer")
-        if record is None:
-            return None
-        return {"fingerprint": str(record["fingerprint"]), "vocab_size": int(record["vocab_size"])}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        if strict:
-            raise ValueError(f"{file} is damaged ({type(e).__name__}: {e})") from None
-        return None
-
-
-def check_resumed_tokenizer(path: Path, fingerprint: str) -> None:
-    """A ValueError naming [tokenizer] when the checkpoint a run resumes from was trained with
-    another tokenizer: the ids would mean other tokens, and the saved data position other text
-    (a text source failed at its first batch, deep in the data thread)."""
-    saved = saved_tokenizer(path)
-    if saved is not None and saved["fingerprint"] != fingerprint:
-        raise ValueError(f"[tokenizer] is not the tokenizer {path} was trained with (vocab_size "
-                         f"{saved['vocab_size']}, another vocabulary or bos/eos ids): resume with "
-                         "that one, or start a new run from these weights with [checkpoint] "
-                         "initial_load_path in another dump folder")
 
 
 class Checkpointer:
@@ -338,10 +212,10 @@ class Checkpointer:
                     "cuda_rng": torch.cuda.get_rng_state() if self.on_cuda else None},
                    rank_state)
         try:
-            _write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
+            write_synced(tmp / f"rank-{self.rank}.pt", rank_state.getvalue())
             if self.rank == 0:
-                # load_step: a later run with the same one resumes from here (see step_to_load)
-                _write_synced(tmp / "train_state.json", json.dumps(
+                # load_step: a later run with the same one resumes from here (checkpoint_folders.py)
+                write_synced(tmp / "train_state.json", json.dumps(
                     {"step": step, "tokens_seen": tokens_seen,
                      "scheduler": self.scheduler.state_dict(),
                      **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
@@ -349,7 +223,7 @@ class Checkpointer:
                      # a resumed run appends to its own timeline's metrics.jsonl only
                      **({"metrics_started": metrics_started}
                         if metrics_started is not None else {})}).encode())
-                _write_synced(tmp / "config.toml", self.config_toml.encode())
+                write_synced(tmp / "config.toml", self.config_toml.encode())
         except OSError as e:  # a full disk, before DCP writes anything
             raise _save_failed(final, e) from e
         _fault_point("after_rank_files", step)
@@ -426,7 +300,7 @@ class Checkpointer:
             return
         _fault_point("before_commit", step)
         os.replace(tmp, final)  # a non-empty final folder makes this fail: it is never replaced
-        _sync_dir(self.folder)
+        sync_dir(self.folder)
         print(f"checkpoint: step {step} saved to {final} in {time.perf_counter() - started:.1f} s"
               + (f" ({how})" if how else ""), flush=True)
         _fault_point("after_commit", step)

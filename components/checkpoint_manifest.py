@@ -9,17 +9,20 @@ rank hashes the files it wrote, right after writing them (DCP's write_data, so t
 back from the page cache) into `checksums-rank-<r>.json`; DCP gathers every rank's write
 results before it writes `.metadata`, so the coordinator finds them all there when it merges
 them into checksums.json (DCP's finish), before the checkpoint is committed. The ranks check a
-share of the files each when loading, in chunks, and agree on what they found.
+share of the files each when loading, in chunks, and agree on what they found. Its files are
+synced but not renamed into place (components/synced_files.py): they are written inside
+step-<N>.tmp/, which is renamed as a whole.
 """
 
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from components.synced_files import write_json_synced
 
 MANIFEST = "checksums.json"
 CHUNK = 16 << 20
@@ -57,19 +60,13 @@ def _entries(folder: Path, names: Iterable[str]) -> dict[str, list]:
             for name in sorted(set(names))}
 
 
-def _write_json(path: Path, what: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(what, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_manifest(folder: Path, names: Optional[Iterable[str]] = None) -> None:
     """checksums.json for `names` (default: every file in the folder but the manifest)."""
     folder = Path(folder)
     if names is None:
         names = [p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST]
-    _write_json(folder / MANIFEST, {"algorithm": ALGORITHM, "files": _entries(folder, names)})
+    write_json_synced(folder / MANIFEST, {"algorithm": ALGORITHM,
+                                          "files": _entries(folder, names)}, sort_keys=True)
 
 
 class ChecksummingWriter(dcp.FileSystemWriter):
@@ -89,8 +86,8 @@ class ChecksummingWriter(dcp.FileSystemWriter):
         written = super().write_data(plan, planner)  # a future DCP completed already
         results = written.wait()
         names = {result.storage_data.relative_path for result in results} | set(self.own_files)
-        _write_json(self.folder / f"checksums-rank-{self.checksum_rank}.json",
-                    _entries(self.folder, names))
+        write_json_synced(self.folder / f"checksums-rank-{self.checksum_rank}.json",
+                          _entries(self.folder, names), sort_keys=True)
         return written
 
     def finish(self, metadata, results) -> None:
@@ -99,7 +96,8 @@ class ChecksummingWriter(dcp.FileSystemWriter):
         for rank in range(len(results)):
             partial = self.folder / f"checksums-rank-{rank}.json"
             files.update(json.loads(partial.read_text()))
-        _write_json(self.folder / MANIFEST, {"algorithm": ALGORITHM, "files": files})
+        write_json_synced(self.folder / MANIFEST, {"algorithm": ALGORITHM, "files": files},
+                          sort_keys=True)
         for rank in range(len(results)):
             (self.folder / f"checksums-rank-{rank}.json").unlink()
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train
-from components.checkpoint import list_checkpoints
+from components.checkpoint_folders import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 # The loss is not under test here: the unfused one is the fastest on the CPU, where the fused

@@ -192,7 +192,7 @@ def test_dcp_checkpoint_with_model_tensors_at_the_top_level(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_latest_step_is_chosen_by_the_trainers_rule(tmp_path):
-    """A folder of step-<N> folders is read as the trainer reads it (components.checkpoint's
+    """A folder of step-<N> folders is read as the trainer reads it (components.checkpoint_folders'
     list_checkpoints, weights only): a later folder DCP never finished is skipped and named."""
     import torch.distributed.checkpoint as dcp
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import train
-from components.checkpoint import list_checkpoints
+from components.checkpoint_folders import list_checkpoints
 from test_checkpoint import as_before_checksums
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast subset

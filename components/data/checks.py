@@ -25,8 +25,6 @@ import hashlib
 import io
 import json
 import logging
-import os
-import tempfile
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +33,7 @@ from typing import BinaryIO, Iterator
 from filelock import FileLock  # a dependency of datasets
 
 from components.config.schema import OnBadDocument
+from components.synced_files import atomic_open
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +268,8 @@ def _report(path: Path, text_field: str, stem: Path) -> FileReport:
         if report_path.is_file():
             return FileReport(**json.loads(report_path.read_text()))
         report = _scan(path, text_field)
-        _write_atomically(report_path, lambda f: f.write(json.dumps(asdict(report)).encode()))
+        with atomic_open(report_path, unique=True) as f:
+            f.write(json.dumps(asdict(report)).encode())
     return report
 
 
@@ -277,19 +277,9 @@ def _cleaned_copy(path: Path, text_field: str, stem: Path) -> Path:
     copy = stem.with_suffix(path.suffix)
     with FileLock(str(stem) + ".lock"):
         if not copy.is_file():
-            _write_atomically(copy, lambda f: _scan(path, text_field, out=f))
+            with atomic_open(copy, unique=True) as f:
+                _scan(path, text_field, out=f)
     return copy
-
-
-def _write_atomically(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileReport:

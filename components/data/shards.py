@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from components.synced_files import sync, tmp_sibling
+
 FORMAT = "flce-token-shards"
 VERSION = 1
 INDEX = "index.json"
@@ -100,7 +102,7 @@ class ShardWriter:
         self.stem = stem
         self.dtype = np.dtype(dtype)
         stem.parent.mkdir(parents=True, exist_ok=True)
-        self._tokens_tmp = _tmp(self.tokens_path)
+        self._tokens_tmp = tmp_sibling(self.tokens_path)
         self._file = open(self._tokens_tmp, "wb")
         self._header_bytes = self._write_header(0)
         self._offsets = [np.zeros(1, np.int64)]
@@ -134,12 +136,13 @@ class ShardWriter:
         # numpy leaves room in the header for the length to grow, so it is rewritten in place.
         if self._write_header(self._count) != self._header_bytes:
             raise RuntimeError(f"{self.tokens_path}: the .npy header changed size")
-        _close_synced(self._file)
+        sync(self._file)
+        self._file.close()
         offsets = np.concatenate(self._offsets)
-        docs_tmp = _tmp(self.docs_path)
+        docs_tmp = tmp_sibling(self.docs_path)
         with open(docs_tmp, "wb") as f:
             np.save(f, offsets)
-            _close_synced(f)
+            sync(f)
         os.replace(self._tokens_tmp, self.tokens_path)
         os.replace(docs_tmp, self.docs_path)
         return {"tokens": self._count, "documents": len(offsets) - 1}
@@ -147,16 +150,6 @@ class ShardWriter:
     def abandon(self) -> None:
         self._file.close()
         self._tokens_tmp.unlink(missing_ok=True)
-
-
-def _tmp(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp")
-
-
-def _close_synced(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
 
 
 class TokenShards:

@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -23,6 +22,7 @@ import numpy as np
 
 from components.data import SPLITS
 from components.data.checks import VARIED, MissingTextField, check_dataset, check_files
+from components.synced_files import atomic_open
 
 DEFAULT_CACHE_DIR = "~/.cache/flce-recipes"
 BUILDER_BY_SUFFIX = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -49,15 +49,9 @@ def embedded_corpus(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     # Several ranks may build it at once: each writes its own temporary file and the rename is atomic,
     # so no reader ever sees half a corpus.
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for relative_path, text in _stdlib_sources():
-                f.write(json.dumps({"text": text, "path": relative_path}, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "w", unique=True, encoding="utf-8") as f:
+        for relative_path, text in _stdlib_sources():
+            f.write(json.dumps({"text": text, "path": relative_path}, ensure_ascii=False) + "\n")
     return path
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from components import safe_dcp
-from components.checkpoint import list_checkpoints, saved_tokenizer
+from components.checkpoint_folders import list_checkpoints, saved_tokenizer
 from components.checkpoint_manifest import find_damage
 from components.config.schema import JobConfig
 from components.config.parse import load_config

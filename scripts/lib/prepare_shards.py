@@ -36,6 +36,7 @@ from components.data import SPLITS
 from components.data.sources import splits_of
 from components.data.shards import (FORMAT, INDEX, PLAN, VERSION, ShardFormatError, ShardWriter,
                                     token_dtype)
+from components.synced_files import write_json_synced
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 BATCH_BYTES = 1 << 20  # documents tokenized together
@@ -342,7 +343,8 @@ def prepare_unit(unit: Unit) -> dict:
         for writer in writers.values():
             writer.abandon()
         raise
-    _write_json(out / UNITS / f"{unit.name}.json", report)
+    (out / UNITS).mkdir(parents=True, exist_ok=True)
+    write_json_synced(out / UNITS / f"{unit.name}.json", report, atomic=True)
     return report
 
 
@@ -361,16 +363,6 @@ def _write_batch(texts: list[str], writers: dict, tokenizer, val_every: int, rep
             report["max_token_id"] = max(report["max_token_id"], int(tokens.max()))
             written += tokens.size
     return written
-
-
-def _write_json(path: Path, what: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(what, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- the whole run
@@ -422,7 +414,8 @@ def reconcile(out: Path, settings: dict, units: list[Unit], files: dict | None) 
     plan_path = out / PLAN
     if not plan_path.is_file():
         out.mkdir(parents=True, exist_ok=True)
-        _write_json(plan_path, {**settings, "units": [asdict(u) for u in units]})
+        write_json_synced(plan_path, {**settings, "units": [asdict(u) for u in units]},
+                          atomic=True)
         return units
     plan = json.loads(plan_path.read_text())
     differences = _differences(plan, settings)
@@ -457,7 +450,8 @@ def reconcile(out: Path, settings: dict, units: list[Unit], files: dict | None) 
             planned = [u for u in planned if u.path != path] + fresh
             planned.sort(key=lambda u: u.name)
         if planned != [Unit(**u) for u in plan["units"]] or old_files != new_files:
-            _write_json(plan_path, {**settings, "units": [asdict(u) for u in planned]})
+            write_json_synced(plan_path, {**settings, "units": [asdict(u) for u in planned]},
+                              atomic=True)
     return planned
 
 
@@ -625,5 +619,5 @@ def write_index(out: Path, units: list[Unit], settings: dict) -> dict:
              "splits": splits, "skipped_documents": bad,
              "skipped_named": [n for r in reports for n in r["named"]][:NAMED],
              "created": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    _write_json(out / INDEX, index)
+    write_json_synced(out / INDEX, index, atomic=True)
     return index

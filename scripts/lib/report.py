@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from components.synced_files import write_synced
+
 REPO = Path(__file__).resolve().parents[2]
 # Untracked files here are earlier benchmarks' results, not code: they leave the tree clean.
 RESULTS_DIR = "benchmarks/"
@@ -124,14 +126,13 @@ def provenance(launcher: tuple[str, ...] = ("python3",)) -> dict:
 
 
 def write_report(out: str | Path, report: dict, markdown: str) -> None:
-    """<out>.json and <out>.md, each written to a temporary file and renamed: a reader (or a
-    benchmark killed mid-write) never leaves half a file."""
+    """<out>.json and <out>.md, each written to a temporary file, synced and renamed
+    (components/synced_files.py): a reader (or a benchmark killed mid-write) never leaves half a
+    file."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps(report, indent=1) + "\n"), (".md", markdown)):
-        tmp = out.with_suffix(suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out.with_suffix(suffix))
+        write_synced(out.with_suffix(suffix), text, atomic=True)
 
 
 def fmt(value, spec: str = "{:,.0f}") -> str:
