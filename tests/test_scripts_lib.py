@@ -614,6 +614,27 @@ def test_flce_grid_floor_in_row_blocks_equals_the_whole_gemms():
     torch.testing.assert_close(odw[:11], odd[:, :11].t() @ x)
 
 
+def test_flce_grid_floor_runs_dx_in_the_row_blocks_flce_does(monkeypatch):
+    """dx in flce's row blocks (one 16384-row dx GEMM at H = 8192 ran up to 1.35x two of 8192,
+    a floor flce ran under: 0.937x at 16384x8192x128256): every row once, each block at most
+    DX_BLOCK_TOKENS rows, in one block of all tokens and in the logits' row blocks."""
+    import flce.ops
+    monkeypatch.setattr(flce.ops, "DX_BLOCK_TOKENS", 16)
+    torch.manual_seed(0)
+    x, w = torch.randn(37, 8, dtype=torch.float64), torch.randn(12, 8, dtype=torch.float64)
+    mm, shapes = torch.mm, []
+    monkeypatch.setattr(bench_flce.torch, "mm", lambda a, b, **kw: shapes.append(
+        (a.shape, b.shape)) or mm(a, b, **kw))
+    for max_bytes, heights in [(None, [37]), (30 * 12 * 8, [30, 7])]:
+        run, (logits, dx, dw) = bench_flce.gemm_floor(x, w, max_logits_bytes=max_bytes)
+        shapes.clear()
+        run()
+        dx_rows = [a[0] for a, b in shapes if b == (12, 8)]  # dlogits [rows, V] @ W [V, H]
+        assert dx_rows == [b - a for h in heights for a, b in flce.ops.dx_row_blocks(h)]
+        assert max(dx_rows) <= 16 and sum(dx_rows) == 37
+        torch.testing.assert_close(dx[-7:], logits[:7] @ w if max_bytes else logits[-7:] @ w)
+
+
 def test_flce_grid_floor_is_one_read_and_one_write_of_the_logits_at_the_hbm_peak():
     # 4 bytes a logit at 4.8 TB/s: 2400000x5000 logits take 10 ms, 1200000x1000 1 ms,
     # 12000x1000 0.01 ms; over GEMMs of 100, 50 and 5 ms: 1.10 (out of reach), 1.02, 1.002
