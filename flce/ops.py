@@ -109,7 +109,7 @@ def uses_one_block(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
     C = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=False, float8=float8)
     if C >= n_tokens:
         return True
-    if float8 == "logits+dx":
+    if float8 == "logits+dx" and n_tokens > DX_BLOCK_TOKENS:
         return False
     e, acc = elem_bytes, max(4, elem_bytes)
     grads = (n_tokens + vocab) * hidden

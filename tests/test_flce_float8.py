@@ -397,7 +397,7 @@ def test_float8_dx_takes_chunks_of_at_most_a_dx_block(impl, device, monkeypatch,
     """With "logits+dx" a call over more than DX_BLOCK_TOKENS tokens takes chunks of at most that
     many, not one block of all (its float8 dx GEMM is one `_scaled_mm`, slow over 16384 rows on
     an H100): the same result as asking for those chunks, and the one-block path never entered.
-    "logits" (dx in bf16 row blocks) keeps one block."""
+    "logits" (dx in bf16 row blocks) keeps one block, as does a call that needs no dx."""
     import flce.function
     import flce.ops
     monkeypatch.setattr(flce.ops, "DX_BLOCK_TOKENS", 16)
@@ -415,6 +415,10 @@ def test_float8_dx_takes_chunks_of_at_most_a_dx_block(impl, device, monkeypatch,
     assert all(torch.equal(g, h) for g, h in zip(picked[1], asked[1]))
     loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, up, **{**kw, "float8": "logits"})
     assert entered == ["logits"]
+    # no gradient of x: no dx GEMM, so nothing to chunk for (the path "logits" takes)
+    loss = flce.fused_linear_cross_entropy(x.detach(), t, w, b, **kw)
+    torch.autograd.grad(loss, w, up.to(device=loss.device, dtype=loss.dtype))
+    assert entered == ["logits", "logits+dx"]
 
 
 @IMPL_DEVICES

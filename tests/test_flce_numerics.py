@@ -440,6 +440,12 @@ def test_one_block_where_it_takes_no_more_memory_than_chunks():
     assert not uses_one_block(16384, 8192, 256000, 2, None, lean=False, float8="logits+dx")
     assert uses_one_block(8192, 8192, 256000, 2, None, lean=False, float8="logits+dx")
     assert uses_one_block(16384, 8192, 256000, 2, 16384, lean=False, float8="logits+dx")
+    # up to DX_BLOCK_TOKENS the bf16 rule: one block where it takes no more memory, as bf16
+    # (V = 300000: chunks below 8192 tokens, one block of 8192 the smaller)
+    for N, V in [(8192, 300000), (6144, 512000)]:
+        assert uses_one_block(N, 4096, V, 2, None, lean=False, float8="logits+dx") == \
+            uses_one_block(N, 4096, V, 2, None, lean=False)
+    assert uses_one_block(8192, 4096, 300000, 2, None, lean=False, float8="logits+dx")
 
 
 @IMPL_DEVICES
