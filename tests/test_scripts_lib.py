@@ -3,6 +3,7 @@ the report files, the timer, the loud first line of every benchmark's markdown, 
 folders that scripts clear only when they made them."""
 
 import collections
+import importlib
 import itertools
 import json
 import os
@@ -1101,16 +1102,17 @@ def test_the_gemms_ahead_of_a_timed_call_keep_the_gpu_busy_about_as_long_as_aske
 
 
 @pytest.mark.parametrize("module, args", [("flce", ["--grid"]), ("float8_grid", [])])
-def test_a_grid_without_resume_leaves_an_existing_report_alone(module, args, tmp_path):
+def test_a_grid_without_resume_leaves_an_existing_report_alone(module, args, tmp_path,
+                                                               monkeypatch, capsys):
     """The grids' default --out is the committed report: a run without --resume rewrote it
     point by point, one point at the first."""
     report = tmp_path / "report.json"
     report.write_text('{"meta": {}, "results": []}')
-    result = subprocess.run([sys.executable, "-m", f"scripts.bench.{module}", *args,
-                             "--out", str(tmp_path / "report")], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and report.read_text() == '{"meta": {}, "results": []}'
-    assert result.stderr.splitlines()[-1].endswith(
+    monkeypatch.setattr(sys, "argv", [module, *args, "--out", str(tmp_path / "report")])
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"scripts.bench.{module}").main()
+    assert exit_.value.code == 2 and report.read_text() == '{"meta": {}, "results": []}'
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"error: {report} exists: --resume measures the points it lacks, --out names a new "
         "report (a fresh grid would replace it point by point)")
 
@@ -1121,15 +1123,22 @@ def test_a_grid_without_resume_leaves_an_existing_report_alone(module, args, tmp
     ("float8_grid", []), ("grad_gemms", ["--chunks", "16x8x32"]), ("logits_epilogue", []),
     ("loss_kernels", ["--shapes", "64x8x32"]), ("row_overlap", ["--shapes", "64x8x32"]),
     ("step_floor", []), ("tune_rows_kernel", [])])
-def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(module, args, tmp_path):
+def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(module, args, tmp_path, monkeypatch,
+                                                           capsys):
     """Each said it with an AssertionError's traceback (and under python3 -O, with the assert
-    gone, failed later in CUDA's generator)."""
-    result = subprocess.run([sys.executable, "-O", "-m", f"scripts.bench.{module}", *args,
-                             "--out", str(tmp_path / "report")], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr == (f"error: scripts.bench.{module} times CUDA kernels and needs a CUDA "
-                             f"GPU; torch {torch.__version__} sees none\n")
+    gone, failed later in CUDA's generator). In this process (a subprocess apiece spent most of
+    the time importing torch), but for one under python3 -O: no assert does the check."""
+    message = (f"error: scripts.bench.{module} times CUDA kernels and needs a CUDA GPU; torch "
+               f"{torch.__version__} sees none\n")
+    command = [*args, "--out", str(tmp_path / "report")]
+    if module == "flce":
+        result = subprocess.run([sys.executable, "-O", "-m", "scripts.bench.flce", *command],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr == message
+    monkeypatch.setattr(sys, "argv", [module, *command])
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"scripts.bench.{module}").main()
+    assert exit_.value.code == 2 and capsys.readouterr().err == message
 
 
 
@@ -1150,7 +1159,7 @@ def test_bench_runs_read_the_timeline_a_rollback_left(tmp_path):
     assert rows[2]["loss"] == 0.5
 
 
-def test_the_benchmarks_read_their_shapes_with_one_parser(tmp_path):
+def test_the_benchmarks_read_their_shapes_with_one_parser(tmp_path, monkeypatch, capsys):
     """bench.flce, float8_grid, logits_epilogue, loss_kernels, loss_parallel, row_overlap,
     row_order (NxHxV), attention (BxHQxHKVxTxD), grad_gemms (CxHxV) and chunk_sizes
     (NxHxV:C1/C2/...) each split their shapes themselves; most with a ValueError's traceback for
@@ -1195,7 +1204,10 @@ def test_the_benchmarks_read_their_shapes_with_one_parser(tmp_path):
              "error: argument --vocab: '0' has a size below 1"),
             ("tune_rows_kernel", ["--rows", "8192,4k"],
              "error: argument --rows: '4k' is not a size")]:
-        result = subprocess.run([sys.executable, "-m", f"scripts.bench.{module}", *args,
-                                 "--out", str(tmp_path / "report")], cwd=REPO,
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2 and result.stderr.splitlines()[-1].endswith(line)
+        # in this process (each module's main parses before it asks for a GPU): a subprocess
+        # apiece spent most of this test importing torch again
+        bench = importlib.import_module(f"scripts.bench.{module}")
+        monkeypatch.setattr(sys, "argv", [module, *args, "--out", str(tmp_path / "report")])
+        with pytest.raises(SystemExit) as exit_:
+            bench.main()
+        assert exit_.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(line)
