@@ -26,9 +26,8 @@ if not __package__:
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from flce.ops import float8_used, pick_chunk_size, uses_one_block  # noqa: E402
-from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
-                                make_inputs, run_meta, timing_meta)
+from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, flce_path,  # noqa: E402
+                                gemm_floor, make_inputs, run_meta, timing_meta)
 from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
@@ -38,13 +37,8 @@ POINT = "NxHxV:C1/C2/..."  # e.g. 16384x1024x128256:4096/8192/16384 (`parse_shap
 
 def path_name(N: int, H: int, V: int, chunk_size, lean: bool = False,
               float8: str = "none") -> str:
-    """"one block" or "chunks of C", as flce takes it for this chunk_size (None: its choice)
-    and float8 mode, with " (lean)" for memory_lean."""
-    float8 = float8_used(float8, N, H, V)
-    if uses_one_block(N, H, V, 2, chunk_size, lean, float8):
-        return "one block"
-    chunks = f"chunks of {pick_chunk_size(N, H, V, 2, chunk_size, lean, float8)}"
-    return chunks + (" (lean)" if lean else "")
+    """`bench.flce.flce_path` of this benchmark's bf16 inputs."""
+    return flce_path(N, H, V, 2, chunk_size, lean, float8)
 
 
 def markdown(meta: dict, results: list[dict]) -> str:

@@ -27,6 +27,7 @@ import flce.ops  # noqa: E402
 from flce.ops import gemm_operands, gemm_vocab, matmul_into  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, first_calls, gemm_floor,  # noqa: E402
                                 make_inputs, run_meta)
+from scripts.bench.flce import flce_path as flce_sweep  # noqa: E402
 from scripts.lib.loss_grid import parse_shape, parse_shapes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
 from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa: E402
@@ -147,9 +148,8 @@ def measure_point(shape: str, seconds: float, reps: int, make_variants=None) -> 
 
 
 def flce_path(N, H, V) -> str:
-    if flce.ops.uses_one_block(N, H, V, 2, None, lean=False):
-        return "one block (the variants are flce)"
-    return f"chunks of {flce.ops.pick_chunk_size(N, H, V, 2, None, lean=False)}"
+    path = flce_sweep(N, H, V, 2)
+    return path + (" (the variants are flce)" if path == "one block" else "")
 
 
 BITWISE = {True: "yes", False: "NO", None: "-"}
