@@ -520,14 +520,28 @@ def test_row_overlap_variant_is_bitwise_flces_chunked_sweep(priority):
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (float8 GEMMs)")
-def test_float8_floor_in_row_blocks_sums_dw_over_the_blocks():
+def test_float8_floor_in_row_blocks_sums_dw_over_the_blocks(monkeypatch):
+    """On the GPU, or on the CPU through Triton's interpreter (the float8 GEMMs run there too)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(bench_float8_grid.flce.ops, "DX_BLOCK_TOKENS", 8)
+    scaled_mm, dx_rows = torch._scaled_mm, []
+
+    def recording_scaled_mm(a, b, *args, use_fast_accum, **kwargs):
+        if not use_fast_accum:  # the dx GEMM (the logits one accumulates fast)
+            dx_rows.append(a.shape[0])
+        return scaled_mm(a, b, *args, use_fast_accum=use_fast_accum, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", recording_scaled_mm)
     torch.manual_seed(0)
-    x = torch.randn(40, 32, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(48, 32, device="cuda", dtype=torch.bfloat16) / 6
+    x = torch.randn(40, 32, device=device, dtype=torch.bfloat16)
+    w = torch.randn(48, 32, device=device, dtype=torch.bfloat16) / 6
     run, (f8, logits, out, dw) = bench_float8_grid.float8_floor(x, w, max_logits_bytes=16 * 48 * 2)
     run()
     assert logits.shape == (16, 48)  # blocks of 16, 16 and 8 rows
+    # dx in flce's dx row blocks (of at most 8 rows here), as the bf16 floor's
+    assert dx_rows == [8, 8, 8, 8, 8]
+    expected_dx = logits.float() @ w.float()
+    torch.testing.assert_close(f8.dx_out[:16].float(), expected_dx, rtol=0.1,
+                               atol=0.1 * expected_dx.abs().max().item())  # e4m3 dlogits
     # dW is bf16 summed in place: each block's fp32 product is added to it and rounded to bf16
     expected = torch.zeros_like(dw)
     for s, n in ((0, 16), (16, 16), (32, 8)):

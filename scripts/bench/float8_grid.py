@@ -6,10 +6,11 @@ and against its own floor, the float8 GEMMs alone.
 At each point: flce in bf16, flce with float8="logits+dx" (which runs the bf16 GEMMs below
 flce's threshold, `flce.ops.float8_used`: the report says where), the bare bf16 GEMMs and the
 float8 floor (float8 logits and dx GEMMs with their operands quantized beforehand, bf16 dW; in
-row blocks where the logits would not fit, as the bf16 floor), timed in interleaved rounds as
-the bf16 grid. The targets it checks: the float8 loss never slower than the bf16 loss, and
-within 1.15x its float8 floor where the GEMMs take 10 ms or more. Writes <out>.json and <out>.md
-after every point; --resume skips the points already in <out>.json.
+row blocks where the logits would not fit, dx in flce's dx row blocks, as the bf16 floor),
+timed in interleaved rounds as the bf16 grid. The targets it checks: the float8 loss never
+slower than the bf16 loss, and within 1.15x its float8 floor where the GEMMs take 10 ms or more.
+Writes <out>.json and <out>.md after every point; --resume skips the points already in
+<out>.json.
 """
 
 import argparse
@@ -24,7 +25,7 @@ if not __package__:
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from flce.ops import float8_used, gemm_operands  # noqa: E402
+from flce.ops import dx_row_blocks, float8_used, gemm_operands  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, GRID_EXISTS, first_calls,  # noqa: E402
                                 gemm_floor, make_inputs, run_meta)
 from scripts.lib.loss_grid import (grid_shapes, hbm_peak, logit_traffic_ms,  # noqa: E402
@@ -50,7 +51,9 @@ def row_pass_ms(shape: str, bytes_per_s: float) -> float:
 def float8_floor(x, w, max_logits_bytes=None):
     """The float8 loss's GEMMs alone: float8 logits and dx (rowwise scales, bf16 out, operands
     quantized beforehand, as flce/float8.py calls them) and the bf16 dW, at full size or in row
-    blocks whose logits take at most max_logits_bytes (dW summed in place). The operands hold
+    blocks whose logits take at most max_logits_bytes (dW summed in place). The float8 dx runs in
+    `dx_row_blocks`, as the bf16 floor's: the float8 loss never runs a dx GEMM of more rows
+    (`flce.ops.pick_chunk_size`), and one of 16384 rows is cuBLAS's slow shape. The operands hold
     real values (x's first rows, their logits as the stand-in dlogits), not zeros, which a GEMM
     runs faster on."""
     from flce.float8 import Float8Gemms
@@ -72,8 +75,10 @@ def float8_floor(x, w, max_logits_bytes=None):
             n = min(rows, N - start)
             torch._scaled_mm(f8.x[:n], f8.w.t(), f8.x_scale[:n], f8.w_scale,
                              out_dtype=torch.bfloat16, use_fast_accum=True, out=out[:n])
-            torch._scaled_mm(f8.g[:n], f8.wt.t(), f8.g_scale[:n], f8.wt_scale,
-                             out_dtype=torch.bfloat16, use_fast_accum=False, out=f8.dx_out[:n])
+            for lo, hi in dx_row_blocks(n):
+                torch._scaled_mm(f8.g[lo:hi], f8.wt.t(), f8.g_scale[lo:hi], f8.wt_scale,
+                                 out_dtype=torch.bfloat16, use_fast_accum=False,
+                                 out=f8.dx_out[lo:hi])
             if start == 0:
                 torch.mm(logits[:n].t(), x[start:start + n], out=dw)
             else:
