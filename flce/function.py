@@ -11,7 +11,7 @@ from flce.custom_ops import (block_backward, block_forward, fused_forward, scale
 from flce.dispatch import (IMPLS, check_inputs, divisor_of, loss_weight, refuse_double_backward,
                            stat_dtype, use_triton, widened)
 from flce.float8 import FLOAT8
-from flce.ops import float8_used, uses_one_block
+from flce.ops import float8_gemms, float8_used, uses_one_block
 from flce.options import LossOptions
 from flce.vocab_sweep import uses_vocab_sweep
 
@@ -28,7 +28,7 @@ class _OneBlockLoss(torch.autograd.Function):
         need = ctx.needs_input_grad
         loss, row_max, log_sum, logits, off_max, w_col_absmax = block_forward(
             x, target, weight, bias, *opts, float8, use_triton,
-            need[0] and float8 == "logits+dx")
+            float8_gemms(float8, need[0]) == "logits+dx")
         loss_weight = None
         if reduce:
             loss, loss_weight = weighted_sum(loss, target, normalizer, inv_divisor, opts[0],
@@ -193,8 +193,8 @@ def fused_linear_cross_entropy(
     if grad and reduction == "none" and uses_vocab_sweep(N, H, V, x.element_size(), chunk_size,
                                                          memory_lean, float8):
         return _VocabSweepLoss.apply(x2, t2, weight, bias, o, on_triton).reshape(target.shape)
-    runs_float8 = "logits" if float8 == "logits+dx" and not x.requires_grad else float8  # no dx
-    if grad and uses_one_block(N, H, V, x.element_size(), chunk_size, memory_lean, runs_float8):
+    if grad and uses_one_block(N, H, V, x.element_size(), chunk_size, memory_lean,
+                               float8_gemms(float8, x.requires_grad)):
         if reduction == "none":
             loss = _OneBlockLoss.apply(x2, t2, weight, bias, None, o, float8, on_triton, False,
                                        None)

@@ -126,6 +126,12 @@ def float8_used(float8: str, n_tokens: int, hidden: int, vocab: int) -> str:
     return float8 if big else "none"
 
 
+def float8_gemms(float8: str, need_dx: bool) -> str:
+    """The float8 mode a call's GEMMs run: "logits+dx" without a dx to form runs no dx GEMM,
+    so it is "logits" there (the chunk rule and the float8 dx operands follow this mode)."""
+    return "logits" if float8 == "logits+dx" and not need_dx else float8
+
+
 def _row_fn(use_triton: bool):
     if use_triton:
         from flce.kernels import launch_rows
@@ -290,12 +296,11 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     dw_acc = weight_grad_buffer(weight, accum_dtype, N) if need_dw else None
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
 
-    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean,
-                        float8 if need_dx else "none")
+    float8 = float8_gemms(float8, need_dx)
+    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean, float8)
     fp8 = None
     if float8 != "none":
-        fp8 = Float8Gemms(weight, bias, target, min(C, N), need_dx and float8 == "logits+dx",
-                          use_triton)
+        fp8 = Float8Gemms(weight, bias, target, min(C, N), float8 == "logits+dx", use_triton)
         if fp8.dx and stats_given:  # the float8 scales need the max off the target: recompute
             stats, stats_given = None, False
 
@@ -369,7 +374,7 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
     width = gemm_vocab(V, x.element_size())
     gemm_view = view if width == V else logits[:, :width]  # columns V.. hold 0
     fp8 = None
-    if need_dx and float8 == "logits+dx":
+    if float8_gemms(float8, need_dx) == "logits+dx":
         fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False,
                           w_col_absmax=w_col_absmax)
     # a gradient pass writes no loss: its loss_out (here the row maxima) is left as it is
