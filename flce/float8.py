@@ -151,11 +151,15 @@ class Float8Gemms:
         """(G in e4m3 without the target column, its row scales, G at the target) for n rows."""
         return self.g[:n, :self.V], self.g_scale[:n, 0], self.target_grad[:n]
 
-    def dx_into(self, out: Tensor, weight: Tensor, start: int) -> None:
-        """out = G @ W for the rows [start, start + len(out)) whose G `grad_outputs` holds."""
+    def dx_into(self, out: Tensor, weight: Tensor, start: int,
+                row_blocks: list[tuple[int, int]]) -> None:
+        """out = G @ W for the rows [start, start + len(out)) whose G `grad_outputs` holds, the
+        GEMM in row_blocks ([lo, hi) of those rows: `ops.dx_row_blocks`)."""
         n = out.shape[0]
-        # no fast accumulation: partial sums promoted to fp32 over the K = V terms
-        gw = scaled_mm(self.g[:n], self.wt.t(), self.g_scale[:n], self.wt_scale, None,
-                       fast_accum=False, out=self.dx_out[:n])
+        for lo, hi in row_blocks:
+            # no fast accumulation: partial sums promoted to fp32 over the K = V terms
+            scaled_mm(self.g[lo:hi], self.wt.t(), self.g_scale[lo:hi], self.wt_scale, None,
+                      fast_accum=False, out=self.dx_out[lo:hi])
+        gw = self.dx_out[:n]
         y = self.target[start:start + n].clamp(0, self.V - 1).long()  # ignored rows: G_y = 0
         torch.addcmul(gw[:, :self.H], weight[y], self.target_grad[:n, None], out=out)

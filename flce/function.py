@@ -193,8 +193,7 @@ def fused_linear_cross_entropy(
     if grad and reduction == "none" and uses_vocab_sweep(N, H, V, x.element_size(), chunk_size,
                                                          memory_lean, float8):
         return _VocabSweepLoss.apply(x2, t2, weight, bias, o, on_triton).reshape(target.shape)
-    if grad and uses_one_block(N, H, V, x.element_size(), chunk_size, memory_lean,
-                               float8_gemms(float8, x.requires_grad)):
+    if grad and uses_one_block(N, H, V, x.element_size(), chunk_size, memory_lean):
         if reduction == "none":
             loss = _OneBlockLoss.apply(x2, t2, weight, bias, None, o, float8, on_triton, False,
                                        None)

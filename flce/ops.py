@@ -53,12 +53,11 @@ MAX_CHUNK_BYTES = 4 << 30   # and never more logits than this (8192 tokens up to
 # too (benchmarks/flce_grad_gemms_*_h100.md, docs/performance.md "The one-block path's dx").
 DX_BLOCK_TOKENS = 8192
 
-# The float8 dx GEMM (one `_scaled_mm` of a chunk's, or all, rows) is not split so: with float8
-# "logits+dx" a call takes chunks of at most DX_BLOCK_TOKENS instead of one block or larger
-# chunks. On an H100 at N = 10240-65536 (H 2048-8192, V 32000-256000) chunks of 8192 (or N/2)
-# ran 0.2-4.6% faster than the float8 one block or 16384-token chunks, and at 16384x8192x256000
-# 295.7 ms against one block's 304.1 (the bf16 loss 300.9): docs/performance.md "Float8 chunks".
-# At N = 8192 the one block stays (at 8192x8192x256000 148.9 ms against halves' 152.2).
+# The float8 dx GEMM (`_scaled_mm`) runs in the same row blocks. On an H100 one of 16384 rows
+# made the float8 loss slower than the bf16 loss at 16384x8192x256000 (304.1 ms against 300.9;
+# chunks of 8192 295.7); on an H200 the one block ran 1.5-2.8% faster than chunks of 8192 at
+# five points N = 10240-65536 with its dx one GEMM, 2.0-4.7% at four with it in row blocks
+# (16384x8192x256000: 223.3 ms against 233.9): docs/performance.md "Float8 dx row blocks".
 
 # float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
 # from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
@@ -71,15 +70,14 @@ FLOAT8_MIN_WORK = 1 << 38
 
 
 def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
-                    chunk_size: Optional[int], lean: bool, float8: str = "none") -> int:
+                    chunk_size: Optional[int], lean: bool) -> int:
     """Tokens per chunk of the chunked sweep, evened out so that the last chunk is not a sliver.
 
     Default: about CHUNK_BYTES of logits, within MIN_CHUNK_TOKENS..MAX_CHUNK_TOKENS tokens and at
     most MAX_CHUNK_BYTES (8192 tokens at V = 128256 and 256000, 16384 at V = 32000). Smaller
     chunks make the dW accumulation cost more (each chunk reads and writes the fp32
     accumulator), larger ones cost memory for little speed. Lean: a logits buffer about the size of x,
-    next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel. With float8 "logits+dx" (the mode a call
-    runs, `float8_used`) at most DX_BLOCK_TOKENS (why: beside it)."""
+    next_pow2(N / ceil(V / H)) tokens, as Liger-Kernel."""
     vocab = max(vocab, 1)  # an empty vocabulary slice (vocab-parallel, fewer classes than ranks)
     if chunk_size is None:
         if lean:
@@ -88,29 +86,24 @@ def pick_chunk_size(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
             row_bytes = vocab * elem_bytes
             chunk_size = min(MAX_CHUNK_TOKENS, max(MIN_CHUNK_TOKENS, CHUNK_BYTES // row_bytes))
             chunk_size = max(256, min(chunk_size, MAX_CHUNK_BYTES // row_bytes))
-        if float8 == "logits+dx":
-            chunk_size = min(chunk_size, DX_BLOCK_TOKENS)
     n_chunks = max(1, -(-n_tokens // chunk_size))
     even = -(-n_tokens // n_chunks)
     return max(1, min(chunk_size, -(-even // 8) * 8))
 
 
 def uses_one_block(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
-                   chunk_size: Optional[int], lean: bool, float8: str = "none") -> bool:
+                   chunk_size: Optional[int], lean: bool) -> bool:
     """Whether a call with gradients takes the one-block path: when its peak memory (the logits
     of all tokens, then dx and dW in the parameter dtype) is no more than the chunked sweep's
     (one chunk of logits, dx and dW accumulated in fp32, then their casts). A given chunk_size
-    smaller than N asks for chunks; memory_lean always chunks. With float8 "logits+dx" (the
-    mode the call runs, `float8_used`) never over more than DX_BLOCK_TOKENS tokens."""
+    smaller than N asks for chunks; memory_lean always chunks."""
     if lean:
         return False
     if chunk_size is not None:
         return chunk_size >= n_tokens
-    C = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=False, float8=float8)
+    C = pick_chunk_size(n_tokens, hidden, vocab, elem_bytes, None, lean=False)
     if C >= n_tokens:
         return True
-    if float8 == "logits+dx" and n_tokens > DX_BLOCK_TOKENS:
-        return False
     e, acc = elem_bytes, max(4, elem_bytes)
     grads = (n_tokens + vocab) * hidden
     one_block = n_tokens * vocab * e + grads * e
@@ -234,8 +227,8 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
     trim = buf.shape[1] != width
     x_parts = x.split(chunk_size)
     dx_parts = dx.split(chunk_size) if dx is not None and (fp8 is None or not fp8.dx) else None
-    # chunk height -> (block, logits, rows, logits.T, dx's row blocks of the logits): the last
-    # chunk may be shorter
+    # chunk height -> (block, logits, rows, logits.T, dx's row blocks and those blocks of the
+    # logits): the last chunk may be shorter
     views = {}
     for i, x_c in enumerate(x_parts):
         start = i * chunk_size
@@ -244,9 +237,10 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
             block = buf if x_c.shape[0] == buf.shape[0] else buf[: x_c.shape[0]]
             logits = block[:, :width] if trim else block  # columns V.. hold 0 (W's padding rows)
             rows = logits if width == V else logits[:, :V]
-            dx_blocks = [(logits[lo:hi], lo, hi) for lo, hi in dx_row_blocks(x_c.shape[0])]
-            views[x_c.shape[0]] = block, logits, rows, logits.t(), dx_blocks
-        block, logits, rows, logits_t, dx_blocks = views[x_c.shape[0]]
+            bounds = dx_row_blocks(x_c.shape[0])
+            dx_blocks = [(logits[lo:hi], lo, hi) for lo, hi in bounds]
+            views[x_c.shape[0]] = block, logits, rows, logits.t(), bounds, dx_blocks
+        block, logits, rows, logits_t, bounds, dx_blocks = views[x_c.shape[0]]
         if fp8 is not None:
             fp8.logits(x_c, out=block)
         elif b is None:
@@ -255,7 +249,7 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
             torch.addmm(b, x_c, w_t, out=logits)
         row_pass(rows, start, end, block.shape[1])
         if dx is not None and fp8 is not None and fp8.dx:
-            fp8.dx_into(dx[start:end], weight, start)
+            fp8.dx_into(dx[start:end], weight, start, bounds)
         elif dx is not None and len(dx_blocks) == 1:
             matmul_into(dx_parts[i], logits, w, accumulate=False)
         elif dx is not None:
@@ -296,11 +290,11 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     dw_acc = weight_grad_buffer(weight, accum_dtype, N) if need_dw else None
     db_acc = torch.zeros(V, device=x.device, dtype=stat_dtype) if need_db else None
 
-    float8 = float8_gemms(float8, need_dx)
-    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean, float8)
+    C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
     fp8 = None
     if float8 != "none":
-        fp8 = Float8Gemms(weight, bias, target, min(C, N), float8 == "logits+dx", use_triton)
+        fp8 = Float8Gemms(weight, bias, target, min(C, N),
+                          float8_gemms(float8, need_dx) == "logits+dx", use_triton)
         if fp8.dx and stats_given:  # the float8 scales need the max off the target: recompute
             stats, stats_given = None, False
 
@@ -392,7 +386,7 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
     if fp8 is not None:
         dx = x.new_empty(x.shape)
         if N:
-            fp8.dx_into(dx, weight, 0)
+            fp8.dx_into(dx, weight, 0, dx_row_blocks(N))
     elif need_dx:
         dx = dx_in_row_blocks(gemm_view, gemm_operands(weight, None)[0])
     if need_dw:

@@ -413,11 +413,6 @@ def test_chunk_sizes():
     # lean: Liger-Kernel's size, next_pow2(N / ceil(V / H))
     assert pick_chunk_size(8192, 2048, 128256, 2, None, lean=True) == 256
     assert pick_chunk_size(32768, 2048, 128256, 2, None, lean=True) == 1024
-    # float8 dx GEMMs over at most DX_BLOCK_TOKENS rows; a chunk_size asked for is kept
-    assert pick_chunk_size(65536, 1024, 32000, 2, None, False, "logits+dx") == 8192
-    assert pick_chunk_size(65536, 1024, 32000, 2, None, False, "logits") == 16384
-    assert pick_chunk_size(65536, 1024, 32000, 2, 16384, False, "logits+dx") == 16384
-    assert pick_chunk_size(12288, 8192, 256000, 2, None, False, "logits+dx") == 6144
 
 
 def test_one_block_where_it_takes_no_more_memory_than_chunks():
@@ -435,17 +430,6 @@ def test_one_block_where_it_takes_no_more_memory_than_chunks():
     assert not uses_one_block(100, 64, 1000, 2, 64, lean=False)
     assert uses_one_block(100, 64, 1000, 2, 100, lean=False)
     assert not uses_one_block(100, 64, 1000, 2, None, lean=True)
-    # float8 dx: one block up to DX_BLOCK_TOKENS, above it chunks of at most that many
-    assert uses_one_block(16384, 8192, 256000, 2, None, lean=False, float8="logits")
-    assert not uses_one_block(16384, 8192, 256000, 2, None, lean=False, float8="logits+dx")
-    assert uses_one_block(8192, 8192, 256000, 2, None, lean=False, float8="logits+dx")
-    assert uses_one_block(16384, 8192, 256000, 2, 16384, lean=False, float8="logits+dx")
-    # up to DX_BLOCK_TOKENS the bf16 rule: one block where it takes no more memory, as bf16
-    # (V = 300000: chunks below 8192 tokens, one block of 8192 the smaller)
-    for N, V in [(8192, 300000), (6144, 512000)]:
-        assert uses_one_block(N, 4096, V, 2, None, lean=False, float8="logits+dx") == \
-            uses_one_block(N, 4096, V, 2, None, lean=False)
-    assert uses_one_block(8192, 4096, 300000, 2, None, lean=False, float8="logits+dx")
 
 
 @IMPL_DEVICES

@@ -226,13 +226,6 @@ def test_chunk_sizes_bench_reads_its_points_and_reports_each_run():
     assert bench_chunk_sizes.path_name(16384, 1024, 128256, 16384) == "one block"
     assert bench_chunk_sizes.path_name(16384, 1024, 128256, 4096) == "chunks of 4096"
     assert bench_chunk_sizes.path_name(65536, 2048, 128256, None) == "chunks of 8192"
-    # float8 as the loss runs it: "logits+dx" chunks above 8192 tokens, none below its threshold
-    assert bench_chunk_sizes.path_name(16384, 8192, 256000, None, float8="logits+dx") == \
-        "chunks of 8192"
-    assert bench_chunk_sizes.path_name(16384, 8192, 256000, None) == "one block"
-    assert bench_chunk_sizes.path_name(65536, 8192, 32000, None, float8="logits+dx") == \
-        "chunks of 8192"
-    assert bench_chunk_sizes.path_name(512, 64, 32000, None, float8="logits+dx") == "one block"
     text = chunk_sizes_report(CLEAN)
     assert "| 16384x8x16 | default | chunks of 8192 | 11.00 | 1.375 | 1.100 | 300 |" in text
     assert "| 16384x8x16 | c16384 | one block | 10.00 | 1.250 | 1.000 | 500 |" in text

@@ -35,10 +35,9 @@ from scripts.lib.timing import interleaved_rounds, medians, require_cuda  # noqa
 POINT = "NxHxV:C1/C2/..."  # e.g. 16384x1024x128256:4096/8192/16384 (`parse_shape`)
 
 
-def path_name(N: int, H: int, V: int, chunk_size, lean: bool = False,
-              float8: str = "none") -> str:
+def path_name(N: int, H: int, V: int, chunk_size, lean: bool = False) -> str:
     """`bench.flce.flce_path` of this benchmark's bf16 inputs."""
-    return flce_path(N, H, V, 2, chunk_size, lean, float8)
+    return flce_path(N, H, V, 2, chunk_size, lean)
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
@@ -84,7 +83,7 @@ def measure_point(N, H, V, sizes, seconds, reps, lean: bool = False,
     ms = medians(rounds)
     point = {"shape": f"{N}x{H}x{V}", "gemms_ms": ms["bare_gemms"],
              "runs": [{"run": name, "chunk_size": c, "memory_lean": m, "float8": f,
-                       "path": path_name(N, H, V, c, m, f), "ms": ms.get(name),
+                       "path": path_name(N, H, V, c, m), "ms": ms.get(name),
                        "extra_mib": mib[name], "rounds_ms": rounds.get(name, [])}
                       for name, (c, m, f) in configs.items()]}
     del x, t, w, runs, floor_run, bufs

@@ -475,16 +475,14 @@ def run_grid(args, origin, dtype):
     print(grid_markdown(meta, results))
 
 
-def flce_path(N, H, V, elem_bytes, chunk_size=None, lean: bool = False,
-              float8: str = "none") -> str:
+def flce_path(N, H, V, elem_bytes, chunk_size=None, lean: bool = False) -> str:
     """Which sweep flce takes at this shape (flce/ops.py) for this chunk_size (None: its own
-    choice), memory_lean and float8 mode (the mode it runs: `float8_used`): "one block" or
-    "chunks of C", with " (lean)" for memory_lean."""
-    from flce.ops import float8_used, uses_one_block
-    float8 = float8_used(float8, N, H, V)
-    if uses_one_block(N, H, V, elem_bytes, chunk_size, lean, float8):
+    choice) and memory_lean, in any float8 mode: "one block" or "chunks of C", with " (lean)"
+    for memory_lean."""
+    from flce.ops import uses_one_block
+    if uses_one_block(N, H, V, elem_bytes, chunk_size, lean):
         return "one block"
-    chunks = f"chunks of {pick_chunk_size(N, H, V, elem_bytes, chunk_size, lean, float8)}"
+    chunks = f"chunks of {pick_chunk_size(N, H, V, elem_bytes, chunk_size, lean)}"
     return chunks + (" (lean)" if lean else "")
 
 
