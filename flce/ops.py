@@ -55,9 +55,10 @@ DX_BLOCK_TOKENS = 8192
 
 # The float8 dx GEMM (`_scaled_mm`) runs in the same row blocks. On an H100 one of 16384 rows
 # made the float8 loss slower than the bf16 loss at 16384x8192x256000 (304.1 ms against 300.9;
-# chunks of 8192 295.7); on an H200 the one block ran 1.5-2.8% faster than chunks of 8192 at
-# five points N = 10240-65536 with its dx one GEMM, 2.0-4.7% at four with it in row blocks
-# (16384x8192x256000: 223.3 ms against 233.9): docs/performance.md "Float8 dx row blocks".
+# chunks of 8192 295.7); on an H200 the one block ran 1.5-2.8% faster than its chunks (of at
+# most 8192) at five points N = 10240-65536 with its dx one GEMM, 2.0-4.7% at four with it in
+# row blocks (16384x8192x256000: 223.3 ms against 233.9): docs/performance.md "Float8 dx row
+# blocks".
 
 # float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
 # from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
@@ -96,7 +97,8 @@ def uses_one_block(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
     """Whether a call with gradients takes the one-block path: when its peak memory (the logits
     of all tokens, then dx and dW in the parameter dtype) is no more than the chunked sweep's
     (one chunk of logits, dx and dW accumulated in fp32, then their casts). A given chunk_size
-    smaller than N asks for chunks; memory_lean always chunks."""
+    smaller than N asks for chunks; memory_lean always chunks. The float8 loss takes the same
+    path; its one block holds the e4m3 dlogits besides (docs/loss.md "Float8 GEMMs")."""
     if lean:
         return False
     if chunk_size is not None:
@@ -121,7 +123,7 @@ def float8_used(float8: str, n_tokens: int, hidden: int, vocab: int) -> str:
 
 def float8_gemms(float8: str, need_dx: bool) -> str:
     """The float8 mode a call's GEMMs run: "logits+dx" without a dx to form runs no dx GEMM,
-    so it is "logits" there (the chunk rule and the float8 dx operands follow this mode)."""
+    so it is "logits" there (the float8 dx operands and GEMM follow this mode)."""
     return "logits" if float8 == "logits+dx" and not need_dx else float8
 
 

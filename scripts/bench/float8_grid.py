@@ -52,8 +52,8 @@ def float8_floor(x, w, max_logits_bytes=None):
     """The float8 loss's GEMMs alone: float8 logits and dx (rowwise scales, bf16 out, operands
     quantized beforehand, as flce/float8.py calls them) and the bf16 dW, at full size or in row
     blocks whose logits take at most max_logits_bytes (dW summed in place). The float8 dx runs in
-    `dx_row_blocks`, as the bf16 floor's: the float8 loss never runs a dx GEMM of more rows
-    (`flce.ops.pick_chunk_size`), and one of 16384 rows is cuBLAS's slow shape. The operands hold
+    `dx_row_blocks`, as the bf16 floor's: so does the float8 loss (`Float8Gemms.dx_into`), and
+    one of 16384 rows is cuBLAS's slow shape. The operands hold
     real values (x's first rows, their logits as the stand-in dlogits), not zeros, which a GEMM
     runs faster on."""
     from flce.float8 import Float8Gemms
