@@ -163,7 +163,7 @@ def logits_epilogue_report(meta):
                                     float8_grid_report])
 def test_benchmark_reports_name_the_commit_and_flag_a_dirty_tree(render):
     """The GPU benchmarks' markdown (their runs need CUDA; bench_train, compare_layouts and
-    bench_loss_parallel are run for real in test_bench_train.py and test_scripts.py)."""
+    bench_loss_parallel are run for real in test_bench_train.py and test_comparison_runs.py)."""
     dirty, clean = render(DIRTY), render(CLEAN)
     assert dirty.startswith("**DIRTY TREE: not reproducible from a commit** (git abc1234+dirty")
     assert "DIRTY" not in clean and "git abc1234" in clean
