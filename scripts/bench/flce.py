@@ -40,7 +40,7 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from flce.ops import dx_row_blocks, gemm_operands, pick_chunk_size  # noqa: E402
+from flce.ops import dx_row_blocks, gemm_operands, pick_chunk_size, uses_one_block  # noqa: E402
 from scripts.lib.loss_grid import (GRID_METHODS, HOST_AHEAD, grid_markdown,  # noqa: E402
                                    grid_shapes, parse_shape, parse_shapes)
 from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
@@ -175,6 +175,15 @@ def fwd_bwd(f, x, t, w):
     return run
 
 
+def floor_row_blocks(N: int, V: int, elem_bytes: int, max_logits_bytes=None):
+    """The floors' row blocks: (rows of the largest, [(start, rows, its `dx_row_blocks`)]),
+    blocks of N rows or of as many as max_logits_bytes of logits hold."""
+    rows = N if max_logits_bytes is None else max(
+        1, min(N, max_logits_bytes // (V * elem_bytes)))
+    return rows, [(start, min(rows, N - start), dx_row_blocks(min(rows, N - start)))
+                  for start in range(0, N, rows)]
+
+
 def gemm_floor(x, w, max_logits_bytes=None):
     """The three GEMMs of the loss (logits, dx, dW) at full size, or in row blocks whose logits
     take at most max_logits_bytes (dW summed in place over the blocks). dx runs in flce's dx row
@@ -184,16 +193,14 @@ def gemm_floor(x, w, max_logits_bytes=None):
     where cuBLAS is fastest."""
     w = gemm_operands(w.detach(), None)[0]
     N, V = x.shape[0], w.shape[0]
-    rows = N if max_logits_bytes is None else max(
-        1, min(N, max_logits_bytes // (V * x.element_size())))
+    rows, row_blocks = floor_row_blocks(N, V, x.element_size(), max_logits_bytes)
     logits = torch.empty(rows, V, device=x.device, dtype=x.dtype)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     blocks = []  # (x's rows, their logits, [(logits rows, dx rows) of each dx block])
-    for start in range(0, N, rows):
-        block = logits[:min(rows, N - start)]
-        dx_parts = [(block[lo:hi], dx[start + lo:start + hi])
-                    for lo, hi in dx_row_blocks(block.shape[0])]
-        blocks.append((x[start:start + rows], block, dx_parts))
+    for start, n, dx_bounds in row_blocks:
+        block = logits[:n]
+        dx_parts = [(block[lo:hi], dx[start + lo:start + hi]) for lo, hi in dx_bounds]
+        blocks.append((x[start:start + n], block, dx_parts))
 
     def run():
         for i, (xs, block, dx_parts) in enumerate(blocks):
@@ -479,7 +486,6 @@ def flce_path(N, H, V, elem_bytes, chunk_size=None, lean: bool = False) -> str:
     """Which sweep flce takes at this shape (flce/ops.py) for this chunk_size (None: its own
     choice) and memory_lean, in any float8 mode: "one block" or "chunks of C", with " (lean)"
     for memory_lean."""
-    from flce.ops import uses_one_block
     if uses_one_block(N, H, V, elem_bytes, chunk_size, lean):
         return "one block"
     chunks = f"chunks of {pick_chunk_size(N, H, V, elem_bytes, chunk_size, lean)}"

@@ -25,9 +25,9 @@ if not __package__:
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from flce.ops import dx_row_blocks, float8_used, gemm_operands  # noqa: E402
+from flce.ops import float8_used, gemm_operands  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, GRID_EXISTS, first_calls,  # noqa: E402
-                                gemm_floor, make_inputs, run_meta)
+                                floor_row_blocks, gemm_floor, make_inputs, run_meta)
 from scripts.lib.loss_grid import (grid_shapes, hbm_peak, logit_traffic_ms,  # noqa: E402
                                    parse_shape, parse_shapes)
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
@@ -53,15 +53,13 @@ def float8_floor(x, w, max_logits_bytes=None):
     quantized beforehand, as flce/float8.py calls them) and the bf16 dW, at full size or in row
     blocks whose logits take at most max_logits_bytes (dW summed in place). The float8 dx runs in
     `dx_row_blocks`, as the bf16 floor's: so does the float8 loss (`Float8Gemms.dx_into`), and
-    one of 16384 rows is cuBLAS's slow shape. The operands hold
-    real values (x's first rows, their logits as the stand-in dlogits), not zeros, which a GEMM
-    runs faster on."""
+    one of 16384 rows is cuBLAS's slow shape. The operands hold real values (x's first rows,
+    their logits as the stand-in dlogits), not zeros, which a GEMM runs faster on."""
     from flce.float8 import Float8Gemms
     from flce.quantize_kernels import quantize_rows
     w = gemm_operands(w.detach(), None)[0]
     (N, H), V = x.shape, w.shape[0]
-    rows = N if max_logits_bytes is None else max(
-        1, min(N, max_logits_bytes // (V * x.element_size())))
+    rows, row_blocks = floor_row_blocks(N, V, x.element_size(), max_logits_bytes)
     target = torch.zeros(N, dtype=torch.long, device=x.device)
     f8 = Float8Gemms(w, None, target, rows, dx=True, use_triton=True)
     logits = torch.mm(x[:rows], w.t())
@@ -71,11 +69,10 @@ def float8_floor(x, w, max_logits_bytes=None):
     dw = torch.empty_like(w)
 
     def run():
-        for start in range(0, N, rows):
-            n = min(rows, N - start)
+        for start, n, dx_bounds in row_blocks:
             torch._scaled_mm(f8.x[:n], f8.w.t(), f8.x_scale[:n], f8.w_scale,
                              out_dtype=torch.bfloat16, use_fast_accum=True, out=out[:n])
-            for lo, hi in dx_row_blocks(n):
+            for lo, hi in dx_bounds:
                 torch._scaled_mm(f8.g[lo:hi], f8.wt.t(), f8.g_scale[lo:hi], f8.wt_scale,
                                  out_dtype=torch.bfloat16, use_fast_accum=False,
                                  out=f8.dx_out[lo:hi])
