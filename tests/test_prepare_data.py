@@ -297,13 +297,15 @@ def test_spawned_workers_make_the_same_shards(tmp_path, rng, monkeypatch):
     """macOS (and Windows) start worker processes by spawning, not forking: the workers then get
     the job (output folder, settings, tokenizer) through the pool's initializer, not a global set
     before a fork (a KeyError in every worker before)."""
-    import scripts.lib.prepare_shards as shard_prepare
+    import scripts.lib.prepare_shards.run as shard_prepare  # where _run looks worker_context up
     write_jsonl(tmp_path / "corpus" / "a.jsonl", random_texts(rng, 60))
     args = ["--source", tmp_path / "corpus", "--tokenizer", "byte", "--workers", 2, *SMALL_UNITS]
     assert prepare(*args, "--out", tmp_path / "forked") == 0
+    spawns = []
     monkeypatch.setattr(shard_prepare, "worker_context",
-                        lambda: multiprocessing.get_context("spawn"))
+                        lambda: spawns.append(1) or multiprocessing.get_context("spawn"))
     assert prepare(*args, "--out", tmp_path / "spawned") == 0
+    assert spawns, "the run did not take its worker context from the patched lookup"
     files = sorted(p.relative_to(tmp_path / "forked") for p in (tmp_path / "forked").rglob("*.npy"))
     assert files and files == sorted(p.relative_to(tmp_path / "spawned")
                                      for p in (tmp_path / "spawned").rglob("*.npy"))

@@ -5,7 +5,7 @@
     checks.py           local text files checked (or cleaned) once: UTF-8, JSON, the text field
     document_tokens.py  documents tokenized and framed, in worker processes
     windows.py          text windows of seq_len + 1 tokens, synthetic windows, Batches
-    shards.py           the token shard format (written by scripts/lib/prepare_shards.py)
+    shards.py           the token shard format (written by scripts/lib/prepare_shards/)
     shard_batches.py    shards and mixtures of them, read in a shuffled, layout-independent order
     prefetch.py         batches made ahead by a background thread
 """
