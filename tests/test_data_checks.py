@@ -113,3 +113,23 @@ def test_cached_reports_are_redone_under_other_document_rules(tmp_path, monkeypa
     monkeypatch.setattr(checks, "DOCUMENT_RULES", checks.DOCUMENT_RULES + 1)
     _load(path, tmp_path)
     assert len(reports()) == 2  # made again under the new rules
+
+
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_reading_a_text_file_leaves_no_file_open(tmp_path, stop_early):
+    """The paragraphs' text wrapper was left to the garbage collector: a ResourceWarning of an
+    unclosed file for every .txt file read (an error under -W error)."""
+    import gc
+    import warnings
+    from components.data.checks import read_documents
+    path = tmp_path / "notes.txt"
+    path.write_text("first paragraph\n\nsecond\n\n\nthird \xe9\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        documents = read_documents(path, "text")
+        texts = [next(documents)[0]] if stop_early else [text for text, *_ in documents]
+        del documents
+        gc.collect()
+    everything = ["first paragraph", "second", "\nthird \xe9\n"]
+    assert texts == (everything[:1] if stop_early else everything)
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught

@@ -1,0 +1,220 @@
+"""load_documents and build_data on text sources: the stdlib corpus, JSON lines, parquet, text
+files, folders of them, a Hub name offline; sources that cannot be read are named."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from components.config.schema import Data, Training
+from components.data.build import build_data
+from components.data.checks import BadDocumentError, MissingTextField
+from components.data.sources import STDLIB_CORPUS_BYTES, embedded_corpus, load_documents
+from components.data.windows import TokenWindows
+from test_data_windows import BYTE, framed, random_texts, read_tokens, write_jsonl
+
+
+def test_stdlib_corpus_builds_offline_once_and_yields_windows(tmp_path):
+    path = embedded_corpus(tmp_path / "a")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    paths = [r["path"] for r in rows]
+    assert paths == sorted(paths)
+    assert not any(set(p.split("/")) & {"site-packages", "test", "tests", "idlelib"} for p in paths)
+    text_bytes = sum(len(r["text"].encode("utf-8")) for r in rows)
+    assert 0.9 * STDLIB_CORPUS_BYTES < text_bytes <= STDLIB_CORPUS_BYTES
+
+    modified = path.stat().st_mtime_ns
+    assert embedded_corpus(tmp_path / "a") == path and path.stat().st_mtime_ns == modified
+    assert embedded_corpus(tmp_path / "b").read_bytes() == path.read_bytes()
+    assert sorted(p.name for p in (tmp_path / "a").iterdir() if p.is_file()) == [path.name]  # no temp file
+
+    seq_len = 32
+    stdlib = Data(source="stdlib", cache_dir=str(tmp_path / "a"), num_workers=0)
+    batches = build_data(stdlib, Training(seq_len=seq_len, local_batch_size=3), split="train",
+                         tokenizer=BYTE, max_token_id=BYTE.vocab_size)
+    inputs, labels = next(batches)
+    assert inputs.shape == labels.shape == (3, seq_len)
+    expected = framed([r["text"] for i, r in enumerate(rows[:100]) if i % 100])[:3 * (seq_len + 1)]
+    assert torch.cat([inputs, labels[:, -1:]], dim=1).flatten().tolist() == expected
+
+    validation = build_data(stdlib, Training(seq_len=seq_len, local_batch_size=2),
+                            split="validation", tokenizer=BYTE)
+    assert next(validation)[0].tolist()[0][:seq_len] == framed([rows[0]["text"]])[:seq_len]
+
+
+def test_parquet_with_another_text_field(tmp_path, rng):
+    texts = random_texts(rng, 10)
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": list(range(len(texts))), "content": texts}), path)
+    documents = load_documents(str(path), "train", text_field="content", val_every=2,
+                               cache_dir=tmp_path / "cache")
+    assert [d["content"] for d in documents] == texts[1::2]
+    assert read_tokens(TokenWindows(documents, BYTE, 5, text_field="content"), 3) == framed(texts[1::2])[:18]
+
+    with pytest.raises(MissingTextField, match=r"no field 'text' \(their fields: id, content\)"):
+        load_documents(str(path), "train", cache_dir=tmp_path / "cache")
+
+
+def test_text_file_gives_one_document_per_paragraph(tmp_path, rng):
+    paragraphs = ["\n".join(random_texts(rng, rng.randint(1, 3))) for _ in range(8)]
+    path = tmp_path / "book.txt"
+    path.write_text("\n\n".join(paragraphs), encoding="utf-8")
+    documents = load_documents(str(path), "train", val_every=4, cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in documents] == [p for i, p in enumerate(paragraphs) if i % 4]
+
+
+def test_directory_of_files_in_name_order(tmp_path, rng):
+    texts = random_texts(rng, 9)
+    folder = tmp_path / "corpus"
+    (folder / "part").mkdir(parents=True)
+    (folder / ".hidden").mkdir()
+    write_jsonl(folder / "b.jsonl", texts[5:])
+    write_jsonl(folder / "part" / "a.jsonl", texts[:5])  # "b.jsonl" < "part/a.jsonl"
+    write_jsonl(folder / ".hidden" / "stale.jsonl", ["never read"])
+    documents = load_documents(str(folder), "train", val_every=1000, cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in documents] == (texts[5:] + texts[:5])[1:]
+
+    (folder / "notes.txt").write_text("a paragraph", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"corpus: mixes file types \.jsonl, \.txt"):
+        load_documents(str(folder), "train", cache_dir=tmp_path / "cache")
+
+
+def test_bad_sources_and_fields_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing/docs.jsonl"):
+        load_documents(str(tmp_path / "missing" / "docs.jsonl"), "train", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="val_every=1"):
+        load_documents("stdlib", "train", val_every=1, cache_dir=tmp_path)
+    path = write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
+    with pytest.raises(ValueError, match=r"no split 'test' \(it has train\)"):
+        load_documents(str(path), "test", cache_dir=tmp_path)
+
+    documents = datasets.Dataset.from_dict({"body": ["x", "y"]})
+    with pytest.raises(MissingTextField, match=r"document 0 has no field 'text' \(its fields: body\)"):
+        next(TokenWindows(documents, BYTE, 4))
+    with pytest.raises(ValueError, match="rank 2 of 3 gets no documents: there are only 2"):
+        TokenWindows(documents, BYTE, 4, dp_rank=2, dp_world=3, text_field="body")
+
+
+def test_hub_name_offline_says_what_to_use_instead(tmp_path):
+    # The Hub client reads its offline switch at import, so this runs in a fresh interpreter; offline it
+    # fails at once instead of retrying the network.
+    code = ("from components.data.sources import load_documents\n"
+            "try:\n"
+            "    load_documents('nobody/no-such-dataset', 'train')\n"
+            "except ValueError as err:\n"
+            "    print(err)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert "could not load data source 'nobody/no-such-dataset'" in result.stdout, result.stderr
+    assert "network access" in result.stdout and '"stdlib"' in result.stdout
+
+
+@pytest.mark.parametrize("bars_were_off", [False, True])
+def test_local_files_load_without_datasets_progress_bar(tmp_path, capfd, bars_were_off):
+    """datasets drew "Generating train split" into the training log when a file first went
+    into its Arrow cache; the bars are off for that call only, as they were before it."""
+    before = datasets.are_progress_bars_disabled()
+    (datasets.disable_progress_bars if bars_were_off else datasets.enable_progress_bars)()
+    try:
+        corpus = write_jsonl(tmp_path / "corpus.jsonl", ["one", "two", "three"])
+        documents = load_documents(str(corpus), "train", val_every=2,
+                                   cache_dir=tmp_path / "cache")
+        assert documents["text"] == ["two"]
+        assert "Generating" not in capfd.readouterr().err
+        assert datasets.are_progress_bars_disabled() == bars_were_off
+    finally:
+        (datasets.disable_progress_bars if before else datasets.enable_progress_bars)()
+
+
+@pytest.mark.parametrize("encoding", ["dictionary", "string_view"])
+def test_a_parquet_text_column_dictionary_encoded_or_a_view_is_text(tmp_path, encoding):
+    """A pandas category column (dictionary<string>) or a string_view one: `datasets` and
+    prepare_data read them as text, the trainer refused them ("holds dictionary<...>, not text").
+    Their empty texts are still found."""
+    texts = ["alpha beta", "gamma", "", "delta epsilon", "alpha beta"]
+    column = pa.array(texts)
+    column = column.dictionary_encode() if encoding == "dictionary" else column.cast(pa.string_view())
+    pq.write_table(pa.table({"text": column}), tmp_path / "c.parquet")
+    with pytest.raises(BadDocumentError, match=r"row 2: field 'text' is empty"):
+        load_documents(str(tmp_path / "c.parquet"), "train", cache_dir=tmp_path / "cache")
+    documents = load_documents(str(tmp_path / "c.parquet"), "train", cache_dir=tmp_path / "cache",
+                               on_bad_document="skip")
+    assert [d["text"] for d in documents] == ["gamma", "delta epsilon", "alpha beta"]
+
+
+def _jsonl_with(path: Path, texts: list[str], fields) -> None:
+    path.write_text("".join(json.dumps({"text": t, **fields(i)}) + "\n"
+                            for i, t in enumerate(texts)))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_files_whose_other_fields_differ_are_read_for_their_text(tmp_path, rng, streaming):
+    """Per-file metadata (an id in one file, a repo in another): `datasets` loads files together
+    only when their fields agree, and the trainer died with a CastError traceback."""
+    texts = random_texts(rng, 30)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    _jsonl_with(folder / "a_web.jsonl", texts[:10], lambda i: {"id": i})
+    _jsonl_with(folder / "b_code.jsonl", texts[10:20],
+                lambda i: {"repo": "x/y", "meta": {"stars": i}})
+    _jsonl_with(folder / "c_web.jsonl", texts[20:], lambda i: {"id": i})
+    for split, expected in (("validation", texts[::4]),
+                            ("train", [t for i, t in enumerate(texts) if i % 4])):
+        documents = load_documents(str(folder), split, streaming=streaming, val_every=4,
+                                   cache_dir=tmp_path / "cache")
+        assert [d["text"] for d in documents] == expected, split
+    count = len(framed(expected)) // 9
+    assert read_tokens(TokenWindows(documents, BYTE, 8), count) == framed(expected)[:count * 9]
+
+    parquet = tmp_path / "parquet"
+    parquet.mkdir()
+    pq.write_table(pa.table({"text": texts[:10], "id": list(range(10))}), parquet / "a.parquet")
+    pq.write_table(pa.table({"text": texts[10:], "repo": ["x/y"] * 20}), parquet / "b.parquet")
+    documents = load_documents(str(parquet), "train", streaming=streaming, val_every=0,
+                               cache_dir=tmp_path / "cache")
+    assert [d["text"] for d in documents] == texts
+
+
+def test_a_file_datasets_cannot_load_is_one_line_naming_it(tmp_path):
+    """What check_files lets through and `datasets` still fails on (a field given twice) was a
+    DatasetGenerationError traceback, naming no file."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ["one document", "another"])
+    (folder / "b.jsonl").write_text('{"text": "a document", "text": "twice"}\n')
+    with pytest.raises(ValueError) as error:
+        load_documents(str(folder), "train", val_every=0, cache_dir=tmp_path / "cache")
+    message = str(error.value)
+    assert message.startswith(f"{folder / 'b.jsonl'}: `datasets` could not load it (ArrowInvalid:")
+    assert "\n" not in message and error.value.user_error
+
+
+def test_a_folder_of_token_shard_folders_says_to_name_one_or_mix_them(tmp_path):
+    """It was read as text: "sh_a/index.json: line 1: invalid JSON ... Set [data]
+    on_bad_document = "skip"", which leads nowhere."""
+    from shard_cases import write_token_shards
+    import numpy as np
+    parent = tmp_path / "allshards"
+    for name in ("sh_a", "sh_b"):
+        write_token_shards(parent / name, [np.arange(40) % 250], BYTE.vocab_size, BYTE)
+    data = Data(source=str(parent), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError) as error:
+        build_data(data, Training(seq_len=8, local_batch_size=1), split="train", tokenizer=BYTE)
+    assert str(error.value) == (
+        f"{parent}: holds token shard folders made by scripts.prepare_data ({parent / 'sh_a'}, "
+        f"{parent / 'sh_b'}), which are not text to read: set [data] source to one of them, or "
+        "mix them by weight with [[data.mixture]] tables (source = ..., weight = ...) or "
+        f"--data.mixture \"{parent / 'sh_a'}:1,{parent / 'sh_b'}:1\"")
+    # one of them as the source is read as shards
+    batches = build_data(Data(source=str(parent / "sh_a")), Training(seq_len=8, local_batch_size=1),
+                         split="train", tokenizer=BYTE)
+    assert next(iter(batches))[0].shape == (1, 8)
+    batches.close()
