@@ -515,17 +515,19 @@ def _paragraphs(f: BinaryIO, chunk_chars: int = 1 << 20) -> Iterator[Document]:
     to one character, so the bytes come back exactly and a paragraph can be checked for UTF-8.
     The builder keeps a paragraph of only whitespace (spaces, tabs, the newline that an odd run of
     blank lines leaves at the end): its problem is _BLANK."""
-    text = io.TextIOWrapper(f, encoding="latin-1", newline=None)
-    line, carry = 1, ""
-    while block := text.read(chunk_chars):
-        pieces = (carry + block + text.readline()).split("\n\n")
-        for piece in pieces[:-1]:
-            if piece:
-                yield _paragraph(piece, line)
-            line += piece.count("\n") + 2
-        carry = pieces[-1]
-    if carry:
-        yield _paragraph(carry, line)
+    # The wrapper closes f with it (the caller's `with` closing f again is harmless): a wrapper
+    # left to the garbage collector is a ResourceWarning of an unclosed file.
+    with io.TextIOWrapper(f, encoding="latin-1", newline=None) as text:
+        line, carry = 1, ""
+        while block := text.read(chunk_chars):
+            pieces = (carry + block + text.readline()).split("\n\n")
+            for piece in pieces[:-1]:
+                if piece:
+                    yield _paragraph(piece, line)
+                line += piece.count("\n") + 2
+            carry = pieces[-1]
+        if carry:
+            yield _paragraph(carry, line)
 
 
 def _paragraph(piece: str, line: int) -> Document:
