@@ -203,8 +203,7 @@ def test_the_first_bad_document_in_the_files_order_is_named():
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_tokenizer_workers_are_forked_with_the_inherited_objects_frozen(tmp_path, monkeypatch):
     """prepare_data's workers and the trainer's TokenizerPool fork while gc is frozen (see
-    test_data_tokenizer_workers.py::test_forked_workers_do_not_finalize_what_they_inherit
-    for why)."""
+    test_data_workers.py::test_forked_workers_do_not_finalize_what_they_inherit for why)."""
     import gc
     from components.data.document_tokens import TokenizerPool
     freezes = []
