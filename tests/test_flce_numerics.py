@@ -305,20 +305,41 @@ def test_no_tokens(impl, device, chunk, reduction):
     assert all(torch.equal(g.cpu(), torch.zeros_like(g).cpu()) for g in grads[1:])
 
 
+def _logit_rounding_sensitivity(x, t, w, b, upstream, draws: int = 4) -> float:
+    """The largest relative change of the float64 gradients (mean loss) when every logit moves
+    by a standard normal times its fp32 rounding scale, u * (sum_k |x_ik w_jk| + |b_j|): how far
+    this draw's gradients are from any fp32 computation of its logits, whatever the order."""
+    xd, wd, bd = (a.detach().cpu().double().requires_grad_() for a in (x, w, b))
+    scale = (xd.detach().abs() @ wd.detach().abs().T + bd.detach().abs()) * 2.0 ** -24
+    generator = torch.Generator().manual_seed(0)
+
+    def grads(noise):
+        z = xd @ wd.T + bd + noise
+        loss = torch.nn.functional.cross_entropy(z, t.cpu(), ignore_index=-100)
+        return torch.autograd.grad(loss, (xd, wd, bd), upstream.to(torch.float64))
+
+    exact = grads(torch.zeros_like(scale))
+    return max(rel_err(moved, e) for _ in range(draws) for moved, e in zip(
+        grads(scale * torch.randn(scale.shape, generator=generator, dtype=torch.float64)), exact))
+
+
 @IMPL_DEVICES
 @PATHS
 def test_large_logits(impl, device, chunk):
     """Logits around 1e4: lse needs the running max subtracted. One fp32 ulp of such a logit
-    is ~1e-3, so near-ties make the softmax of any fp32 implementation ~1e-5 off in a way that
-    depends on summation order: the gradients are held to a few times the unfused error."""
+    is ~1e-3, so near-ties make the softmax of any fp32 implementation off by up to ~1e-4 in a
+    way that depends on summation order: the gradients are held to a few times the draw's own
+    sensitivity to its logits' rounding (on the CPU the loss's error stayed within 0.65x of it
+    over 240 draws). Against the unfused loss's error instead (5x it + 1e-5), a draw on an H100
+    failed: 1.8e-5 for the unfused 8.5e-7, their cuBLAS GEMMs summing in other orders."""
     x, t, w, b = make_inputs(30, 16, 50, device, torch.float32, scale=3000.0)
     loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl,
                                      chunk_size=chunk)
-    _, base, _ = loss_and_grads(flce.linear_cross_entropy, x, t, w, b, up)
     ref_loss, ref = float64_reference(x, t, w, b, up)
     assert torch.isfinite(loss) and rel_err(loss, ref_loss) <= 1e-5
-    for g, gb, r in zip(grads, base, ref):
-        assert torch.isfinite(g).all() and rel_err(g, r) <= 5 * rel_err(gb, r) + 1e-5
+    bound = 4 * _logit_rounding_sensitivity(x, t, w, b, up) + 1e-6
+    for g, r in zip(grads, ref):
+        assert torch.isfinite(g).all() and rel_err(g, r) <= bound
 
 
 @IMPL_DEVICES
