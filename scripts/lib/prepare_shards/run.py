@@ -14,7 +14,8 @@ from pathlib import Path
 
 from components import lock
 from components.data import SPLITS
-from components.data.checks import DOCUMENT_RULES, NAMED, BadDocumentError
+from components.data.checks import DOCUMENT_RULES, NAMED
+from components.data.document_reader import BadDocumentError
 from components.data.document_tokens import inherited_objects_frozen, worker_context
 from components.data.shards import (FORMAT, INDEX, PLAN, VERSION, ShardFormatError,
                                     token_dtype)

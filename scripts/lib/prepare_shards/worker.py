@@ -11,8 +11,8 @@ from typing import Iterator
 import numpy as np
 
 from components.data import SPLITS
-from components.data.checks import (NAMED, BadDocumentError, MissingTextField, read_documents,
-                                    text_problem)
+from components.data.checks import NAMED, MissingTextField
+from components.data.document_reader import BadDocumentError, read_documents, text_problem
 from components.data.document_tokens import bind_to_parent, frame_texts
 from components.data.shards import ShardWriter
 from components.synced_files import write_json_synced

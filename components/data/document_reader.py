@@ -1,0 +1,199 @@
+"""Raw .jsonl/.json/.txt bytes read into documents, each with where it is and what is wrong
+with it. Apart from checks.py, which counts and cleans whole files with these readers, because
+scripts.prepare_data's workers read their units' documents with them too."""
+
+import io
+import json
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+_BOM = b"\xef\xbb\xbf"
+
+# One document: its bytes as they go into a cleaned copy, where it is ("line 18"), and why it is
+# bad (None: it is good).
+Document = tuple[bytes, str, str | None]
+
+
+class BadDocumentError(ValueError):
+    user_error = True  # one line and exit status 2 from train.py, no traceback
+
+
+class _NoField(str):
+    """The problem of a document without the text field, and the fields it does have."""
+    fields: list[str]
+
+
+def text_problem(text, text_field: str) -> str | None:
+    """Why a document's text is none to train on (None: it is text): a null, another type, an
+    empty text or one of only whitespace (tokenized to little more than bos/eos)."""
+    if text is None:
+        return f"field {text_field!r} holds null, not text"
+    if not isinstance(text, str):
+        return f"field {text_field!r} holds {type(text).__name__}, not text"
+    if not text or text.isspace():
+        return f"field {text_field!r} is {'empty' if not text else 'only whitespace'} (no text to train on)"
+    return None
+
+
+def read_documents(path: Path, text_field: str, start: int = 0,
+                   stop: int | None = None) -> Iterator[tuple[str | None, str, int, str | None]]:
+    """(text, where, bytes, problem) for each document of a .jsonl/.json/.txt file, the documents
+    the trainer's reader sees: text is None when problem says why the document is bad. A JSON
+    lines file can be read in byte ranges: the lines that begin in [start, stop)."""
+    with open(path, "rb") as f:
+        if path.suffix == ".txt":
+            for raw, where, problem in _paragraphs(f):
+                if problem is not _BLANK:
+                    yield (None if problem else raw.decode("utf-8")), where, len(raw), problem
+            return
+        if start == 0 and stop is None:
+            documents = _json_documents(f, path, text_field)
+        else:
+            documents = _json_line_range(f, text_field, start, stop)
+        for raw, where, problem in documents:
+            text = None if problem else json.loads(raw.decode("utf-8"))[text_field]
+            yield text, where, len(raw), problem
+
+
+def _json_line_range(f: BinaryIO, text_field: str, start: int, stop: int | None) -> Iterator[Document]:
+    if start:
+        f.seek(start - 1)
+        f.readline()  # to the first line that begins at or after start
+    number = 1 if start == 0 else None  # line numbers are known only from the file's start
+    while (stop is None or f.tell() < stop) and (line := f.readline()):
+        where = f"line {number}" if number else f"the line at byte {f.tell() - len(line)}"
+        if number == 1:
+            line = line.removeprefix(_BOM)
+        if number:
+            number += 1
+        if line.strip():
+            yield line, where, _line_problem(line, text_field)
+
+
+def _line_problem(line: bytes, text_field: str, seen=None) -> str | None:
+    """seen, when given, is called with the line's document when it is a good one."""
+    try:
+        document = json.loads(line.rstrip(b"\r\n").decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return _not_utf8(line, e)
+    except json.JSONDecodeError as e:
+        return _invalid_json(e)
+    problem = _document_problem(document, text_field)
+    if problem is None and seen is not None:
+        seen(document)
+    return problem
+
+
+def _json_documents(f: BinaryIO, path: Path, text_field: str, seen=None) -> Iterator[Document]:
+    """JSON lines, as pyarrow reads them (blank lines are not documents), or, for a .json file
+    that starts with '[', one JSON array of documents (which `datasets` also reads). seen: as
+    _line_problem's."""
+    head = f.read(4096).lstrip(_BOM).lstrip()
+    f.seek(0)
+    if path.suffix == ".json" and head.startswith(b"["):
+        yield from _json_array(f.read(), path, text_field, seen)
+        return
+    for number, line in enumerate(f, 1):
+        if number == 1:
+            line = line.removeprefix(_BOM)
+        if not line.strip():
+            continue
+        yield (line if line.endswith(b"\n") else line + b"\n", f"line {number}",
+               _line_problem(line, text_field, seen))
+
+
+def _json_array(data: bytes, path: Path, text_field: str, seen=None) -> Iterator[Document]:
+    """A JSON array is parsed whole: an error in its syntax or encoding cannot be skipped."""
+    data = data.removeprefix(_BOM)
+    try:
+        documents = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        where, why = f"line {_line_of(data, e.start)}", _not_utf8(data, e)
+    except json.JSONDecodeError as e:
+        where, why = f"line {e.lineno}", _invalid_json(e)
+    else:
+        for i, document in enumerate(documents):
+            # surrogatepass: a lone surrogate is a bad document, named below, not an encoding error here
+            line = (json.dumps(document, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
+            problem = _document_problem(document, text_field)
+            if problem is None and seen is not None:
+                seen(document)
+            yield line, f"element [{i}] of the array", problem
+        return
+    raise BadDocumentError(f"{path}: {where}: {why}; a JSON array is read as one piece, so nothing "
+                           f"in it can be skipped: fix the file or write it as JSON lines (.jsonl)")
+
+
+def _document_problem(document, text_field: str) -> str | None:
+    if not isinstance(document, dict):
+        return f"a JSON {_json_type(document)}, not an object"
+    if text_field not in document:
+        problem = _NoField(f"no field {text_field!r} (its fields: {', '.join(document) or 'none'})")
+        problem.fields = list(document)
+        return problem
+    if not isinstance(document[text_field], str):
+        return f"field {text_field!r} holds a JSON {_json_type(document[text_field])}, not text"
+    try:  # valid JSON may escape half a surrogate pair, which no UTF-8 reader or tokenizer takes
+        document[text_field].encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"field {text_field!r} holds a lone surrogate (\\u{ord(e.object[e.start]):04x} at "
+                f"character {e.start}), not UTF-8 text")
+    return text_problem(document[text_field], text_field)  # an empty text
+
+
+def _json_type(value) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+             float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _invalid_json(error: json.JSONDecodeError) -> str:
+    return f"invalid JSON: {error.msg.removesuffix(' at')} (column {error.colno})"
+
+
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def _not_utf8(data: bytes, error: UnicodeDecodeError) -> str:
+    column = error.start - data.rfind(b"\n", 0, error.start)
+    return f"not UTF-8 (byte 0x{data[error.start]:02x} at column {column})"
+
+
+# The "problem" of a .txt paragraph of only whitespace: layout, neither a document nor a bad one.
+_BLANK = "only whitespace (layout, not a document)"
+
+
+def _paragraphs(f: BinaryIO, chunk_chars: int = 1 << 20) -> Iterator[Document]:
+    """Paragraphs split as `datasets`' text builder splits them (sample_by="paragraph": universal
+    newlines, split on a blank line, empty pieces dropped), as raw bytes. Latin-1 maps each byte
+    to one character, so the bytes come back exactly and a paragraph can be checked for UTF-8.
+    The builder keeps a paragraph of only whitespace (spaces, tabs, the newline that an odd run of
+    blank lines leaves at the end): its problem is _BLANK."""
+    # The wrapper closes f with it (the caller's `with` closing f again is harmless): a wrapper
+    # left to the garbage collector is a ResourceWarning of an unclosed file.
+    with io.TextIOWrapper(f, encoding="latin-1", newline=None) as text:
+        line, carry = 1, ""
+        while block := text.read(chunk_chars):
+            pieces = (carry + block + text.readline()).split("\n\n")
+            for piece in pieces[:-1]:
+                if piece:
+                    yield _paragraph(piece, line)
+                line += piece.count("\n") + 2
+            carry = pieces[-1]
+        if carry:
+            yield _paragraph(carry, line)
+
+
+def _paragraph(piece: str, line: int) -> Document:
+    raw = piece.encode("latin-1")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"line {line + _line_of(raw, e.start) - 1} (in the paragraph from line {line})"
+        return raw, where, _not_utf8(raw, e)
+    if line == 1:
+        text = text.removeprefix("\ufeff")  # the file's byte-order mark, which `datasets` keeps
+    if not text.strip():  # str.strip and text_problem's str.isspace agree on what is whitespace
+        return raw, f"the paragraph from line {line}", _BLANK
+    return raw, f"the paragraph from line {line}", None
