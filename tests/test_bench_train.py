@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench import train as bench_train
+from scripts.lib import train_report
 from scripts.lib.runs import classify
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,10 +226,10 @@ def test_bad_arguments_are_clear_errors(args, message):
 
 def test_measured_windows_and_status():
     m = bench_train
-    assert m.measured_steps(25, 5, 10) == [15, 20, 25]
-    assert m.measured_steps(25, 5, 12) == [20, 25]  # the window 11-15 straddles the warm-up
-    assert m.measured_steps(4, 5, 1) == [4]
-    assert m.measured_steps(10, 5, 10) == []
+    assert train_report.measured_steps(25, 5, 10) == [15, 20, 25]
+    assert train_report.measured_steps(25, 5, 12) == [20, 25]  # 11-15 straddles the warm-up
+    assert train_report.measured_steps(4, 5, 1) == [4]
+    assert train_report.measured_steps(10, 5, 10) == []
     assert m.batches_from(1, 32) == [1, 2, 4, 8, 16, 32] and m.batches_from(3, 12) == [3, 6, 12]
     assert classify(1, False, "torch.OutOfMemoryError: CUDA out of memory", True) == "oom"
     assert classify(1, False, "RuntimeError: CUBLAS_STATUS_ALLOC_FAILED", False) == "oom"

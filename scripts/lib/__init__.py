@@ -10,13 +10,15 @@ repository root as modules: `python3 -m scripts.bench.train`, see scripts/__init
     timing.py   the one timer of the GPU benchmarks (median ms; CUDA events, or the wall clock)
     loss_grid.py  the loss grid of `bench.flce --grid` (its points, its report), and the one
                 reader of the benchmarks' shapes ("NxHxV" and lists of them: parse_shape(s))
+    train_report.py  the report of `bench.train`: its meta, the summary per loss and fused
+                against the others, the markdown; the AC modes and measured steps it shares
     checkpoints.py  a trained model as export_hf, generate and evaluate read it
     trace_timeline.py  where a profiled step's GPU time goes on its timeline (summarize_trace)
     prepare_shards/  raw documents to token shards, in worker processes (prepare_data's engine):
                 units.py (the inputs cut into units), worker.py (one unit tokenized),
                 run.py (settings, resuming, the worker pool, index.json)
 
-runs.py and report.py never import torch: a CUDA context in a launcher would take GPU memory from
-the runs it launches. The shell helpers here (gpus.sh, torchrun.sh, usage.sh) are sourced by the
-shell scripts.
+runs.py, report.py and train_report.py never import torch: a CUDA context in a launcher would
+take GPU memory from the runs it launches. The shell helpers here (gpus.sh, torchrun.sh, usage.sh)
+are sourced by the shell scripts.
 """
