@@ -11,7 +11,14 @@
     peers.py             this repository against torchtitan, in one call
     data.py              the data loaders alone, against what a GPU consumes
     tune_rows_kernel.py  the row kernel's block sizes and warps (flce/kernels.py's table)
+    loss_kernels.py      each loss's GPU kernels at given shapes, from the profiler
+    grad_gemms.py        the chunked sweep's dx and dW GEMMs, bf16 against fp32 outputs
+    row_order.py         pass 2 of the row kernel backwards (as flce runs it) against forwards
+    row_overlap.py       an experiment: the row pass beside a GEMM on another stream
+    logits_epilogue.py   an experiment: the softmax statistics in a Triton logits GEMM's epilogue
     summarize_trace.py   a profiled step's top kernels and kinds of kernel (a report with --out)
+    summarize_memory.py  what held a GPU's memory at its peak, from a CUDA memory snapshot
+    peer_runs/           the peers' argument files of `bench.peers` (1B on one GPU, 8B on two)
 
     python3 -m scripts.bench.NAME --help
 """
