@@ -17,5 +17,6 @@
     synced_files.py  writes a kill or a power loss cannot leave half done (checkpoints, token
                    shards, data caches; scripts/lib's reports)
     profiling.py   the torch profiler, when [profiling] asks for it
+    allocator.py   the CUDA caching allocator's settings a run gets (recorded by the launchers)
     validation.py  [validation]: the loss and bits per byte on held-out batches (evaluate())
 """

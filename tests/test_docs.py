@@ -145,3 +145,23 @@ def test_the_readmes_layout_names_every_module():
                for path in sorted((REPO / package).glob("*.py"))
                if path.stem != "__init__" and path.stem not in named]
     assert missing == []
+
+
+def test_each_package_docstring_lists_every_module():
+    """A package whose docstring lists its modules ("    name.py  what it holds") lists all of
+    them: scripts/bench's list had left out six benchmarks and peer_runs/."""
+    checked, missing = [], []
+    for init in sorted(REPO.glob("**/__init__.py")):
+        if any(part.startswith(".") for part in init.relative_to(REPO).parts):
+            continue
+        package = init.parent
+        text = init.read_text()
+        if not re.search(r"^\s+\w+\.py\s", text, re.M):
+            continue  # no module list
+        checked.append(package.relative_to(REPO))
+        named = set(re.findall(r"(\w+)(?:\.py\b|/)", text))
+        missing += [f"{package.relative_to(REPO)}/{path.name}" for path in sorted(package.iterdir())
+                    if (path.suffix == ".py" and path.stem != "__init__" and path.stem not in named)
+                    or (path.is_dir() and not path.name.startswith((".", "__"))
+                        and path.name not in named)]
+    assert checked and missing == [], missing
