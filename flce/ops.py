@@ -57,7 +57,7 @@ DX_BLOCK_TOKENS = 8192
 # made the float8 loss slower than the bf16 loss at 16384x8192x256000 (304.1 ms against 300.9;
 # chunks of 8192 295.7); on an H200 the one block ran 1.5-2.8% faster than its chunks (of at
 # most 8192) at five points N = 10240-65536 with its dx one GEMM, 2.0-4.7% at four with it in
-# row blocks (16384x8192x256000: 223.3 ms against 233.9); on the H100 then, with the row blocks,
+# row blocks (16384x8192x256000: 223.3 ms against 233.9); on an H100 at 0a8f989, in row blocks,
 # 1.4-7.7% ahead of the chunks at six (294.8 ms there, bf16 299.0): docs/performance.md "Float8
 # dx row blocks".
 

@@ -121,7 +121,7 @@ def test_reading_a_text_file_leaves_no_file_open(tmp_path, stop_early):
     unclosed file for every .txt file read (an error under -W error)."""
     import gc
     import warnings
-    from components.data.checks import read_documents
+    from components.data.document_reader import read_documents
     path = tmp_path / "notes.txt"
     path.write_text("first paragraph\n\nsecond\n\n\nthird \xe9\n")
     with warnings.catch_warnings(record=True) as caught:

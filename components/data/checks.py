@@ -14,7 +14,8 @@ A paragraph of a .txt file that is only whitespace (spaces or tabs between blank
 of blank lines, whitespace at the end of the file; at the file's start, its byte-order mark too) is
 layout, as a blank line of a .jsonl file is: not a document, and not a bad one either. `datasets`'
 text builder makes one of each (trained on as bos, whitespace, eos), so a file with any is loaded
-from a copy without them, whatever on_bad_document says, and read_documents leaves them out.
+from a copy without them, whatever on_bad_document says, and read_documents (document_reader.py)
+leaves them out.
 
 A dataset that `datasets` loads by name (check_dataset) and scripts.prepare_data's documents
 (read_documents, text_problem) count the same documents bad: a null, non-text, empty or
@@ -34,7 +35,6 @@ from filelock import FileLock  # a dependency of datasets
 from components.config.schema import OnBadDocument
 from components.data.document_reader import (_BLANK, _BOM, BadDocumentError, _json_documents,
                                              _NoField, _paragraphs, text_problem)
-from components.data.document_reader import read_documents  # noqa: F401 (tests import it from here)
 from components.synced_files import atomic_open
 
 logger = logging.getLogger(__name__)
