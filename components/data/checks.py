@@ -33,8 +33,8 @@ from typing import BinaryIO
 from filelock import FileLock  # a dependency of datasets
 
 from components.config.schema import OnBadDocument
-from components.data.document_reader import (_BLANK, _BOM, BadDocumentError, _json_documents,
-                                             _NoField, _paragraphs, text_problem)
+from components.data.document_reader import (BLANK, BOM, BadDocumentError, json_documents,
+                                             NoField, paragraphs, text_problem)
 from components.synced_files import atomic_open
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ def _why_empty(path: Path, report: FileReport) -> str:
     if path.stat().st_size == 0:
         return " (the file is empty)"
     with open(path, "rb") as f:
-        return " (an empty JSON array)" if f.read(4096).lstrip(_BOM).lstrip().startswith(b"[") else \
+        return " (an empty JSON array)" if f.read(4096).lstrip(BOM).lstrip().startswith(b"[") else \
             " (only blank lines)"
 
 
@@ -272,9 +272,9 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
             shapes.add(_shape({k: v for k, v in document.items() if k != text_field}))
 
     with open(path, "rb") as f:
-        for raw, where, problem in (_paragraphs(f) if text else
-                                    _json_documents(f, path, text_field, seen)):
-            if problem is _BLANK:
+        for raw, where, problem in (paragraphs(f) if text else
+                                    json_documents(f, path, text_field, seen)):
+            if problem is BLANK:
                 report.blank += 1
                 continue
             if problem is None:
@@ -285,7 +285,7 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
             report.bad += 1
             if len(report.named) < NAMED:
                 report.named.append(f"{where}: {problem}")
-            if isinstance(problem, _NoField):
+            if isinstance(problem, NoField):
                 report.without_field += 1
                 report.fields = report.fields or problem.fields
     report.shapes = [VARIED] if len(shapes) > SHAPES else sorted(shapes)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-_BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"
 
 # One document: its bytes as they go into a cleaned copy, where it is ("line 18"), and why it is
 # bad (None: it is good).
@@ -18,7 +18,7 @@ class BadDocumentError(ValueError):
     user_error = True  # one line and exit status 2 from train.py, no traceback
 
 
-class _NoField(str):
+class NoField(str):
     """The problem of a document without the text field, and the fields it does have."""
     fields: list[str]
 
@@ -42,12 +42,12 @@ def read_documents(path: Path, text_field: str, start: int = 0,
     lines file can be read in byte ranges: the lines that begin in [start, stop)."""
     with open(path, "rb") as f:
         if path.suffix == ".txt":
-            for raw, where, problem in _paragraphs(f):
-                if problem is not _BLANK:
+            for raw, where, problem in paragraphs(f):
+                if problem is not BLANK:
                     yield (None if problem else raw.decode("utf-8")), where, len(raw), problem
             return
         if start == 0 and stop is None:
-            documents = _json_documents(f, path, text_field)
+            documents = json_documents(f, path, text_field)
         else:
             documents = _json_line_range(f, text_field, start, stop)
         for raw, where, problem in documents:
@@ -63,7 +63,7 @@ def _json_line_range(f: BinaryIO, text_field: str, start: int, stop: int | None)
     while (stop is None or f.tell() < stop) and (line := f.readline()):
         where = f"line {number}" if number else f"the line at byte {f.tell() - len(line)}"
         if number == 1:
-            line = line.removeprefix(_BOM)
+            line = line.removeprefix(BOM)
         if number:
             number += 1
         if line.strip():
@@ -84,18 +84,18 @@ def _line_problem(line: bytes, text_field: str, seen=None) -> str | None:
     return problem
 
 
-def _json_documents(f: BinaryIO, path: Path, text_field: str, seen=None) -> Iterator[Document]:
+def json_documents(f: BinaryIO, path: Path, text_field: str, seen=None) -> Iterator[Document]:
     """JSON lines, as pyarrow reads them (blank lines are not documents), or, for a .json file
     that starts with '[', one JSON array of documents (which `datasets` also reads). seen: as
     _line_problem's."""
-    head = f.read(4096).lstrip(_BOM).lstrip()
+    head = f.read(4096).lstrip(BOM).lstrip()
     f.seek(0)
     if path.suffix == ".json" and head.startswith(b"["):
         yield from _json_array(f.read(), path, text_field, seen)
         return
     for number, line in enumerate(f, 1):
         if number == 1:
-            line = line.removeprefix(_BOM)
+            line = line.removeprefix(BOM)
         if not line.strip():
             continue
         yield (line if line.endswith(b"\n") else line + b"\n", f"line {number}",
@@ -104,7 +104,7 @@ def _json_documents(f: BinaryIO, path: Path, text_field: str, seen=None) -> Iter
 
 def _json_array(data: bytes, path: Path, text_field: str, seen=None) -> Iterator[Document]:
     """A JSON array is parsed whole: an error in its syntax or encoding cannot be skipped."""
-    data = data.removeprefix(_BOM)
+    data = data.removeprefix(BOM)
     try:
         documents = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -128,7 +128,7 @@ def _document_problem(document, text_field: str) -> str | None:
     if not isinstance(document, dict):
         return f"a JSON {_json_type(document)}, not an object"
     if text_field not in document:
-        problem = _NoField(f"no field {text_field!r} (its fields: {', '.join(document) or 'none'})")
+        problem = NoField(f"no field {text_field!r} (its fields: {', '.join(document) or 'none'})")
         problem.fields = list(document)
         return problem
     if not isinstance(document[text_field], str):
@@ -161,15 +161,15 @@ def _not_utf8(data: bytes, error: UnicodeDecodeError) -> str:
 
 
 # The "problem" of a .txt paragraph of only whitespace: layout, neither a document nor a bad one.
-_BLANK = "only whitespace (layout, not a document)"
+BLANK = "only whitespace (layout, not a document)"
 
 
-def _paragraphs(f: BinaryIO, chunk_chars: int = 1 << 20) -> Iterator[Document]:
+def paragraphs(f: BinaryIO, chunk_chars: int = 1 << 20) -> Iterator[Document]:
     """Paragraphs split as `datasets`' text builder splits them (sample_by="paragraph": universal
     newlines, split on a blank line, empty pieces dropped), as raw bytes. Latin-1 maps each byte
     to one character, so the bytes come back exactly and a paragraph can be checked for UTF-8.
     The builder keeps a paragraph of only whitespace (spaces, tabs, the newline that an odd run of
-    blank lines leaves at the end): its problem is _BLANK."""
+    blank lines leaves at the end): its problem is BLANK."""
     # The wrapper closes f with it (the caller's `with` closing f again is harmless): a wrapper
     # left to the garbage collector is a ResourceWarning of an unclosed file.
     with io.TextIOWrapper(f, encoding="latin-1", newline=None) as text:
@@ -195,5 +195,5 @@ def _paragraph(piece: str, line: int) -> Document:
     if line == 1:
         text = text.removeprefix("\ufeff")  # the file's byte-order mark, which `datasets` keeps
     if not text.strip():  # str.strip and text_problem's str.isspace agree on what is whitespace
-        return raw, f"the paragraph from line {line}", _BLANK
+        return raw, f"the paragraph from line {line}", BLANK
     return raw, f"the paragraph from line {line}", None
