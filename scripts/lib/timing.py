@@ -130,7 +130,8 @@ def ahead_ms(fn: Callable[[], object], lead_ms: float,
     kernels before the GPU reaches them, so CUDA events around the call time the kernels back to
     back (the gaps between them on the GPU included, the host's time to launch them not), as in
     a training step whose host runs ahead. Where the host's time comes near lead_ms (a call that
-    synchronises, or a longer lead was needed) the GPU waited for the host within it."""
+    synchronises, or a longer lead was needed) the GPU waited for the host within it. So does
+    the first launch of a kernel, whose module CUDA loads lazily: time settled calls."""
     torch.cuda.synchronize()
     lead(lead_ms)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
