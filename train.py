@@ -30,11 +30,12 @@ from components.bad_steps import BadSteps, too_many_bad_steps
 from components.checkpoint import Checkpointer, TrainState
 from components.checkpoint_folders import (ResumePoint, check_resumed_tokenizer, find_resume_point,
                                            list_checkpoints)
+from components.config.checks import resolve_global_batch
 from components.config.docs import help_text
-from components.config.parse import (check_config_not_overwritten, config_changes, config_checks,
-                                     is_config_error, load_config, refusal_line,
-                                     resolve_global_batch, to_toml, wants_help)
+from components.config.parse import (check_config_not_overwritten, config_checks, is_config_error,
+                                     load_config, refusal_line, wants_help)
 from components.config.schema import JobConfig
+from components.config.toml_out import config_changes, to_toml
 from components.data.build import build_data
 from components.float8_linear import CONVERTER as FLOAT8_CONVERTER, check_fp8_device
 from components.initial_load import other_tokenizer_warning, take_settings_from_initial_load
@@ -286,10 +287,11 @@ def log_run(cfg: JobConfig, params: list, world: int, dims: ParallelDims, device
 
 
 def nan_loss_at_test_steps(model: torch.nn.Module, scheduler) -> None:
-    """Test-only fault injection (tests/test_train.py): FLCE_TEST_NAN_STEPS=2,5 makes the training
-    loss NaN at those steps, as a bad batch would. Without it (always outside the tests) nothing is
-    installed. The step is the schedule's: scheduler.step() runs once a step, bad steps too.
-    FLCE_TEST_NAN_RANK=r: only rank r's loss, and only its value (its gradients stay finite)."""
+    """Test-only fault injection (tests/test_train_non_finite.py): FLCE_TEST_NAN_STEPS=2,5 makes
+    the training loss NaN at those steps, as a bad batch would. Without it (always outside the
+    tests) nothing is installed. The step is the schedule's: scheduler.step() runs once a step,
+    bad steps too. FLCE_TEST_NAN_RANK=r: only rank r's loss, and only its value (its gradients
+    stay finite)."""
     steps = {int(s) for s in os.environ.get("FLCE_TEST_NAN_STEPS", "").split(",") if s.strip()}
     rank = os.environ.get("FLCE_TEST_NAN_RANK")
     if not steps:

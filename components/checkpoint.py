@@ -58,7 +58,7 @@ from components import safe_dcp
 from components.checkpoint_folders import STEP_DIR, ResumePoint, list_checkpoints, saved_tokenizer
 from components.checkpoint_manifest import ChecksummingWriter, find_damage
 from components.config.schema import JobConfig
-from components.config.parse import to_toml
+from components.config.toml_out import to_toml
 from components.float8_linear import plain_weights
 from components.process import keep_own_timeout, note_process_group
 from components.synced_files import sync_dir, write_synced

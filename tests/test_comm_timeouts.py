@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d as c10d
 
-from components.config.parse import load_config, to_toml
+from components.config.parse import load_config
 from components.config.schema import Comm, ConfigError
+from components.config.toml_out import to_toml
 from components.process import exit_without_teardown
 from launches import errors
 from ports import free_port

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 import train
 from components import process
-from components.config.parse import load_config, to_toml
+from components.config.parse import load_config
 from components.config.schema import Comm, ConfigError
+from components.config.toml_out import to_toml
 from components.lock import LOCK_FILE, DumpFolderInUse, FolderNotWritable, acquire, release
 from ports import free_port
 from test_lock import ARGS

@@ -26,7 +26,8 @@ from torch import nn
 
 import train
 from components.config.schema import ConfigError, Float8, Loss
-from components.config.parse import is_config_error, load_config, to_toml
+from components.config.parse import is_config_error, load_config
+from components.config.toml_out import to_toml
 from components.float8_linear import check_fp8_device, convert_to_float8, has_fp8, is_float8_linear
 from models import Llama, LlamaArgs
 from parallelisms.build import build_model, model_args

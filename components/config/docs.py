@@ -16,7 +16,8 @@ import typing
 from typing import Literal
 
 from components.config.schema import JobConfig
-from components.config.parse import sections, toml_value
+from components.config.fields import sections
+from components.config.toml_out import toml_value
 
 USAGE = """\
 usage: python3 train.py [--config FILE] [--SECTION.KEY VALUE | --SECTION.KEY=VALUE ...]

@@ -1,6 +1,7 @@
 """The config's schema: one dataclass per section, with defaults, a Literal type for each key
-that takes one of a few strings, and a docstring per key. Read and written by
-components/config/parse.py; --help and docs/config.md come from components/config/docs.py.
+that takes one of a few strings, and a docstring per key. Read by components/config/parse.py,
+checked by checks.py and written back by toml_out.py; --help and docs/config.md come from
+components/config/docs.py.
 
 Key names follow torchtitan v0.2 where one exists.
 """
