@@ -1,19 +1,16 @@
 """The trainer end to end on the CPU: the debug config trains, metrics are written, fused and
-unfused losses agree, non-finite steps follow the configured policy, torchrun with gloo works,
-a resumed run follows its own optimizer config, stop signals save and exit cleanly."""
+unfused losses agree, torchrun with gloo works, a resumed run follows its own optimizer config.
+Non-finite steps are in test_train_non_finite.py, stop signals in test_train_signals.py."""
 
 import json
 import tomllib
-import math
 import os
 import random
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -94,72 +91,6 @@ def test_float8_loss_trains_near_the_fused_loss(tmp_path, float8_at_any_size):
         curves[float8] = [r["loss"] for r in rows]
     assert max(abs(a - b) for a, b in zip(curves["logits+dx"], curves["none"])) <= 0.03
     assert curves["logits+dx"][-1] < curves["logits+dx"][0] - 0.5
-
-
-@pytest.mark.parametrize("policy,expected_logged_steps", [("stop", 1), ("skip", 3)])
-def test_non_finite_loss_policy(tmp_path, policy, expected_logged_steps):
-    # A logit scale of 1e38 overflows fp32: every step's loss is non-finite.
-    code, _, rows = run(tmp_path, policy, "--training.steps", "10", "--loss.logit_scale",
-                        "1e38", "--training.nan_policy", policy, "--training.max_bad_steps", "3")
-    assert code == 1
-    assert len(rows) == expected_logged_steps
-
-
-@pytest.mark.parametrize("policy,nan_steps,exit_code,logged,bad_steps,saved", [
-    ("stop", "2", 1, [1, 3], [0, 1], []),  # one bad step between log steps: stop at the next
-    ("skip", "2", 0, [1, 3, 6], [0, 1, 1], None),  # None: no checkpointing (saves take time)
-    ("skip", "4,5", 1, [1, 3, 6], [0, 0, 2], None),  # max_bad_steps in a row between log steps
-    ("skip", "3,4", 1, [1, 3, 6], [0, 1, 2], [3]),  # a run across a log step counts whole
-])
-def test_non_finite_steps_between_log_steps(tmp_path, monkeypatch, policy, nan_steps, exit_code,
-                                            logged, bad_steps, saved):
-    # FLCE_TEST_NAN_STEPS makes the loss (and so every gradient) NaN at those steps, as a bad
-    # batch would; the counts live on the device and are read at log steps only.
-    monkeypatch.setenv("FLCE_TEST_NAN_STEPS", nan_steps)
-    code, dump, rows = run(tmp_path, "r", "--training.steps", "6", "--metrics.log_freq", "3",
-                           "--training.nan_policy", policy, "--training.max_bad_steps", "2",
-                           "--checkpoint.enable", str(saved is not None).lower(),
-                           "--checkpoint.interval", "3")
-    assert code == exit_code
-    assert [r["step"] for r in rows] == logged
-    assert [r["bad_steps"] for r in rows] == bad_steps
-    assert [r["skipped_steps_since_last_log"] for r in rows] == [
-        b - a for a, b in zip([0] + bad_steps, bad_steps)]
-    # Skipped steps leave the weights finite; a run stopped for them saves nothing at that step.
-    poisoned = [int(s) for s in nan_steps.split(",")]
-    assert all(math.isfinite(r["loss"]) for r in rows if r["step"] not in poisoned)
-    if saved is not None:
-        assert sorted(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*")) == saved
-
-
-def test_a_run_stopped_for_a_bad_last_step_says_stopped(tmp_path, monkeypatch, capsys):
-    """nan_policy "stop" at the last step: the summary said "done: steps 1-4 of 4" (exit 1)."""
-    monkeypatch.setenv("FLCE_TEST_NAN_STEPS", "4")
-    code, _, _ = run(tmp_path, "r", "--training.steps", "4", "--metrics.log_freq", "10",
-                     "--training.nan_policy", "stop")
-    out = capsys.readouterr().out
-    assert code == 1 and "stopped: steps 1-4 of 4" in out and "done:" not in out
-
-
-@pytest.mark.slow
-def test_ranks_skip_a_step_together(tmp_path):
-    """FSDP over 2 processes, rank 1's loss alone non-finite at step 2 with finite gradients:
-    every rank skips that update, as when every loss and gradient is NaN. Each rank decided
-    alone before: rank 0 stepped its shards while rank 1 did not, so the weights went on from a
-    half-updated state (step 3's loss differed), silently."""
-    def run_2(name: str, **env) -> list[dict]:
-        args = SMALL + ["--training.steps", "3", "--training.local_batch_size", "2",
-                        "--data.synthetic", "true", "--job.dump_folder", str(tmp_path / name)]
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "2", str(ROOT / "train.py"), *args], check=True,
-                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                      "FLCE_TEST_NAN_STEPS": "2", **env}, timeout=300)
-        return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-
-    one_rank, every_rank = run_2("one_rank", FLCE_TEST_NAN_RANK="1"), run_2("every_rank")
-    assert [(r["step"], r["bad_steps"]) for r in one_rank] == [(1, 0), (2, 1), (3, 1)]
-    assert math.isfinite(one_rank[1]["grad_norm"])  # the gradients were finite
-    assert abs(one_rank[2]["loss"] - every_rank[2]["loss"]) <= 1e-6
 
 
 def test_logged_lr_is_the_lr_each_step_used(tmp_path):
@@ -457,7 +388,6 @@ def test_device_and_attention_choices_fail_clearly(tmp_path):
             train.main(SMALL + ["--training.device", "cuda", "--job.dump_folder", str(tmp_path)])
 
 
-
 def test_the_allocator_default_keeps_a_users_setting():
     from components.allocator import ALLOCATOR_SETTINGS, default_allocator_settings
     env = {"PATH": "/bin"}
@@ -491,6 +421,7 @@ def test_a_cuda_run_grows_its_segments_in_place_unless_its_user_says_otherwise(t
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"EXPANDABLE [{user_setting is None}]" in out.stdout
 
+
 def test_a_failed_run_leaves_no_process_group_behind(tmp_path):
     import torch.distributed as dist
     # Fails after the process group exists (a CUDA host) or before (the CPU): either way the next
@@ -501,116 +432,6 @@ def test_a_failed_run_leaves_no_process_group_behind(tmp_path):
     assert not dist.is_initialized()
     code, _, rows = run(tmp_path, "b", "--training.steps", "3")
     assert code == 0 and rows
-
-
-# ---- stop signals: a real process, a real signal ----------------------------------------------
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants, from /proc."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
-@pytest.fixture
-def start_training(tmp_path):
-    """start_training(name, command, env): a long checkpointing run in the background, stdout and
-    stderr to <name>.out. Whatever still runs at the end of the test is killed."""
-    started = []
-
-    def start(name, command, env=None, extra=()):
-        dump = tmp_path / name
-        with open(tmp_path / f"{name}.out", "w") as out:
-            proc = subprocess.Popen(
-                [*command, *OVERRIDES, "--training.steps", "100000", "--job.dump_folder", str(dump),
-                 "--checkpoint.enable", "true", "--checkpoint.interval", "100000", *extra],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-        started.append(proc)
-        return proc, dump, lambda: (tmp_path / f"{name}.out").read_text()
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            for pid in process_tree(proc.pid):  # torchrun's trainers run in sessions of their own
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-
-
-def wait_until(condition, proc, output, timeout=180):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, f"exited with {proc.returncode}:\n{output()}"
-        assert time.monotonic() < deadline, output()
-        time.sleep(0.05)
-
-
-def logged_steps(dump) -> list[int]:
-    path = dump / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
-
-
-PYTHON_TRAIN = [sys.executable, str(ROOT / "train.py"), "--config", DEBUG_CONFIG]
-
-
-@pytest.mark.slow
-def test_ctrl_c_saves_and_exits_cleanly(start_training):
-    proc, dump, output = start_training("int", PYTHON_TRAIN)
-    wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 0, output()
-    last = logged_steps(dump)[-1]
-    assert f"received SIGINT: stopped after step {last}, checkpoint in" in output()
-    assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
-
-
-@pytest.mark.slow
-def test_second_ctrl_c_aborts_at_once(start_training):
-    # Steps of ~0.5 s: the second Ctrl-C lands while the step the first one let finish still
-    # runs (with 25 ms steps it sometimes came after the save and the exit had begun).
-    proc, dump, output = start_training("int2", PYTHON_TRAIN, extra=[
-        "--training.seq_len", "256", "--training.local_batch_size", "24"])
-    wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
-    done = len(logged_steps(dump))
-    wait_until(lambda: len(logged_steps(dump)) > done, proc, output)  # a new step has begun
-    proc.send_signal(signal.SIGINT)
-    wait_until(lambda: "Ctrl-C again aborts" in output(), proc, output)  # the handler ran
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) != 0
-    assert "KeyboardInterrupt" in output() and "received SIGINT" not in output(), output()
-    assert not list((dump / "checkpoint").glob("step-*[0-9]"))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sig,to_every_process", [(signal.SIGTERM, False), (signal.SIGUSR1, True)],
-                         ids=["SIGTERM-to-the-script", "SIGUSR1-to-every-process"])
-def test_torchrun_launch_exits_0_after_a_clean_stop(start_training, sig, to_every_process):
-    """scripts/run_train.sh with NGPU=2 (real torchrun, gloo): a stop signal to the script, or a
-    SIGUSR1 to every process of the job at once (as SLURM signals a job step), ends with a
-    checkpoint and exit 0 (torchrun signalled itself exits 1 after its trainers saved)."""
-    proc, dump, output = start_training("tr", [str(ROOT / "scripts/run_train.sh")],
-                                        env={"NGPU": "2", "CONFIG": DEBUG_CONFIG})
-    wait_until(lambda: len(logged_steps(dump)) >= 2, proc, output)
-    for pid in process_tree(proc.pid) if to_every_process else [proc.pid]:
-        os.kill(pid, sig)
-    assert proc.wait(timeout=120) == 0, output()
-    last = logged_steps(dump)[-1]
-    assert f"received {sig.name}: stopped after step {last}" in output()
-    assert (dump / "checkpoint" / f"step-{last}" / ".metadata").is_file()
 
 
 def test_the_docs_own_data_and_tokenizer_example_runs(tmp_path, monkeypatch, capsys):
