@@ -7,7 +7,8 @@ q/k permutation and the rope scaling) visibly changes the logits; two negative c
 that the comparison would catch a missing permutation or missing rope scaling. A trainer's
 checkpoint exports with nothing but its path: the model, the vocab size and the tokenizer come
 from its config.toml, and the folder holds the tokenizer and the bos/eos ids. What it refuses
-is in test_export_hf_refusals.py, the tokenizer's framing in test_export_hf_tokenizer.py.
+is in test_export_hf_refusals.py; the tokenizer (its framing, its copy, a replaced file
+refused) in test_export_hf_tokenizer.py.
 """
 
 import dataclasses
@@ -261,7 +262,7 @@ def test_flavor_keeps_the_runs_model_settings(tmp_path, capsys):
     """--flavor built the bare flavor though config.toml was there: a run's [model] max_seq_len
     and rope_scaling_factor were dropped, and the folder gave other logits without a word."""
     folder = train_checkpoints(tmp_path / "run", "--model.max_seq_len", "4096",
-                    "--model.rope_scaling_factor", "2")
+                               "--model.rope_scaling_factor", "2")
     out = tmp_path / "hf"
     assert export_hf.main(["--checkpoint", str(folder), "--out", str(out), "--flavor", "debug",
                            "--dtype", "float32"]) == 0

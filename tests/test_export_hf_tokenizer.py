@@ -1,4 +1,5 @@
-"""scripts/export_hf.py's tokenizer: transformers frames and scores text as training did."""
+"""scripts/export_hf.py's tokenizer: transformers frames and scores text as training did, a
+run's tokenizer is copied with its ids, and a tokenizer file replaced since training is refused."""
 
 import json
 from pathlib import Path
@@ -121,7 +122,7 @@ def test_a_runs_hf_tokenizer_is_copied_with_its_ids(tmp_path):
     tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
     (tmp_path / "tok" / "special_tokens_map.json").write_text('{"bos_token": "<s>"}\n')
     folder = train_checkpoints(tmp_path / "run", "--tokenizer.name", "hf", "--tokenizer.path",
-                    str(tmp_path / "tok" / "tokenizer.json"))
+                               str(tmp_path / "tok" / "tokenizer.json"))
     out = tmp_path / "hf"
     assert export_hf.main(["--checkpoint", str(folder), "--out", str(out)]) == 0
     # the same tokenizer, with training's framing as its post-processor
