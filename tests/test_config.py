@@ -523,3 +523,37 @@ def test_a_hand_written_config_in_the_dump_folder_is_not_overwritten(tmp_path):
     # the trainer's own resolved config, given back to resume as it was, may be written again
     own.write_text(to_toml(load_config(argv)))
     check_config_not_overwritten(argv, load_config(argv))
+
+
+def test_a_command_line_value_that_is_not_utf8_is_refused():
+    """A command-line byte outside UTF-8 (a latin-1 path, a description from a latin-1 `git log`)
+    reaches Python as a lone surrogate: load_config took it, and the run failed writing
+    config.toml (UnicodeEncodeError, a traceback) after setting the folder's earlier metrics
+    aside, leaving config.toml empty."""
+    with pytest.raises(ConfigError, match=r"\[job\] description = .*: not UTF-8 text"):
+        load_config(["--job.description", "caf\udce9"])  # sys.argv's spelling of b"caf\xe9"
+    assert load_config(["--job.description", "café 日本"]).job.description == "café 日本"
+
+
+@pytest.mark.parametrize("section,key", [("job", "dump_folder"), ("checkpoint", "folder"),
+                                         ("profiling", "save_traces_folder"),
+                                         ("data", "cache_dir")])
+def test_a_nul_character_in_a_path_key_is_a_config_error_naming_it(tmp_path, section, key):
+    """TOML can spell a NUL ("\\u0000"), which no path may hold: load_config raised a bare
+    ValueError ("embedded null byte"), a traceback rather than a config error, and for cache_dir
+    the run said "config error: embedded null byte", naming no key."""
+    path = tmp_path / "nul.toml"
+    path.write_text(f'[{section}]\n{key} = "a\\u0000b"\n')
+    with pytest.raises(ConfigError, match=rf"\[{section}\] {key} = .*: holds a NUL character"):
+        load_config(["--config", str(path)])
+
+
+def test_a_list_in_toml_brackets_on_the_command_line_is_refused():
+    """Lists on the command line are comma-separated; --quantize.linear.float8.filter_fqns
+    '["wk", "wq"]' became the entries '["wk"' and '"wq"]', which no layer name contains: wk and
+    wq were converted to float8 without a word."""
+    with pytest.raises(ConfigError, match=r"filter_fqns = .*: a list on the command line is "
+                                          r"comma-separated"):
+        load_config(["--quantize.linear.float8.filter_fqns", '["wk", "wq"]'])
+    fqns = load_config(["--quantize.linear.float8.filter_fqns", "wk, wq"])
+    assert fqns.quantize.linear.float8.filter_fqns == ["wk", "wq"]

@@ -106,3 +106,12 @@ def test_load_step_without_checkpoints_enabled_is_refused():
                                           r"checkpoint, but \[checkpoint\] enable = false"):
         load_config(["--checkpoint.load_step", "2"])
     assert load_config(["--checkpoint.load_step", "2", "--checkpoint.enable", "true"])
+
+
+@pytest.mark.parametrize("key", ["source", "cache_dir"])
+def test_an_empty_data_source_or_cache_dir_is_refused(key):
+    """"" is the current folder to Path: --data.source "" trained on every .jsonl/.json/.txt file
+    under the folder the run started in (its log naming the source ""), and --data.cache_dir ""
+    wrote checked/ and datasets/ there, both without a word (as [job] dump_folder = "" would)."""
+    with pytest.raises(ConfigError, match=rf"\[data\] {key} is empty"):
+        load_config([f"--data.{key}", ""])

@@ -26,6 +26,13 @@ def check_values(cfg: JobConfig) -> None:
     _check_types(cfg, "")
     if not cfg.job.dump_folder.strip():
         raise ConfigError("[job] dump_folder is empty: name the folder the run writes to")
+    # "" is the current folder to Path: every data file under it read, or the caches written there
+    if not cfg.data.source.strip():
+        raise ConfigError(f"[data] source is empty: name a file, folder or dataset (the default: "
+                          f"{Data.source!r})")
+    if not cfg.data.cache_dir.strip():
+        raise ConfigError(f"[data] cache_dir is empty: name the folder the data caches go to "
+                          f"(the default: {Data.cache_dir!r})")
     if cfg.checkpoint.load_step < -1:
         raise ConfigError(f"[checkpoint] load_step = {cfg.checkpoint.load_step}: must be a step "
                           ">= 0, or -1 for the latest")

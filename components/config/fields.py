@@ -53,6 +53,9 @@ def coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
         return coerce(where, value, inner, from_text)
     if origin is list:
         if from_text:
+            if value.strip().startswith("["):  # '["wk", "wq"]' split at commas: '["wk"', '"wq"]'
+                raise ConfigError(f"{where} = {value!r}: a list on the command line is "
+                                  "comma-separated (a,b), without TOML's brackets and quotes")
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
@@ -84,6 +87,8 @@ def coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
             setattr(item, key, coerce(f"{where} {key}", v, hints[key], from_text))
         return item
     where = where.removesuffix(":")  # an item of a list is named by the list
+    if annotation is str and isinstance(value, str):
+        _check_text(where, value)
     if from_text:
         try:
             if annotation is bool:
@@ -99,6 +104,20 @@ def coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
         raise ConfigError(f"{where}: expected {annotation.__name__}, got "
                           f"{type(value).__name__} {value!r}")
     return value
+
+
+def _check_text(where: str, value: str) -> None:
+    """A string no file name, log or config.toml can hold is refused here, naming its key: a NUL
+    (TOML spells it "\\u0000"), or a command-line byte outside UTF-8, which reaches Python as a
+    lone surrogate and made the run fail writing config.toml, after setting the folder's
+    earlier metrics aside."""
+    if "\x00" in value:
+        raise ConfigError(f"{where} = {value!r}: holds a NUL character, which no path or name may")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{where} = {value!r}: not UTF-8 text (a byte the command line or the "
+                          "environment gave in another encoding?)") from None
 
 
 # Keys also accepted under an older name: (section, old name) -> the name.
