@@ -440,7 +440,8 @@ def train(cfg: JobConfig, rank: int, world: int, device: torch.device, stop: Sto
     # metrics.jsonl and stdout and a call queueing it for wandb / TensorBoard; every rank writes
     # its own traces and memory snapshots; resuming and loading weights (rank 0 alone reads a
     # Hugging Face folder) come before the first step.
-    with maybe_profile(cfg.profiling, dump, rank, device, log, start_step) as profiler:
+    with maybe_profile(cfg.profiling, dump, rank, device, log, start_step,
+                       cfg.training.steps) as profiler:
         for step in range(start_step, cfg.training.steps + 1):
             if stalls and f"step@{step}" in stalls:
                 time.sleep(stalls[f"step@{step}"])

@@ -61,15 +61,21 @@ class Profilers:
 
 @contextmanager
 def maybe_profile(cfg: Profiling, dump_folder: Path, rank: int, device: torch.device,
-                  log: Callable[[str], None], first_step: int = 1):
+                  log: Callable[[str], None], first_step: int = 1,
+                  last_step: Optional[int] = None):
     """Yields a `Profilers`, or None when nothing is asked for. A Chrome trace per profiled step
     goes to <dump_folder>/<save_traces_folder>/step-<N>/rank-<r>.json (open in Perfetto), memory
     snapshots to <dump_folder>/<save_memory_snapshot_folder>/step-<N>/ and, on running out of
     memory, oom-step-<N>/. first_step: the run's first step in this process (a resumed run's is
-    the checkpoint's step + 1)."""
+    the checkpoint's step + 1); last_step: its last, where known (a run none of whose steps is
+    profiled says so)."""
     if not (cfg.enable_profiling or cfg.enable_memory_snapshot):
         yield None
         return
+    first_profiled = -(-first_step // cfg.profile_freq) * cfg.profile_freq  # `profiled`'s steps
+    if last_step is not None and first_step <= last_step < first_profiled:
+        log(f"warning: [profiling] profile_freq = {cfg.profile_freq}: no step of this run "
+            f"({first_step} to {last_step}) is a multiple of it, so nothing is profiled")
     with ExitStack() as stack:
         trace = memory = None
         if cfg.enable_profiling:

@@ -204,3 +204,15 @@ def test_a_checkpoint_folder_holding_the_profiling_folders_is_accepted(tmp_path,
     cfg = load_config([*BASE, "--job.dump_folder", str(tmp_path), "--checkpoint.folder",
                        checkpoint])
     assert cfg.checkpoint.folder == checkpoint
+
+
+def test_profiling_that_no_step_reaches_says_so(tmp_path, capsys):
+    """enable_profiling with profile_freq (default 10) above the run's steps: no step is a
+    multiple of it and no trace is written, and the run said nothing."""
+    run = tmp_path / "run"
+    assert train.main([*BASE, "--data.synthetic", "true", "--training.steps", "2",
+                       "--job.dump_folder", str(run), "--profiling.enable_profiling", "true",
+                       "--profiling.profile_freq", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: [profiling] profile_freq = 10: no step of this run (1 to 2)" in out, out
+    assert not list((run / "profile_traces").rglob("*.json"))
