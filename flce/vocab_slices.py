@@ -40,8 +40,11 @@ def slice_stats(logits: Tensor, target: Tensor, opts: LossOptions, vocab_start: 
     z = scaled_logits(logits, opts)
     m = row_max(z)
     ignored = target == opts.ignore_index
+    # a slice of -inf logits only (masked classes) has exp-sum 0 about any finite max; about its
+    # own max, exp(-inf - -inf) is NaN
+    finite_m = torch.where(m == float("-inf"), 0.0, m)
     return torch.stack([m.masked_fill(ignored, 0.0),
-                        torch.exp(z - m[:, None]).sum(1).masked_fill(ignored, 1.0),
+                        torch.exp(z - finite_m[:, None]).sum(1).masked_fill(ignored, 1.0),
                         target_logit(z, target, opts, vocab_start), z.sum(1).masked_fill(ignored, 0.0)],
                        dim=1)
 
@@ -62,7 +65,9 @@ def loss_from_sums(m: Tensor, sums: Tensor, target: Tensor, opts: LossOptions,
     reference.per_token_loss."""
     log_s = torch.log(sums[0])
     ls = opts.label_smoothing
-    loss = (1 - ls) * (log_s - (sums[1] - m)) + ls * (log_s - (sums[2] / vocab_size - m))
+    loss = (1 - ls) * (log_s - (sums[1] - m))
+    if ls:  # sum z is -inf where a class is masked by a -inf logit: 0 * -inf would be NaN
+        loss = loss + ls * (log_s - (sums[2] / vocab_size - m))
     lse = m + log_s
     loss = loss + opts.z_loss * lse * lse
     keep = target != opts.ignore_index
