@@ -2,6 +2,7 @@
 vocab-parallel loss) and the custom ops: which implementation runs (Triton or PyTorch), the dtype
 of the per-token statistics, and the weight the summed loss is multiplied by."""
 
+import functools
 import numbers
 import os
 from typing import Optional
@@ -38,6 +39,24 @@ def use_triton(impl: str, x: Tensor) -> bool:
                                "on the CPU set TRITON_INTERPRET=1 or use impl='torch'")
         return True
     return x.device.type == "cuda" and x.dtype in TRITON_DTYPES and triton_usable(x.device)
+
+
+def outside_autocast(loss_fn):
+    """A loss entry point that takes torch.autocast as nn.Linear does: under autocast its fp32,
+    fp16 and bf16 inputs are cast to autocast's dtype (float64 ones are left, as autocast leaves
+    them), and autocast is off inside. Left on inside, it cast the one-block path's forward GEMM
+    alone (fp32 inputs got bf16 logits) and that path's backward then failed on a bf16 and an
+    fp32 operand; the chunks' GEMMs write with out=, which autocast leaves alone."""
+    @functools.wraps(loss_fn)
+    def call(x, target, weight, bias=None, **options):
+        device = x.device.type
+        if not torch.is_autocast_enabled(device):
+            return loss_fn(x, target, weight, bias, **options)
+        dtype = torch.get_autocast_dtype(device)
+        cast = lambda t: t.to(dtype) if t is not None and t.dtype in TRITON_DTYPES else t
+        with torch.autocast(device, enabled=False):
+            return loss_fn(cast(x), target, cast(weight), cast(bias), **options)
+    return call
 
 
 def widened(target: Tensor, ignore_index: int) -> Tensor:

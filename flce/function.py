@@ -8,8 +8,8 @@ from torch import Tensor
 from flce.custom_ops import (block_backward, block_forward, fused_forward, scale_to,
                               sweep_backward, sweep_forward, token_losses, token_losses_backward,
                               weighted_sum)
-from flce.dispatch import (IMPLS, check_inputs, divisor_of, loss_weight, refuse_double_backward,
-                           stat_dtype, use_triton, widened)
+from flce.dispatch import (IMPLS, check_inputs, divisor_of, loss_weight, outside_autocast,
+                           refuse_double_backward, stat_dtype, use_triton, widened)
 from flce.float8 import FLOAT8
 from flce.ops import float8_gemms, float8_used, uses_one_block
 from flce.options import LossOptions
@@ -147,6 +147,7 @@ def check_settings(chunk_size: Optional[int], memory_lean: bool, float8: str, im
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
 
 
+@outside_autocast
 def fused_linear_cross_entropy(
     x: Tensor,
     target: Tensor,

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flce.custom_ops import scale_to
-from flce.dispatch import (check_inputs, loss_weight, refuse_double_backward, stat_dtype,
-                           use_triton, widened)
+from flce.dispatch import (check_inputs, loss_weight, outside_autocast, refuse_double_backward,
+                           stat_dtype, use_triton, widened)
 from flce.ops import chunk_loop, pick_chunk_size, unpadded, weight_grad_buffer
 from flce.options import LossOptions
 from flce.reference import scaled_logits
@@ -124,6 +124,7 @@ class _VocabParallelLoss(torch.autograd.Function):
                 None, None, None, None)
 
 
+@outside_autocast
 def vocab_parallel_linear_cross_entropy(
     x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     vocab_start: int, vocab_size: int, group=None, opts: LossOptions = LossOptions(),
