@@ -50,7 +50,8 @@ def outside_autocast(loss_fn):
     @functools.wraps(loss_fn)
     def call(x, target, weight, bias=None, **options):
         device = x.device.type
-        if not torch.is_autocast_enabled(device):
+        # is_autocast_enabled raises for a device autocast does not know (meta)
+        if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
             return loss_fn(x, target, weight, bias, **options)
         dtype = torch.get_autocast_dtype(device)
         cast = lambda t: t.to(dtype) if t is not None and t.dtype in TRITON_DTYPES else t
