@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from components.config.checks import TENSORBOARD_FOLDER
 from components.config.schema import Metrics, WandbMode
 from components.metrics_timeline import records, timeline
 
@@ -348,7 +349,7 @@ class MetricsLogger:
         written = datetime.datetime.fromtimestamp(self.jsonl_path.stat().st_mtime)
         stamp, n = f"{written:%Y%m%d-%H%M%S}", 1
         earlier = {"metrics.jsonl": "metrics.{}.jsonl", "config.toml": "config.{}.toml",
-                   "tb": "tb.{}", **{name: name.rstrip("/") + ".{}" for name in self.outputs}}
+                   TENSORBOARD_FOLDER: TENSORBOARD_FOLDER + ".{}", **{name: name.rstrip("/") + ".{}" for name in self.outputs}}
         names = {}
         while not names or any((self.dump_folder / new).exists() for new in names.values()):
             suffix = stamp if n == 1 else f"{stamp}-{n}"
@@ -375,7 +376,7 @@ class MetricsLogger:
 
     def _start_tensorboard(self):
         SummaryWriter = _import_summary_writer()  # noqa: N806 (a class)
-        self.tensorboard_dir = self.dump_folder / "tb"
+        self.tensorboard_dir = self.dump_folder / TENSORBOARD_FOLDER
         # a resumed run hides what an earlier one logged from its first step on (a rollback's or
         # a killed run's abandoned steps), as it leaves them out of its summary
         return SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=self.first_step)

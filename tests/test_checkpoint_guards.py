@@ -17,6 +17,7 @@ import train
 from components import lock, safe_dcp
 from components.checkpoint_manifest import find_damage
 from components.config.parse import load_config, refusal_line
+from components.config.schema import ConfigError
 from test_checkpoint import BASE, losses
 
 
@@ -280,3 +281,46 @@ def test_torch_naming_a_global_is_told_from_damage(tmp_path, func):
     with pytest.raises(Exception) as cut:
         torch.load(file, weights_only=True)
     assert not safe_dcp.names_a_global(cut.value)
+
+
+@pytest.mark.parametrize("folder", ["metrics.jsonl", "config.toml", "run.lock", "tb",
+                                    "tb/checkpoints"])
+def test_a_checkpoint_folder_at_a_runs_own_file_or_in_tensorboards_is_refused(tmp_path, folder):
+    """[checkpoint] folder at a file the run writes before its first save (metrics.jsonl,
+    config.toml, run.lock) failed at that save, after every step before it (a NotADirectoryError
+    traceback, exit 1); inside TensorBoard's folder "tb" it went aside with it when a later
+    fresh run set an earlier run's outputs aside, and the run after that started again from step
+    1 without a word. The profiling folders were refused for both already."""
+    with pytest.raises(ConfigError, match=r"\[checkpoint\] folder = .*: name another folder"):
+        load_config(["--checkpoint.folder", folder, "--job.dump_folder", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("source", ["text", "shards"])
+def test_resuming_a_checkpoint_of_real_data_as_synthetic_tokens_is_not_a_key_error(
+        tmp_path, source):
+    """A checkpoint of a text (or token-shard) source resumed with [data] synthetic = true: the
+    synthetic stream's load_state_dict reads state["windows"] before checking the kind of state
+    and dies with a bare KeyError: 'windows' traceback. The other kinds raise ValueError for a
+    state of another kind of source, which the checkpoint loader turns into repositioning by step
+    (or a warning). docs/checkpoints.md: "a position that does not fit the documents at all,
+    after [data] source changed, is a one-line error"; docs/training.md: a data mistake "is one
+    line on stderr and exit status 2"."""
+    dump = tmp_path / "run"
+    args = BASE + ["--checkpoint.interval", "2", "--job.dump_folder", str(dump),
+                   "--training.seq_len", "32", "--training.local_batch_size", "2"]
+    if source == "shards":
+        from scripts.prepare_data import main as prepare
+        corpus = tmp_path / "corpus.jsonl"
+        corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n"
+                                  for i in range(50)))
+        prepare(["--source", str(corpus), "--tokenizer", "byte", "--out", str(tmp_path / "sh")])
+        args += ["--data.source", str(tmp_path / "sh")]
+    assert train.main(args + ["--training.steps", "2"]) == 0
+    try:
+        code = train.main(args + ["--training.steps", "4", "--data.synthetic", "true"])
+    except KeyError as e:
+        pytest.fail(f"KeyError {e} instead of a resume by step or a one-line error")
+    except (ConfigError, ValueError):
+        return  # a one-line refusal is fine
+    assert code == 0
+    assert sorted(losses(dump)) == [1, 2, 3, 4]

@@ -81,6 +81,7 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError(f"[comm] save_traces_file_prefix = {cfg.comm.save_traces_file_prefix!r}: "
                           "a file name's start, without '/' (the folder is save_traces_folder)")
     _check_profiling_folders(cfg)
+    _check_checkpoint_folder(cfg)
     _check_mixture(cfg.data)
     for name in cfg.model.converters:
         if cfg.model.converters.count(name) > 1:
@@ -139,9 +140,11 @@ def _check_types(section, where: str) -> None:
         _check_types(getattr(section, name), f"{where}.{name}" if where else name)
 
 
-# What a run writes in its dump folder before its first profiled step (components/metrics.py,
-# train.py, components/lock.py): a profiling folder of one of these names cannot be made.
+# What a run writes in its dump folder before its first profiled step or save (components/
+# metrics.py, train.py, components/lock.py): a profiling or checkpoint folder of one of these
+# names cannot be made.
 RUN_FILES = ("metrics.jsonl", "config.toml", "run.lock")
+TENSORBOARD_FOLDER = "tb"  # components/metrics.py's; a fresh run sets an earlier run's aside
 PROFILING_FOLDERS = ("save_traces_folder", "save_memory_snapshot_folder")
 
 
@@ -185,6 +188,21 @@ def _check_profiling_folders(cfg: JobConfig) -> None:
                 "step-"):
             raise ConfigError(f"{key} ({path}) is inside a checkpoint's step folder: name a "
                               "folder outside [checkpoint] folder's step-<N>/")
+
+
+def _check_checkpoint_folder(cfg: JobConfig) -> None:
+    """The checkpoint folder is made at the first save: at a run's own file it failed there,
+    after every step before it (a NotADirectoryError's traceback); and inside the TensorBoard
+    folder it went aside with that folder when a later fresh run set an earlier run's outputs
+    aside, and the run after that started again from step 1."""
+    dump = Path(cfg.job.dump_folder).expanduser().resolve()
+    folder = (dump / Path(cfg.checkpoint.folder).expanduser()).resolve()
+    for name in (*RUN_FILES, TENSORBOARD_FOLDER):
+        taken = dump / name
+        if folder == taken or taken in folder.parents:
+            what = "TensorBoard's folder" if name == TENSORBOARD_FOLDER else "the run's own file"
+            raise ConfigError(f"[checkpoint] folder = {cfg.checkpoint.folder!r}: {taken} is "
+                              f"{what}: name another folder")
 
 
 def _check_mixture(data: Data) -> None:
