@@ -285,6 +285,9 @@ class SyntheticTokens:
                 "local_batch_size": self.local_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
+        if "windows" not in state:  # another kind of source's: the caller resumes by step
+            raise ValueError(f"the data state holds {sorted(state)}, not synthetic tokens' count "
+                             "of windows")
         saved = (state.get("dp_rank", self.dp_rank), state.get("dp_world", self.dp_world),
                  state.get("local_batch_size", self.local_batch_size))
         if saved != (self.dp_rank, self.dp_world, self.local_batch_size):
