@@ -14,6 +14,7 @@ from flce.options import LossOptions, finite
 
 IMPLS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts (not fp64)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -54,7 +55,7 @@ def outside_autocast(loss_fn):
         if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
             return loss_fn(x, target, weight, bias, **options)
         dtype = torch.get_autocast_dtype(device)
-        cast = lambda t: t.to(dtype) if t is not None and t.dtype in TRITON_DTYPES else t
+        cast = lambda t: t.to(dtype) if t is not None and t.dtype in AUTOCAST_CASTS else t
         with torch.autocast(device, enabled=False):
             return loss_fn(cast(x), target, cast(weight), cast(bias), **options)
     return call

@@ -161,11 +161,12 @@ def _check_profiling_folders(cfg: JobConfig) -> None:
             raise ConfigError(f"[profiling] {key} = {value!r}: must name a folder inside the "
                               f"dump folder, as a relative path (the default: "
                               f"{getattr(type(cfg.profiling), key)!r})")
+        taken = _taken(dump, dump / value, RUN_FILES)
+        if taken is not None:
+            raise ConfigError(f"[profiling] {key} = {value!r}: {taken} is the run's own "
+                              "file, not a folder: name another folder")
         for n in range(1, len(parts) + 1):
             path = dump.joinpath(*parts[:n])
-            if n == 1 and parts[0] in RUN_FILES:
-                raise ConfigError(f"[profiling] {key} = {value!r}: {path} is the run's own "
-                                  "file, not a folder: name another folder")
             if path.exists() and not path.is_dir():
                 raise ConfigError(f"[profiling] {key} = {value!r}: {path} is a file, not a "
                                   "folder: name another folder")
@@ -190,19 +191,28 @@ def _check_profiling_folders(cfg: JobConfig) -> None:
                               "folder outside [checkpoint] folder's step-<N>/")
 
 
+def _taken(dump: Path, folder: Path, names) -> Optional[Path]:
+    """dump / the first of names that folder is or lies in (compared resolved), else None."""
+    resolved = folder.resolve()
+    for name in names:
+        taken = dump / name
+        if resolved == taken.resolve() or taken.resolve() in resolved.parents:
+            return taken
+    return None
+
+
 def _check_checkpoint_folder(cfg: JobConfig) -> None:
     """The checkpoint folder is made at the first save: at a run's own file it failed there,
     after every step before it (a NotADirectoryError's traceback); and inside the TensorBoard
     folder it went aside with that folder when a later fresh run set an earlier run's outputs
     aside, and the run after that started again from step 1."""
     dump = Path(cfg.job.dump_folder).expanduser().resolve()
-    folder = (dump / Path(cfg.checkpoint.folder).expanduser()).resolve()
-    for name in (*RUN_FILES, TENSORBOARD_FOLDER):
-        taken = dump / name
-        if folder == taken or taken in folder.parents:
-            what = "TensorBoard's folder" if name == TENSORBOARD_FOLDER else "the run's own file"
-            raise ConfigError(f"[checkpoint] folder = {cfg.checkpoint.folder!r}: {taken} is "
-                              f"{what}: name another folder")
+    taken = _taken(dump, dump / Path(cfg.checkpoint.folder).expanduser(),
+                   (*RUN_FILES, TENSORBOARD_FOLDER))
+    if taken is not None:
+        what = "TensorBoard's folder" if taken.name == TENSORBOARD_FOLDER else "the run's own file"
+        raise ConfigError(f"[checkpoint] folder = {cfg.checkpoint.folder!r}: {taken} is "
+                          f"{what}: name another folder")
 
 
 def _check_mixture(data: Data) -> None:
