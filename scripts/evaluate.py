@@ -53,6 +53,26 @@ def data_parallel_ranks(folder: Path, cfg: JobConfig) -> int:
     return max(world // same_batch, 1)
 
 
+RECORD_KEYS = {"tokens", "source", "split", "seq_len", "checkpoint"}
+
+
+def check_json_target(path: Path) -> None:
+    """--json replaces only an earlier record of this script: a run's metrics.jsonl or a
+    checkpoint's train_state.json given by mistake was overwritten (the checkpoint then read as
+    damaged and a resume fell back a step)."""
+    if path.is_dir() or not path.parent.is_dir():
+        raise ValueError(f"--json {path}: not a file in an existing folder")
+    if not path.exists():
+        return
+    try:  # a record is a few hundred bytes: a large file is not one, and is not read whole
+        earlier = json.loads(path.read_text()) if path.stat().st_size < 1 << 16 else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        earlier = None
+    if not (isinstance(earlier, dict) and RECORD_KEYS <= earlier.keys()):
+        raise ValueError(f"--json {path}: exists and is not an earlier evaluate record; "
+                         "pick another file")
+
+
 def given(value: int | None, default: int) -> int:
     """An option's value, or the run's when it was not given (0 stood for that once, so that
     --steps 0 evaluated the run's 20 batches without a word)."""
@@ -94,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                              "unfused logits of a long sequence would not fit)")
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer.json instead of the run's / the folder's")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--json", default=None, help="also write the results to this file (a new one, or an "
+                        "earlier record of this script)")
     opts = parser.parse_args(argv)
 
     try:
@@ -102,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(opts, name)
             if value is not None and value < least:
                 raise ValueError(f"--{name.replace('_', '-')} {value}: expected >= {least}")
-        if opts.json and (Path(opts.json).is_dir() or not Path(opts.json).parent.is_dir()):
-            # checked before the evaluation, which may take long, not when writing its result
-            raise ValueError(f"--json {opts.json}: not a file in an existing folder")
+        if opts.json:  # checked before the evaluation, which may take long
+            check_json_target(Path(opts.json))
         device = pick_device(opts.device)
         loaded = checkpoints.load_model(opts.checkpoint, device, pick_dtype(opts.dtype, device),
                                         tokenizer_path=opts.tokenizer)
@@ -179,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                   "read_more_than_once": bool(repeated)}
         if mixture:
             record["mixture"] = [dataclasses.asdict(m) for m in mixture]
-        Path(opts.json).write_text(json.dumps(record, indent=2) + "\n")
+        partial = Path(opts.json).with_name(Path(opts.json).name + ".partial")
+        partial.write_text(json.dumps(record, indent=2) + "\n")
+        partial.replace(opts.json)  # whole or not at all
     return 0
 
 

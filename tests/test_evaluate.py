@@ -239,6 +239,31 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_evaluating(run, tm
         assert out == ""  # nothing evaluated
 
 
+def test_json_replaces_an_earlier_record_but_no_other_file(run, tmp_path, capsys):
+    """Given a run's metrics.jsonl or a checkpoint's train_state.json by mistake, --json
+    replaced it (the checkpoint then read as damaged; a resume fell back a step)."""
+    step = max((run["dump"] / "checkpoint").glob("step-*"), key=lambda p: int(p.name[5:]))
+    theirs = []
+    for source in (run["dump"] / "metrics.jsonl", step / "train_state.json"):
+        copy = tmp_path / source.name  # a copy: a failing test must not damage the shared run
+        copy.write_bytes(source.read_bytes())
+        theirs.append(copy)
+    for path in theirs:
+        before = path.read_bytes()
+        assert load_script("evaluate").main(["--checkpoint", str(step), "--json", str(path)]) == 1
+        out, err = capsys.readouterr()
+        assert err == (f"evaluate: error: --json {path}: exists and is not an earlier evaluate "
+                       "record; pick another file\n")
+        assert out == "" and path.read_bytes() == before
+    record = tmp_path / "eval.json"
+    for _ in range(2):  # the second run replaces the first one's record
+        assert load_script("evaluate").main(["--checkpoint", str(step), "--json",
+                                             str(record), "--steps", "1"]) == 0
+    assert json.loads(record.read_text())["checkpoint"] == str(step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "metrics.jsonl",
+                                                          "train_state.json"]
+
+
 @pytest.mark.slow
 def test_evaluate_reproduces_a_two_rank_runs_validation(tmp_path, capsys):
     """Each data-parallel rank validates its own share of the documents: evaluating rank 0's
