@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                              "unfused logits of a long sequence would not fit)")
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer.json instead of the run's / the folder's")
-    parser.add_argument("--json", default=None, help="also write the results to this file (a new one, or an "
-                        "earlier record of this script)")
+    parser.add_argument("--json", default=None,
+                        help="also write the results to this file (a new one, or an earlier "
+                        "record of this script)")
     opts = parser.parse_args(argv)
 
     try:
