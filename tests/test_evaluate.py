@@ -213,6 +213,7 @@ def test_a_garbled_train_state_is_named(run, tmp_path, capsys):
     """Garbled, train_state.json (which records the run's tokenizer) was read as absent."""
     step = tmp_path / f"step-{STEPS}"
     shutil.copytree(run["dump"] / "checkpoint" / f"step-{STEPS}", step)
+    (step / "checksums.json").unlink()  # as saved before checksums; else the checksum names it
     (step / "train_state.json").write_text("[]")
     assert load_script("evaluate").main(["--checkpoint", str(step), "--device", "cpu"]) == 1
     assert capsys.readouterr().err == (f"evaluate: error: {step / 'train_state.json'} is damaged "

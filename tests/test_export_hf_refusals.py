@@ -161,12 +161,40 @@ def test_a_garbled_train_state_is_named(tmp_path, capsys):
     absent and the export went ahead without checking the tokenizer."""
     folder = train_checkpoints(tmp_path / "run")
     state = folder / "step-2" / "train_state.json"
+    (folder / "step-2" / "checksums.json").unlink()  # as saved before checksums (else: named by it)
     state.write_text("{")
     assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 1
     assert capsys.readouterr().err.endswith(
         f"export_hf: error: {state} is damaged (JSONDecodeError: Expecting property name "
         "enclosed in double quotes: line 1 column 2 (char 1))\n")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_run_record_changed_since_the_save_is_named(tmp_path, capsys):
+    """config.toml and train_state.json are in the save's checksums.json, but export_hf,
+    generate and evaluate checked only the tensor files: one that still parsed was read as the
+    run's (here: another tokenizer fingerprint, another vocab_size) without a word."""
+    folder = train_checkpoints(tmp_path / "run")
+    step = folder / "step-2"
+    state = step / "train_state.json"
+    record = json.loads(state.read_text())
+    record["tokenizer"]["fingerprint"] = "0" * len(record["tokenizer"]["fingerprint"])
+    config = step / "config.toml"
+    for changed, text in ((state, json.dumps(record)),
+                          (config, config.read_text().replace("vocab_size = ", "vocab_size = 1"))):
+        original = changed.read_text()
+        assert text != original
+        changed.write_text(text)
+        assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 1
+        err = capsys.readouterr().err
+        assert f"\nexport_hf: error: {changed} " in err, err
+        assert "when it was written; read an earlier checkpoint" in err or (
+            "does not match its checksum: damaged since it was written" in err), err
+        assert not (tmp_path / "hf").exists()
+        with pytest.raises(ValueError, match=rf"^{changed} .*read an earlier checkpoint"):
+            reader.load_model(folder, torch.device("cpu"))  # what generate and evaluate load
+        changed.write_text(original)
+    assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 0
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -62,6 +62,8 @@ def resolve(path: str | os.PathLike) -> Path:
 
 # ------------------------------------------------------------------------- DCP / torch.save
 
+RUN_RECORDS = ("config.toml", "train_state.json")  # what the tools read beside the tensors
+
 def load_model_state(path: str | os.PathLike) -> dict[str, Tensor]:
     """The model's tensors from a DCP checkpoint (or a folder of them: the latest) or a
     torch.save file (a state dict, or a dict whose "model" entry is one), keyed by the Llama's
@@ -120,10 +122,7 @@ def _load_dcp_model(path: Path) -> dict[str, Tensor]:
     # The files these entries are in, checked against the save's checksums.json when it has one.
     needed = {info.relative_path for index, info in (metadata.storage_data or {}).items()
               if index.fqn in selected}
-    damage = find_damage(path, names=needed)
-    if damage is not None:
-        raise safe_dcp.DamagedCheckpointError(f"{damage}; read an earlier checkpoint (another "
-                                              f"step-<N> folder of {path.parent})")
+    _refuse_damage(path, needed)
     # Load only the selected entries, into full-size CPU tensors (sharded saves are reassembled).
     buffers = {k: torch.empty(tensor_meta[k].size, dtype=tensor_meta[k].properties.dtype)
                for k in selected}
@@ -145,8 +144,19 @@ def normalize_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v for k, v in out.items() if k not in _DERIVED_BUFFERS}
 
 
+def _refuse_damage(folder: Path, names) -> None:
+    """Raise when any of these files of a step folder differs from the save's checksums.json."""
+    damage = find_damage(folder, names=names)
+    if damage is not None:
+        raise safe_dcp.DamagedCheckpointError(f"{damage}; read an earlier checkpoint (another "
+                                              f"step-<N> folder of {folder.parent})")
+
+
 def run_config(folder: Path) -> JobConfig | None:
-    """The config.toml of the run that wrote a step folder; None when there is none."""
+    """The config.toml of the run that wrote a step folder; None when there is none. It and
+    train_state.json (the tokenizer's record) are checked against the save's checksums first,
+    as the trainer checks them: one that still parses but was changed was read without a word."""
+    _refuse_damage(folder, RUN_RECORDS)
     path = folder / "config.toml"
     if not path.is_file():
         return None
