@@ -237,6 +237,17 @@ def test_a_config_error_is_one_line_and_exit_status_2():
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_a_config_folder_is_named_a_folder(tmp_path):
+    """--config naming a folder (a run's dump folder, say) said "no such file", which it is not;
+    with a config.toml in it, that file is pointed at."""
+    with pytest.raises(ConfigError, match=rf"^--config {tmp_path}: a folder, not a TOML file$"):
+        load_config(["--config", str(tmp_path)])
+    (tmp_path / "config.toml").write_text("[training]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=rf"^--config {tmp_path}: a folder, not a TOML file "
+                                          rf"\(did you mean {tmp_path}/config\.toml\?\)$"):
+        load_config(["--config", str(tmp_path)])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--config", "/nonexistent.toml"], "config error: --config /nonexistent.toml: no such file"),
     (["--training.steps"], "config error: --training.steps needs a value"),

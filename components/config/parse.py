@@ -190,6 +190,10 @@ def load_config(argv: Optional[list[str]] = None) -> JobConfig:
     for name, value in pairs:
         if name == "config":
             path = Path(value).expanduser()
+            if path.is_dir():  # e.g. a run's dump folder: its config.toml is what was meant
+                raise ConfigError(f"--config {value}: a folder, not a TOML file"
+                                  + (f" (did you mean {path / 'config.toml'}?)"
+                                     if (path / "config.toml").is_file() else ""))
             if not path.is_file():
                 raise ConfigError(f"--config {value}: no such file")
             try:
