@@ -51,8 +51,11 @@ def outside_autocast(loss_fn):
     @functools.wraps(loss_fn)
     def call(x, target, weight, bias=None, **options):
         device = x.device.type
-        # is_autocast_enabled raises for a device autocast does not know (meta)
-        if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+        # is_autocast_enabled raises for a device autocast does not know (meta); a compiled
+        # call's device is one it knows, and torch 2.11's dynamo cannot trace the availability
+        # check (a graph break, an error under fullgraph)
+        known = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device)
+        if not (known and torch.is_autocast_enabled(device)):
             return loss_fn(x, target, weight, bias, **options)
         dtype = torch.get_autocast_dtype(device)
         cast = lambda t: t.to(dtype) if t is not None and t.dtype in AUTOCAST_CASTS else t

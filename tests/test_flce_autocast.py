@@ -52,3 +52,22 @@ def test_float64_inputs_under_autocast_stay_float64():
     want = F.cross_entropy(F.linear(x, w, b), t)
     assert loss.dtype == torch.float64
     assert torch.allclose(loss, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_compiled_with_fullgraph_where_dynamo_cannot_trace_the_availability_check(
+        monkeypatch, autocast):
+    """torch 2.11's dynamo cannot trace torch.amp.is_autocast_available (a builtin it skips):
+    every fullgraph compile of the loss failed there (32 CUDA tests on the device image), while
+    torch 2.13's traces it. Here the check is made untraceable as it is on 2.11."""
+    monkeypatch.setattr(torch.amp, "is_autocast_available",
+                        torch.compiler.disable(torch.amp.is_autocast_available))
+    torch._dynamo.reset()
+    (x, w, b), t = _inputs(torch.float32)
+    fn = lambda x, w, b: flce.fused_linear_cross_entropy(x, t, w, b, impl="torch")  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = torch.compile(fn, fullgraph=True)(x, w, b)
+        want = fn(x, w, b)
+    assert got.dtype == want.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
