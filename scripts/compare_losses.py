@@ -9,10 +9,12 @@ A run is a dump folder holding metrics.jsonl, or the file itself. Lines without 
 (validation lines have val_loss, not loss) are skipped. A resumed run appends from its
 checkpoint's step on: its lines replace the earlier run's from there, and the earlier run's
 later steps are left out even where the resumed run has not reached them yet (a rollback
-abandons them), as in the trainer's own summary, with a note. A file whose steps start over
-from its first step holds two runs, not a resumed one: that is refused (exit 2). Runs are
-aligned on the steps they all logged; runs that end at different steps (one stopped early) are
-refused too.
+abandons them), as in the trainer's own summary, with a note. Where the steps go back is the
+file's timeline, every line's step, whichever metric is compared. A file whose steps start
+over from its first step (the first line's, not the metric's) holds two runs, not a resumed one:
+that is refused (exit 2), unless the line going back is the trainer's {"step": N, "resumed":
+true}. Runs are aligned on the steps they all logged; runs that end at different steps (one
+stopped early) are refused too.
 
 For each run after the first: mean and max |run - A| and the first step where |diff| exceeds
 --threshold (default: --tolerance). --seed-run names the same config as A at another seed: it
@@ -59,7 +61,7 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
     except UnicodeDecodeError as e:
         raise BadInput(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): not a "
                        "metrics.jsonl") from None
-    values, first, previous, latest = {}, None, None, None
+    values, first, latest = {}, None, None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -78,9 +80,22 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
             # Any line going back starts a resumed run's timeline: the earlier run's lines after
             # its step belong to the one it abandoned, whichever metrics they hold
             # (components/metrics_timeline.py, which this stdlib-only script cannot import).
+            # Whether it went back to the start is the file's timeline's question, not the
+            # metric's: a run rolled back to before its first validation repeats that one.
             if latest is not None and step < latest:
+                marker = record.get("resumed") is True  # the trainer's line for a resumed run
+                if step <= first and not marker:  # what a second run from the start looks like
+                    raise BadInput(f"{path}:{number}: step {step} follows step {latest}: the "
+                                   "file holds more than one run, started over in the same dump "
+                                   "folder (a trainer that keeps runs apart renames the earlier "
+                                   "run's file metrics.<time>.jsonl); split it and compare the "
+                                   "runs")
+                print(f"note: {path}:{number}: steps go back from {latest} to {step}: a resumed "
+                      "run; its lines replace the earlier run's after step "
+                      f"{step if marker else step - 1}", file=sys.stderr)
                 for abandoned in [s for s in values if s > step]:
                     del values[abandoned]
+            first = step if first is None else first
             latest = step
         if metric in record and "step" in record:
             value = record[metric]
@@ -89,18 +104,6 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, (int, float))):
                 raise BadInput(f"{path}:{number}: {metric} {value!r} is not a number")
-            if previous is not None and step <= previous:
-                if step <= first:  # what a second run from the start looks like
-                    raise BadInput(f"{path}:{number}: step {step} follows step {previous}: the "
-                                   "file holds more than one run, started over in the same dump "
-                                   "folder (a trainer that keeps runs apart renames the earlier "
-                                   "run's file metrics.<time>.jsonl); split it and compare the "
-                                   "runs")
-                print(f"note: {path}:{number}: steps go back from {previous} to {step}: a resumed "
-                      f"run; its lines replace the earlier run's after step {step - 1}",
-                      file=sys.stderr)
-            first = step if first is None else first
-            previous = step
             values[step] = math.nan if value is None else float(value)
     if not values:
         raise BadInput(f"{path}: no line has the metric {metric!r}")

@@ -30,11 +30,14 @@ def curve(step):
     return 2.0 + 4.0 * math.exp(-step / 8)
 
 
-def append_resumed(run: Path, steps) -> None:
-    """The lines of a run resumed in run's folder: `curve` at steps."""
+def append_resumed(run: Path, steps, val_every=None) -> None:
+    """The lines of a run resumed in run's folder: `curve` at steps (and a validation line
+    every val_every steps, as write_metrics writes them)."""
     with open(run / "metrics.jsonl", "a") as f:
         for step in steps:
             f.write(json.dumps({"step": step, "time": 1.0, "loss": curve(step)}) + "\n")
+            if val_every and step % val_every == 0:
+                f.write(json.dumps({"step": step, "time": 1.0, "val_loss": 2.5}) + "\n")
 
 
 def compare(*args):
@@ -160,6 +163,38 @@ def test_a_rollback_drops_the_abandoned_validations_too(tmp_path):
     result = compare(a, b, "--metric", "val_loss")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "vs A" in result.stdout
+
+
+def test_val_loss_of_a_run_rolled_back_before_its_first_validation(tmp_path):
+    """B validated at steps 10, 20 and 30, then was resumed from its step-5 checkpoint (a
+    rollback, or a kill before the next save): the trainer's {"step": 5, "resumed": true} line,
+    then steps 6 to 30 again, validating at 10, 20 and 30. --metric loss read it as one run;
+    --metric val_loss took the repeated step 10 (the metric's first step, where the file's is
+    1) for a second run started over in the file and refused it (exit 2)."""
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", curve)
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "time": 1.0, "resumed": True}) + "\n")
+    append_resumed(b, range(6, 31), val_every=10)
+    loss = compare(a, b)
+    assert loss.returncode == 0, loss.stdout + loss.stderr
+    val = compare(a, b, "--metric", "val_loss")
+    assert val.returncode == 0, val.stdout + val.stderr
+    assert "PASS" in val.stdout
+    assert "steps go back from 30 to 5: a resumed run; its lines replace the earlier run's " \
+        "after step 5" in val.stderr
+
+
+def test_a_resumed_run_that_goes_back_to_the_first_step_is_not_two_runs(tmp_path):
+    """The trainer's {"step": N, "resumed": true} line says a resumed run follows, even where
+    N is the file's first step (a run resumed from its step-1 checkpoint)."""
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", lambda s: curve(s) + (1.0 if s > 1 else 0.0))
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 1, "time": 1.0, "resumed": True}) + "\n")
+    append_resumed(b, range(2, 31))
+    result = compare(a, b)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_two_runs_in_one_file_are_refused(tmp_path):
