@@ -18,8 +18,9 @@ stopped early) are refused too.
 
 For each run after the first: mean and max |run - A| and the first step where |diff| exceeds
 --threshold (default: --tolerance). --seed-run names the same config as A at another seed: it
-is not judged, but each run's mean |run - A| is also reported relative to the seed-to-seed
-spread mean |seed - A|, the noise floor any change has to be compared with.
+is not judged (also where it is among the runs), but each run's mean |run - A| is also reported
+relative to the seed-to-seed spread mean |seed - A|, the noise floor any change has to be
+compared with. With no run to judge besides A and the seed run there is no verdict (exit 2).
 
 The verdict (--verdict; auto: band when --seed-run is given, else absolute):
   absolute  every step's |run - A| must stay within --tolerance. Right for deterministic runs
@@ -32,7 +33,7 @@ A null value (the trainer writes non-finite values as null) is a divergence at t
 failure in either verdict.
 
 Exit status: 0 when every run passes; 1 when one does not, or has a non-finite value; 2 on bad
-input (missing file, metric absent, no common steps, no usable noise band).
+input (missing file, metric absent, no common steps, no usable noise band, no run to judge).
 """
 
 import argparse
@@ -238,13 +239,20 @@ def main(argv=None) -> int:
                                       "metrics.jsonl)")
     args = parser.parse_args(argv)
     threshold = args.tolerance if args.threshold is None else args.threshold
-    if len(args.runs) + (args.seed_run is not None) < 2:
-        parser.error("give at least two runs (or one run and --seed-run)")
     verdict = args.verdict if args.verdict != "auto" else ("band" if args.seed_run else "absolute")
     if verdict == "band" and not args.seed_run:
         parser.error("--verdict band needs --seed-run (the run that measures the noise band)")
-    if verdict == "band" and len(args.runs) < 2:
-        parser.error("--verdict band needs a run to judge besides A and the seed run")
+    # The seed run is the noise reference, never judged, also where it is given among the runs
+    # (as the same path or another path to its file): with no other run after A, a verdict
+    # would judge nothing and pass.
+    seed_file = data_path(args.seed_run).resolve() if args.seed_run else None
+    judged = [run for run in args.runs[1:] if data_path(run).resolve() != seed_file]
+    if not judged and len(args.runs) > 1:
+        parser.error(f"{args.runs[1]} is the seed run (--seed-run {args.seed_run}), which is not "
+                     "judged: give a run to judge besides A and the seed run")
+    if not judged:
+        parser.error("give a run to judge besides A and the seed run" if args.seed_run else
+                     "give at least two runs: A and a run to judge against it")
     if args.window < 1 or args.band_ratio <= 0:
         parser.error("--window must be >= 1 and --band-ratio > 0")
 
@@ -280,7 +288,6 @@ def main(argv=None) -> int:
           f"first step |diff| > {threshold:g}")
     diffs = {name: [abs(v - a) for v, a in zip(curves[name], curves[reference])]
              for name in names[1:]}
-    judged = [name for name in names[1:] if name != args.seed_run]
     failures, non_finite = [], {}
     for name, d in diffs.items():
         mean, peak = finite_mean_max(d)
@@ -291,7 +298,7 @@ def main(argv=None) -> int:
             non_finite[name] = bad[0]
             print(f"{'':<{width}}non-finite {args.metric} (null) at {len(bad)} step(s), "
                   f"first at step {bad[0]}: treated as a divergence")
-            if name != args.seed_run:
+            if name in judged:
                 failures.append(f"{name}: non-finite {args.metric} from step {bad[0]}")
 
     if args.seed_run:

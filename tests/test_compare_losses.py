@@ -126,6 +126,26 @@ def test_seed_run_gives_the_relative_spread_and_is_not_judged(tmp_path):
     assert float(line.rsplit("=", 1)[1]) == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("verdict", ["band", "absolute"])
+def test_a_seed_run_that_is_also_the_judged_run_is_bad_input(tmp_path, verdict):
+    """`compare_losses A B --seed-run B`: B is the noise reference and was left out of the
+    judged runs, so nothing was judged; the verdict was PASS (exit 0) on an empty list, though
+    B is 0.5 off A from step 11 on. The same run given as its file, and A with only a seed run,
+    judge nothing either."""
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", lambda s: curve(s) + (0.5 if s > 10 else 0.0))
+    for runs in ([a, b], [a, b / "metrics.jsonl"], [a]):
+        result = compare(*runs, "--seed-run", b, "--verdict", verdict)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "PASS" not in result.stdout
+        assert "a run to judge besides A and the seed run" in result.stderr.splitlines()[-1]
+    # a seed run among the runs beside another one: that one is judged, the seed run is not
+    c = write_metrics(tmp_path / "c", lambda s: curve(s) + 0.001 * (-1) ** s)
+    seed = write_metrics(tmp_path / "seed", lambda s: curve(s) + 0.1 * (-1) ** s)
+    result = compare(a, seed, c, "--seed-run", seed, "--verdict", verdict, "--window", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_null_is_a_divergence(tmp_path):
     a = write_metrics(tmp_path / "a", curve)
     b = write_metrics(tmp_path / "b", lambda s: None if s == 17 else curve(s))
