@@ -111,6 +111,17 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
     return values
 
 
+def plot_path(out: str | None, reference: str, metric: str) -> Path:
+    """The file the plot is written to: --out, with .png added where it names no format (as
+    matplotlib would add it, unseen), else compare_<metric>.png beside A's metrics.jsonl."""
+    if not out:
+        return data_path(reference).parent / f"compare_{metric}.png"
+    path = Path(out)
+    if not path.name.strip("."):
+        raise BadInput(f"--out {out}: not a file name (give one ending in .png)")
+    return path if path.suffix else path.with_name(path.name.rstrip(".") + ".png")
+
+
 def first_step_above(steps, diffs, threshold):
     """The first step whose |diff| exceeds threshold or is non-finite, else None."""
     return next((s for s, d in zip(steps, diffs) if not d <= threshold), None)
@@ -235,8 +246,9 @@ def main(argv=None) -> int:
                              "(default: --tolerance)")
     parser.add_argument("--metric", default="loss")
     parser.add_argument("--seed-run", help="A's config at another seed: the noise reference")
-    parser.add_argument("--out", help="PNG path (default: compare_<metric>.png beside A's "
-                                      "metrics.jsonl)")
+    parser.add_argument("--out", help="PNG path, .png added where it has no suffix (another "
+                                      "suffix matplotlib writes gives that format; default: "
+                                      "compare_<metric>.png beside A's metrics.jsonl)")
     args = parser.parse_args(argv)
     threshold = args.tolerance if args.threshold is None else args.threshold
     verdict = args.verdict if args.verdict != "auto" else ("band" if args.seed_run else "absolute")
@@ -258,6 +270,7 @@ def main(argv=None) -> int:
 
     names = list(args.runs) + ([args.seed_run] if args.seed_run else [])
     try:
+        out = plot_path(args.out, names[0], args.metric)
         data = {name: read_metric(name, args.metric) for name in names}
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
@@ -336,7 +349,6 @@ def main(argv=None) -> int:
         failures += absolute_verdict(steps, {n: diffs[n] for n in judged if n not in non_finite},
                                      args.tolerance, threshold)
 
-    out = Path(args.out) if args.out else data_path(reference).parent / f"compare_{args.metric}.png"
     plot(out, steps, curves, reference, args.seed_run, args.metric,
          args.tolerance if verdict == "absolute" else None, smoothed)
     print(f"\nplot: {out}")

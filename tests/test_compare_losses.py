@@ -59,6 +59,21 @@ def test_identical_runs_pass(tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_named_is_the_file_written(tmp_path):
+    """--out without a suffix: matplotlib writes <out>.png, but the script said "plot: <out>",
+    a path where there is no plot."""
+    a = write_metrics(tmp_path / "a", curve)
+    b = write_metrics(tmp_path / "b", curve)
+    for out, written in (("plots/fused_vs_unfused", "plots/fused_vs_unfused.png"),
+                         ("plots/dotted.", "plots/dotted.png"),
+                         ("plots/vector.svg", "plots/vector.svg")):
+        result = compare(a, b, "--out", tmp_path / out)
+        assert result.returncode == 0, result.stdout + result.stderr
+        named = next(line for line in result.stdout.splitlines() if line.startswith("plot: "))
+        assert named == f"plot: {tmp_path / written}"
+        assert (tmp_path / written).is_file(), sorted((tmp_path / "plots").iterdir())
+
+
 def test_a_run_that_stopped_early_is_refused_not_passed(tmp_path):
     """A run stopped at step 4 of 30 (SIGUSR1, exit 0) compared over the 4 steps both logged
     and passed: "2 runs aligned on 4 common steps", PASS, the other 26 unseen."""
