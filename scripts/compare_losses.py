@@ -113,13 +113,21 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
 
 def plot_path(out: str | None, reference: str, metric: str) -> Path:
     """The file the plot is written to: --out, with .png added where it names no format (as
-    matplotlib would add it, unseen), else compare_<metric>.png beside A's metrics.jsonl."""
+    matplotlib would add it, unseen), else compare_<metric>.png beside A's metrics.jsonl.
+    Checked before the comparison: a suffix matplotlib cannot write failed only after it."""
     if not out:
         return data_path(reference).parent / f"compare_{metric}.png"
     path = Path(out)
     if not path.name.strip("."):
         raise BadInput(f"--out {out}: not a file name (give one ending in .png)")
-    return path if path.suffix else path.with_name(path.name.rstrip(".") + ".png")
+    if not path.suffix:
+        return path.with_name(path.name.rstrip(".") + ".png")
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise BadInput(f"--out {out}: matplotlib writes no {path.suffix} files; end the name "
+                       f"in .png or another suffix it writes ({', '.join(sorted(formats))})")
+    return path
 
 
 def first_step_above(steps, diffs, threshold):

@@ -74,6 +74,21 @@ def test_the_plot_named_is_the_file_written(tmp_path):
         assert (tmp_path / written).is_file(), sorted((tmp_path / "plots").iterdir())
 
 
+def test_an_out_matplotlib_cannot_write_is_refused_before_the_comparison(tmp_path):
+    """--out compare.txt (or a name like lr_0.5, whose suffix is .5): matplotlib's ValueError
+    (Format 'txt' is not supported) came out as a traceback after the whole comparison; it is
+    bad input, one line and exit status 2, before any metrics file is read."""
+    a = write_metrics(tmp_path / "a", curve)
+    for out in ("compare.txt", "lr_0.5"):
+        result = compare(a, tmp_path / "nowhere", "--out", tmp_path / out)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.startswith(f"error: --out {tmp_path / out}: matplotlib writes no ")
+        assert result.stderr.count("\n") == 1, result.stderr
+    result = compare(a, a, "--out", tmp_path / "upper.PDF")  # a suffix in capitals is one too
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "upper.PDF").read_bytes()[:5] == b"%PDF-"
+
+
 def test_a_run_that_stopped_early_is_refused_not_passed(tmp_path):
     """A run stopped at step 4 of 30 (SIGUSR1, exit 0) compared over the 4 steps both logged
     and passed: "2 runs aligned on 4 common steps", PASS, the other 26 unseen."""
