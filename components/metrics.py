@@ -4,7 +4,8 @@ MetricsLogger writes, on rank 0 only:
   <dump_folder>/metrics.jsonl  one JSON object per log() call, always; a fresh run starts a new
                                file (an earlier run's is renamed metrics.<time>.jsonl), a resumed
                                run appends (after {"step": <its checkpoint's>, "resumed": true}
-                               where the file went on past it: components/metrics_timeline.py)
+                               where the file went on past it or ends in a line cut short, which
+                               stays and is followed by a newline: metrics_timeline.py)
   stdout                       one line per log() call, always
   <dump_folder>/wandb/         a wandb run (offline unless asked for "online"), when enabled
   <dump_folder>/tb/            TensorBoard event files, when enabled
@@ -268,6 +269,7 @@ class MetricsLogger:
 
         self.dump_folder.mkdir(parents=True, exist_ok=True)
         abandoned = False  # whether the file's timeline went on past this run's checkpoint
+        cut_short = False  # whether the file ends inside a line (the earlier run's last)
         if not resumed:
             self._set_aside_earlier_run()
         else:
@@ -280,12 +282,20 @@ class MetricsLogger:
                 self.started = None
             else:
                 abandoned = self._take_earlier_steps(first_step) and first_step > 1
+                cut_short = self._ends_inside_a_line()
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         try:
-            if abandoned:
+            if cut_short:
+                # The earlier run stopped mid-write (a kill, a full disk): appended to its
+                # partial line, this run's first line would be lost with it. The partial line
+                # stays as it was; readers skip it.
+                self._jsonl.write("\n")
+            if abandoned or (cut_short and first_step > 1):
                 # The steps logged after the checkpoint are a timeline this run abandons: a line
                 # at the checkpoint's step says where the file's timeline goes back to, which
                 # the run's own first line (log_freq steps on) could not (metrics_timeline.py).
+                # After a partial line it also tells compare_losses that the line was the
+                # earlier run's last, cut short, not a damaged file.
                 self._jsonl.write(json.dumps({"step": first_step - 1, "time": time.time(),
                                               "resumed": True}) + "\n")
                 self._jsonl.flush()
@@ -325,6 +335,17 @@ class MetricsLogger:
         """Whether the run's timeline in metrics.jsonl holds a value of `key` at `step` (rank 0;
         False elsewhere)."""
         return self.enabled and key in self._timeline().get(step, {})
+
+    def _ends_inside_a_line(self) -> bool:
+        """Whether metrics.jsonl ends without a newline: its last line was cut short."""
+        try:
+            with open(self.jsonl_path, "rb") as f:
+                if f.seek(0, 2) == 0:
+                    return False
+                f.seek(-1, 2)
+                return f.read(1) != b"\n"
+        except OSError:  # no file yet
+            return False
 
     def _first_record(self) -> tuple[Optional[int], Optional[float]]:
         """(step, time) of metrics.jsonl's first line; None for what it does not hold."""

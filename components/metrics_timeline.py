@@ -5,8 +5,10 @@ the file's last one starts the timeline again from there: the earlier lines of t
 belong to a timeline the run abandoned (a rollback to an older checkpoint, or a kill after the
 last save), even where the resumed run stopped before reaching them. Where the file went on past
 the checkpoint, the resumed run's first line is {"step": <the checkpoint's>, "resumed": true}
-(its own first step may be log_freq steps on, past some abandoned ones). The trainer's summary,
-its resume checks, `compare_losses` and the benchmarks' readers all see the same steps."""
+(its own first step may be log_freq steps on, past some abandoned ones), and also where the file
+ends in a line cut short (a kill or a full disk mid-write): that line stays as it was, the resumed
+run's lines start on a new line after it, and `records` skips it. The trainer's summary, its
+resume checks, `compare_losses` and the benchmarks' readers all see the same steps."""
 
 import json
 from pathlib import Path

@@ -13,7 +13,9 @@ abandons them), as in the trainer's own summary, with a note. Where the steps go
 file's timeline, every line's step, whichever metric is compared. A file whose steps start
 over from its first step (the first line's, not the metric's) holds two runs, not a resumed one:
 that is refused (exit 2), unless the line going back is the trainer's {"step": N, "resumed":
-true}. Runs are aligned on the steps they all logged; runs that end at different steps (one
+true}. A line cut short by a run stopped mid-write is skipped with a warning where it is the
+file's last, or where the trainer's resumed line follows it; any other line that is not JSON is
+refused. Runs are aligned on the steps they all logged; runs that end at different steps (one
 stopped early) are refused too.
 
 For each run after the first: mean and max |run - A| and the first step where |diff| exceeds
@@ -52,6 +54,16 @@ def data_path(run: str) -> Path:
     return path / "metrics.jsonl" if path.is_dir() else path
 
 
+def resumed_line(line: str) -> bool:
+    """Whether a line is the trainer's {"step": N, "resumed": true}, which it writes first when
+    it resumes a run whose file went on past the checkpoint or ends in a partial line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and record.get("resumed") is True
+
+
 def read_metric(run: str, metric: str) -> dict[int, float]:
     """{step: value} of one run; NaN where the trainer wrote null (a non-finite value)."""
     path = data_path(run)
@@ -69,8 +81,13 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            if number == len(lines):  # a run killed mid-write can leave a partial last line
+            following = next((x for x in lines[number:] if x.strip()), None)
+            if following is None:  # a run killed mid-write can leave a partial last line
                 print(f"warning: {path}:{number}: skipping a partial last line", file=sys.stderr)
+                continue
+            if resumed_line(following):  # ... and the run resumed after it says so first
+                print(f"warning: {path}:{number}: skipping a partial line, the last of a run "
+                      "stopped mid-write (a resumed run's lines follow)", file=sys.stderr)
                 continue
             raise BadInput(f"{path}:{number}: not JSON ({e})") from None
         if not isinstance(record, dict):

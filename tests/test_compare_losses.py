@@ -120,6 +120,31 @@ def test_a_malformed_metrics_line_is_bad_input(tmp_path, line, error):
     assert result.stderr.count("\n") == 1, result.stderr
 
 
+@pytest.mark.parametrize("after", ["nothing", "a resumed run", "more lines"])
+def test_a_line_cut_short_is_skipped_at_the_end_or_before_a_resumed_run(tmp_path, after):
+    """A run stopped mid-write leaves a partial line: the file's last, or, once the run was
+    resumed, one followed by the trainer's {"step": N, "resumed": true} (components/metrics.py
+    starts the resumed run on a new line). Anywhere else a line that is not JSON is damage."""
+    a = write_metrics(tmp_path / "a", curve, steps=range(1, 5 if after == "nothing" else 9))
+    b = write_metrics(tmp_path / "b", curve, steps=range(1, 5))
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "ti')
+        if after == "a resumed run":
+            f.write("\n" + json.dumps({"step": 4, "time": 1.0, "resumed": True}))
+        if after != "nothing":
+            f.write("\n" + "".join(json.dumps({"step": s, "time": 1.0, "loss": curve(s)}) + "\n"
+                                   for s in range(5, 9)))
+    result = compare(a, b)
+    if after == "more lines":
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.startswith(f"error: {b / 'metrics.jsonl'}:5: not JSON")
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"warning: {b / 'metrics.jsonl'}:5: skipping a partial " + (
+        "last line" if after == "nothing" else
+        "line, the last of a run stopped mid-write (a resumed run's lines follow)") in result.stderr
+
+
 def test_a_seed_run_that_smooths_to_a_is_no_band(tmp_path):
     """A = [5.0, 4.5], seed = [5.25, 4.25]: the raw curves differ, their moving averages do
     not, and the band verdict divided by zero (ZeroDivisionError)."""

@@ -356,6 +356,36 @@ def test_a_resumed_run_marks_where_its_timeline_goes_back_to(tmp_path):
     assert compare.returncode == 2 and "no line has the metric 'val_loss'" in compare.stderr
 
 
+def test_a_run_resumed_after_a_cut_short_line_starts_its_lines_on_a_new_line(tmp_path):
+    """A run whose last metrics.jsonl line was cut short (a full disk, a kill mid-write: the
+    case compare_losses skips as "a partial last line") was resumed in its folder: the resumed
+    run appended its first line to the partial one, so that line was lost to every reader
+    (metrics_timeline skips it) and compare_losses refused the file (a line that is not JSON
+    in the middle, exit 2). The partial line stays, and the resumed run's first line says where
+    it resumed (also where it abandons no logged step)."""
+    from components.metrics_timeline import records
+    path = tmp_path / "metrics.jsonl"
+    for checkpoint, killed_at in ((4, 6), (6, 6)):
+        with MetricsLogger(tmp_path, rank=0, total_steps=8) as logger:
+            for step in range(1, killed_at + 1):
+                logger.log(step, {"loss": 9.0 - step})
+        partial = '{"step": 7, "time": 1.0, "lo'
+        path.write_text(path.read_text() + partial)
+        with MetricsLogger(tmp_path, rank=0, total_steps=8, first_step=checkpoint + 1) as logger:
+            for step in range(checkpoint + 1, 9):
+                logger.log(step, {"loss": 9.0 - step})
+        lines = path.read_text().splitlines()
+        assert lines[killed_at] == partial  # kept as it was
+        assert json.loads(lines[killed_at + 1])["step"] == checkpoint  # {"resumed": true}
+        logged = [r["step"] for r in records(path) if "loss" in r or r.get("resumed")]
+        assert logged == [*range(1, killed_at + 1), *range(checkpoint, 9)]
+        compare = subprocess.run([sys.executable, "scripts/compare_losses.py", str(path),
+                                  str(path)], cwd=ROOT, capture_output=True, text=True)
+        assert compare.returncode == 0, compare.stdout + compare.stderr
+        assert (f"{path}:{killed_at + 1}: skipping a partial line, the last of a run stopped "
+                "mid-write") in compare.stderr
+
+
 def test_a_resume_with_nothing_abandoned_adds_no_line(tmp_path):
     with MetricsLogger(tmp_path, rank=0, total_steps=8) as a:
         for step in range(1, 5):
