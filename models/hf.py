@@ -95,6 +95,18 @@ def from_hf(state: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
     return out
 
 
+def hf_name(key: str) -> str:
+    """transformers' name of one of this Llama's tensors (to_hf's renaming); key itself for a
+    name it does not know."""
+    top = {"tok_embeddings.weight": "model.embed_tokens.weight",
+           "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    layer, _, name = key.removeprefix("layers.").partition(".")
+    block = dict(_BLOCK_NAMES)
+    if key.startswith("layers.") and layer.isdigit() and name in block:
+        return f"model.layers.{layer}.{block[name]}"
+    return top.get(key, key)
+
+
 def hf_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
     """transformers' parameter names and shapes for a model of `args`."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim

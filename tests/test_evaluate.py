@@ -220,6 +220,25 @@ def test_a_garbled_train_state_is_named(run, tmp_path, capsys):
                                        "(TypeError: a JSON list, expected an object)\n")
 
 
+def test_weights_with_a_nan_are_refused_not_scored(run, tmp_path, capsys):
+    """A checkpoint whose weights hold a NaN (saved before checksums, so no checksum names the
+    damage) was scored: "val_loss nan | val_bpb nan", exit status 0. It is refused when loaded,
+    one line naming the tensor, as generate refuses it."""
+    import torch.distributed.checkpoint as dcp
+    evaluate = load_script("evaluate")
+    source = run["dump"] / "checkpoint" / f"step-{STEPS}"
+    state = evaluate.checkpoints.load_model_state(source)
+    state["norm.weight"][0] = float("nan")
+    step = tmp_path / f"step-{STEPS}"
+    dcp.save({"model": state}, checkpoint_id=step, no_dist=True)
+    shutil.copy(source / "config.toml", step / "config.toml")
+    assert evaluate.main(["--checkpoint", str(step), "--device", "cpu"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"evaluate: error: {step}: norm.weight holds non-finite values "
+                                 "(NaN or inf): the model's outputs would be NaN; a run that "
+                                 "diverged, or a damaged file\n")
+
+
 @pytest.mark.parametrize("option, value, least", [("--steps", "0", 1), ("--batch-size", "0", 1),
                                                   ("--seq-len", "0", 1), ("--val-every", "1", 2)])
 def test_options_below_their_least_value_are_refused(run, capsys, option, value, least):

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import importlib
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -387,3 +388,53 @@ def test_a_garbled_train_state_is_named(checkpoint, tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"generate: error: {step / 'train_state.json'} is damaged (JSONDecodeError: Expecting "
         "property name enclosed in double quotes: line 1 column 2 (char 1))\n")
+
+
+def _hf_folder_with_a_nan(folder: Path) -> Path:
+    """A small Hugging Face folder (byte tokenizer) whose final norm weight holds a NaN: a
+    damaged or diverged model from elsewhere (export_hf refuses to write one)."""
+    pytest.importorskip("safetensors")
+    from models import hf
+    export_hf = load_script("export_hf")
+    state = {k: v.detach().clone() for k, v in model_for(DEBUG, seq_len=64).state_dict().items()}
+    state["norm.weight"][3] = float("nan")
+    folder.mkdir()
+    hf.save_hf_folder(hf.to_hf(state, DEBUG), hf.hf_config(DEBUG, torch.float32, 256, 257), folder)
+    for name, content in export_hf.tokenizer_files(ByteTokenizer(), 2048).items():
+        (folder / name).write_bytes(content)
+    return folder
+
+
+def _checkpoint_with_a_nan(checkpoint: Path, step: Path) -> Path:
+    """The run's step-2 model with an inf in one weight, as a checkpoint saved before checksums
+    (and before train_state.json recorded the tokenizer) holds it: a damaged file that no
+    checksum names."""
+    import torch.distributed.checkpoint as dcp
+    state = load_script("generate").checkpoints.load_model_state(checkpoint / "step-2")
+    state["layers.1.attention.wq.weight"][0, 0] = float("inf")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.save({"model": state}, checkpoint_id=step, no_dist=True)
+    shutil.copy(checkpoint / "step-2" / "config.toml", step / "config.toml")
+    return step
+
+
+@pytest.mark.parametrize("temperature", ["1", "0"])
+def test_generate_from_weights_with_a_nan_is_one_line_not_a_traceback(checkpoint, tmp_path,
+                                                                      capsys, temperature):
+    """A model whose weights hold a NaN or an inf gives NaN logits: torch.multinomial's
+    RuntimeError ("probability tensor contains either inf, nan or element < 0") came out as a
+    traceback, and greedy decoding (temperature 0) printed garbage. The weights are refused
+    when loaded: one line naming the tensor (as the folder names it), exit status 1."""
+    generate_script = load_script("generate")
+    hf_folder = _hf_folder_with_a_nan(tmp_path / "hf")
+    step = _checkpoint_with_a_nan(checkpoint, tmp_path / "step-2")
+    for folder, tensor in ((hf_folder, "model.norm.weight"),
+                           (step, "layers.1.attention.wq.weight")):
+        code = generate_script.main(["--checkpoint", str(folder), "--prompt", "x",
+                                     "--max-new-tokens", "3", "--temperature", temperature])
+        out, err = capsys.readouterr()
+        assert code == 1 and out == ""
+        assert err == (f"generate: error: {folder}: {tensor} holds non-finite values (NaN or "
+                       "inf): the model's outputs would be NaN; a run that diverged, or a "
+                       "damaged file\n")

@@ -158,6 +158,20 @@ def test_export_then_import_is_the_identity(tmp_path):
         assert torch.equal(back.logits(back(x)), model.logits(model(x)))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_name_is_to_hfs_renaming(tied):
+    """hf.hf_name names one of this Llama's tensors as the folder does (errors about a weight
+    of a Hugging Face folder name it so)."""
+    args = dataclasses.replace(FLAVORS["debug"], tie_embeddings=tied)
+    with torch.device("meta"):
+        state = Llama(args, seq_len=8).state_dict()
+    renamed = hf.to_hf(state, args)
+    assert sorted(hf.hf_name(k) for k in state if not (tied and k == "output.weight")) == \
+        sorted(renamed)
+    assert all(renamed[hf.hf_name(k)] is state[k] for k in state
+               if "wq" not in k and "wk" not in k and not (tied and k == "output.weight"))
+
+
 def test_a_larger_vocabulary_pads_with_the_mean_row(tmp_path):
     theirs = hf_model()
     folder = save(theirs, tmp_path / "hf")

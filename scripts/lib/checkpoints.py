@@ -262,11 +262,26 @@ def checked_run_tokenizer(folder: Path, config: JobConfig, path: str | None = No
     return tokenizer
 
 
+def _refuse_non_finite(model: Llama, folder: Path, hf_folder: bool) -> None:
+    """A ValueError naming the first weight that holds a NaN or an inf (as the folder names it).
+    Such weights (a run that diverged, a damaged file that no checksum covers: a Hugging Face
+    folder, a checkpoint saved before checksums) make every logit NaN: sampling failed deep in
+    torch.multinomial, greedy decoding and the loss gave garbage. Checked once, on the device
+    and with one host sync, rather than on every generated token."""
+    names, params = zip(*model.named_parameters())
+    finite = torch.stack([torch.isfinite(p).all() for p in params]).tolist()
+    bad = [hf.hf_name(name) if hf_folder else name for name, ok in zip(names, finite) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise ValueError(f"{folder}: {bad[0]}{more} holds non-finite values (NaN or inf): the "
+                         "model's outputs would be NaN; a run that diverged, or a damaged file")
+
+
 def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype = torch.float32,
                seq_len: int | None = None, tokenizer_path: str | None = None) -> LoadedModel:
     """A checkpoint (DCP, a folder of them, or a Hugging Face folder) as a Llama in eval mode,
     with the tokenizer to use. seq_len: the longest sequence it will run (RoPE rows; default
-    and most: the model's max_seq_len)."""
+    and most: the model's max_seq_len). Weights holding a NaN or an inf are refused."""
     folder = resolve(path)
     if not folder.is_dir():
         raise ValueError(f"{folder}: expected a checkpoint folder, not a file")
@@ -301,5 +316,6 @@ def load_model(path: str | os.PathLike, device: torch.device, dtype: torch.dtype
     except RuntimeError as e:
         raise ValueError(f"{folder}: the weights do not fit the model its config describes: "
                          f"{' '.join(str(e).split())[:500]}") from e
+    _refuse_non_finite(model, folder, hf.is_hf_folder(folder))
     model.rope_cache = build_rope_cache(args, seq_len, device)  # derived, not in checkpoints
     return LoadedModel(model.eval(), args, tokenizer, folder, config, logit_scale, softcap)
