@@ -220,6 +220,7 @@ def test_a_garbled_train_state_is_named(run, tmp_path, capsys):
                                        "(TypeError: a JSON list, expected an object)\n")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_weights_with_a_nan_are_refused_not_scored(run, tmp_path, capsys):
     """A checkpoint whose weights hold a NaN (saved before checksums, so no checksum names the
     damage) was scored: "val_loss nan | val_bpb nan", exit status 0. It is refused when loaded,
