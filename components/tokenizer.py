@@ -8,6 +8,7 @@ import typing
 import hashlib
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -106,6 +107,7 @@ class HFTokenizer:
         # tokenizers) is encoded as its characters, not as the special id that frames documents,
         # as ByteTokenizer and torchtitan's tiktoken do. Added tokens that are not special match.
         self._tokenizer.encode_special_tokens = True
+        self._encode_whole()
         # the ids, not how many there are: a vocabulary with gaps (ids past its size) must
         # still fit the model's rows, which the trainer checks against this before any batch
         ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
@@ -117,6 +119,27 @@ class HFTokenizer:
                                          DEFAULT_BOS_TOKENS)
         self.eos_id: int = self._resolve("eos", eos_token, config["eos"], framing["eos"],
                                          DEFAULT_EOS_TOKENS)
+
+    def _encode_whole(self) -> None:
+        """Truncation and padding saved in the file (sentence-transformers saves them, and so
+        does a tokenizer saved after enable_truncation) turned off, with a warning: every
+        document was cut to max_length ids and the shorter ones padded with pad ids, which the
+        trainer and prepare_data framed and trained on as text. The trainer frames whole
+        documents and cuts windows itself."""
+        truncation, padding = self._tokenizer.truncation, self._tokenizer.padding
+        found = []
+        if truncation is not None:
+            found.append(f"truncation (max_length {truncation['max_length']})")
+        if padding is not None:
+            length = f"length {padding['length']}" if padding.get("length") else "to the longest"
+            found.append(f"padding ({length}, with {padding['pad_token']!r})")
+        if not found:
+            return
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        warnings.warn(f"{self.path} sets {' and '.join(found)}: "
+                      f"{'both' if len(found) == 2 else 'it is'} off here; documents are encoded "
+                      "whole")
 
     def _config_specials(self) -> dict[str, str | None]:
         """bos_token/eos_token of a tokenizer_config.json beside the file: a string, or a dict

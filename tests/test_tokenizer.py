@@ -353,3 +353,39 @@ def test_byte_tokenizer_as_tokenizer_json_encodes_alike(tmp_path, rng):
         assert wrapped.encode(text) == byte.encode(text)
         assert wrapped.decode(wrapped.encode(text)) == text
     assert Tokenizer.from_file(str(path)).encode("ab").ids == [256, 97, 98]  # bos, as trained
+
+
+def test_truncation_or_padding_saved_in_a_tokenizer_json_is_turned_off(tmp_path, rng):
+    """A tokenizer.json saved with truncation/padding enabled (as sentence-transformers saves
+    them, or after enable_truncation) cut every document to max_length ids and padded the short
+    ones with pad ids, in the trainer and in prepare_data alike (both frame with frame_texts),
+    without a word. Both are now turned off on load, with one warning naming the file and what
+    it set."""
+    from components.data.document_tokens import frame_texts
+
+    trained = train_byte_level_bpe(rng, ["<s>", "</s>"])
+    trained.save(str(tmp_path / "plain.json"))
+    trained.enable_truncation(max_length=8)
+    trained.enable_padding(pad_id=trained.token_to_id("</s>"), pad_token="</s>")
+    trained.save(str(tmp_path / "tokenizer.json"))
+    plain = HFTokenizer(tmp_path / "plain.json")
+    with pytest.warns(UserWarning) as caught:
+        saved = HFTokenizer(tmp_path / "tokenizer.json")
+    [warning] = caught
+    assert str(warning.message) == (
+        f"{tmp_path / 'tokenizer.json'} sets truncation (max_length 8) and padding (to the "
+        "longest, with '</s>'): both off here; documents are encoded whole")
+    documents = [random_text(rng, 300), "a"]  # one long (> 8 ids), one short
+    assert len(plain.encode(documents[0])) > 8
+    assert saved.encode(documents[0]) == plain.encode(documents[0])  # not cut to 8 ids
+    tokens, lengths = frame_texts(saved, documents)
+    expected, expected_lengths = frame_texts(plain, documents)
+    assert lengths.tolist() == expected_lengths.tolist()  # no document cut, none padded
+    assert tokens.tolist() == expected.tolist()
+
+    trained.no_padding()  # one of them set: named alone
+    trained.save(str(tmp_path / "truncating.json"))
+    with pytest.warns(UserWarning, match=r"truncating\.json sets truncation \(max_length 8\): it "
+                                         "is off here; documents are encoded whole"):
+        assert HFTokenizer(tmp_path / "truncating.json").encode(documents[0]) == \
+            plain.encode(documents[0])
