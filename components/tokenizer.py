@@ -120,6 +120,17 @@ class HFTokenizer:
         self.eos_id: int = self._resolve("eos", eos_token, config["eos"], framing["eos"],
                                          DEFAULT_EOS_TOKENS)
 
+    def __getstate__(self) -> dict:
+        # `tokenizers` pickles a tokenizer as its JSON, which leaves encode_special_tokens out:
+        # a spawned worker's copy (macOS; prepare_data's and [data] num_workers' pools) encoded
+        # "<s>" written in a document as the bos id. It travels beside it and is set again.
+        return {**self.__dict__, "_encode_special_tokens": self._tokenizer.encode_special_tokens}
+
+    def __setstate__(self, state: dict) -> None:
+        encode_special_tokens = state.pop("_encode_special_tokens")
+        self.__dict__.update(state)
+        self._tokenizer.encode_special_tokens = encode_special_tokens
+
     def _encode_whole(self) -> None:
         """Truncation and padding saved in the file (sentence-transformers saves them, and so
         does a tokenizer saved after enable_truncation) turned off, with a warning: every

@@ -389,3 +389,32 @@ def test_truncation_or_padding_saved_in_a_tokenizer_json_is_turned_off(tmp_path,
                                          "is off here; documents are encoded whole"):
         assert HFTokenizer(tmp_path / "truncating.json").encode(documents[0]) == \
             plain.encode(documents[0])
+
+
+def test_spawned_tokenizer_workers_encode_a_special_tokens_name_as_text(tmp_path, rng, monkeypatch):
+    """Workers are spawned off Linux (document_tokens.worker_context: macOS), which pickles the
+    HFTokenizer: `tokenizers` pickles its JSON, which lost `encode_special_tokens = True`, so
+    "<s>" written in a document became the bos id that frames documents (a fake document
+    boundary) with [data] num_workers > 0 or in prepare_data's workers, but stayed text with
+    num_workers = 0. The flag now travels with the pickle."""
+    import multiprocessing
+    import pickle
+
+    from components.data import document_tokens
+    from components.data.document_tokens import TokenizerPool, frame_texts
+
+    train_byte_level_bpe(rng, ["<s>", "</s>"]).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    text = "alpha <s> beta </s> gamma"
+    assert tokenizer.bos_id not in tokenizer.encode(text)
+    copied = pickle.loads(pickle.dumps(tokenizer))  # what spawning a worker does to it
+    assert copied.encode(text) == tokenizer.encode(text)
+    assert copied.encode_batch([text]) == tokenizer.encode_batch([text])
+    monkeypatch.setattr(document_tokens, "worker_context",
+                        lambda: multiprocessing.get_context("spawn"))
+    pool = TokenizerPool(tokenizer, 1)
+    try:
+        [(_, (tokens, _lengths))] = list(pool.map(iter([((0, 0), 0, None, [text])])))
+    finally:
+        pool.close()
+    assert tokens.tolist() == frame_texts(tokenizer, [text])[0].tolist()
