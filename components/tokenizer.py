@@ -213,10 +213,17 @@ class HFTokenizer:
             + self._specials_hint())
 
     def _ordinary(self, token_id: int) -> str:
-        """A warning for a bos/eos that is not an added token: a text's own words encode to it
-        too, and then read as a document's boundary ("", else)."""
-        if token_id in self._tokenizer.get_added_tokens_decoder():
+        """A warning for a bos/eos that is not a special token: a text's own words encode to it
+        too, and then read as a document's boundary ("", else). Only special tokens' names are
+        encoded as characters (encode_special_tokens): an added token that is not special (added
+        with add_tokens) matches its name written in a document."""
+        added = self._tokenizer.get_added_tokens_decoder().get(token_id)
+        if added is not None and added.special:
             return ""
+        if added is not None:
+            return (f"; warning: an added token that is not special, which {added.content!r} "
+                    'written in a document encodes to ("special": true in its entry of the '
+                    "file's added_tokens keeps such text as characters)")
         return "; warning: an ordinary token of the vocabulary, which a text's own words may encode to"
 
     def _specials_hint(self) -> str:

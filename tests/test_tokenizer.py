@@ -418,3 +418,32 @@ def test_spawned_tokenizer_workers_encode_a_special_tokens_name_as_text(tmp_path
     finally:
         pool.close()
     assert tokens.tolist() == frame_texts(tokenizer, [text])[0].tolist()
+
+
+def test_a_bos_eos_added_as_a_token_that_is_not_special_is_warned_of(tmp_path, rng):
+    """A tokenizer whose document marker was added with add_tokens (special=False): a document
+    that writes "<|endoftext|>" gets the very id that frames documents (a fake document
+    boundary), and the warning given for a bos/eos that a text's own words encode to was not
+    given, because it checked for an added token, not a special one. The log line now warns,
+    and says how to keep such text as characters; a special token's line is unchanged."""
+    from tokenizers import AddedToken
+
+    trained = train_byte_level_bpe(rng, [])
+    trained.add_tokens([AddedToken("<|endoftext|>", special=False)])
+    path = tmp_path / "tokenizer.json"
+    trained.save(str(path))
+    loaded = build_tokenizer("hf", str(path))
+    eos = trained.token_to_id("<|endoftext|>")
+    assert loaded.eos_id == eos and eos in loaded.encode("alpha <|endoftext|> beta")
+    assert (f"eos '<|endoftext|>' (id {eos}, a common name; warning: an added token that is not "
+            "special, which '<|endoftext|>' written in a document encodes to (\"special\": true "
+            "in its entry of the file's added_tokens keeps such text as characters))"
+            ) in loaded.describe()
+    assert "warning" in loaded.found["bos"]
+    spec = json.loads(path.read_text())  # what the warning says to do
+    for entry in spec["added_tokens"]:
+        entry["special"] = True
+    path.write_text(json.dumps(spec))
+    special = build_tokenizer("hf", str(path))
+    assert "warning" not in special.describe()
+    assert eos not in special.encode("alpha <|endoftext|> beta")
