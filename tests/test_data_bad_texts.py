@@ -239,3 +239,32 @@ def test_prepare_data_leaves_out_a_text_file_paragraph_of_only_whitespace(tmp_pa
     # The documents the trainer reads from the same file (document 0 held out).
     trainer = load_documents(str(path), "train", val_every=10**9, cache_dir=tmp_path / "cache")
     assert list(trainer["text"]) == PARAGRAPHS[1:]
+
+
+# ---------------------------------------------------------------------- .txt: a byte-order mark
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_text_files_byte_order_mark_is_not_trained_on(tmp_path, capsys, streaming):
+    """A .txt file saved with a UTF-8 byte-order mark (Windows editors): its first document
+    started with U+FEFF, trained on as text (bytes ef bb bf) by the trainer (`datasets`' text
+    builder keeps it) and by prepare_data, while the same mark at the start of a .jsonl file is
+    dropped. It is dropped from a .txt file too, and both give the same tokens."""
+    paragraphs = ["first paragraph", "second\nparagraph"]
+    txt = _laid_out(tmp_path / "notes.txt", ("\ufeff" + "\n\n".join(paragraphs)).encode())
+    jsonl = _laid_out(tmp_path / "notes.jsonl", "\ufeff".encode() + b'{"text": "first paragraph"}\n')
+    load = lambda path, **kwargs: load_documents(str(path), "train", streaming=streaming,  # noqa: E731
+                                                 val_every=0, cache_dir=tmp_path / "cache", **kwargs)
+    assert [d["text"] for d in load(jsonl)] == ["first paragraph"]
+    assert [d["text"] for d in load(txt)] == paragraphs
+    windows = TokenWindows(load(txt), BYTE, seq_len=len("".join(paragraphs)) + 3)
+    inputs, labels = next(windows)
+    expected = [framed(BYTE, t) for t in paragraphs]
+    assert inputs.tolist() + labels[-1:].tolist() == expected[0] + expected[1]
+    assert _prepare("--source", txt, "--out", tmp_path / "shards") == 0, capsys.readouterr().err
+    assert shard_documents(tmp_path / "shards", "train") == expected
+
+    # A file the trainer reads from a copy without its bad documents: no mark in the copy either.
+    bad = _laid_out(tmp_path / "bad.txt", txt.read_bytes() + b"\n\nb\xffd\n")
+    assert [d["text"] for d in load(bad, on_bad_document="skip")] == paragraphs
+    assert _prepare("--source", bad, "--out", tmp_path / "skip", "--on-bad-document", "skip") == 0
+    assert shard_documents(tmp_path / "skip", "train") == expected

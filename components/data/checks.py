@@ -15,7 +15,8 @@ of blank lines, whitespace at the end of the file; at the file's start, its byte
 layout, as a blank line of a .jsonl file is: not a document, and not a bad one either. `datasets`'
 text builder makes one of each (trained on as bos, whitespace, eos), so a file with any is loaded
 from a copy without them, whatever on_bad_document says, and read_documents (document_reader.py)
-leaves them out.
+leaves them out. A .txt file's byte-order mark, which that builder keeps as the first document's
+first character, is left out the same way (a .jsonl file's is dropped by `datasets` itself).
 
 A dataset that `datasets` loads by name (check_dataset) and scripts.prepare_data's documents
 (read_documents, text_problem) count the same documents bad: a null, non-text, empty or
@@ -47,7 +48,7 @@ NAMED = 10  # bad documents named one by one (per file in the cache, per source 
 # ways). 1: before empty texts were refused (f81da14) and whitespace-only .txt paragraphs left
 # out; 2: since.
 DOCUMENT_RULES = 2
-_CHECK_VERSION = 5  # the rest of the cache key's version: bump when what a report holds changes
+_CHECK_VERSION = 6  # the rest of the cache key's version: bump when what a report holds changes
 # Distinct document shapes kept per file; a file of more never shares a `datasets` load.
 SHAPES = 16
 VARIED = "varied"
@@ -71,6 +72,7 @@ class FileReport:
     named: list[str] = field(default_factory=list)  # the first NAMED bad ones: "line 18: not UTF-8 ..."
     without_field: int = 0  # bad because they lack the text field
     blank: int = 0  # .txt paragraphs of only whitespace: layout, left out, neither documents nor bad
+    bom: bool = False  # a .txt file that starts with a byte-order mark, left out as layout is
     fields: list[str] = field(default_factory=list)  # the fields of the first of those
     # The good documents' distinct shapes (their fields but the text, and their JSON types; a
     # parquet file's: its other columns): files of one shape can be loaded together by
@@ -96,7 +98,7 @@ def check_files(files: list[Path], text_field: str, on_bad_document: str, cache_
             raise BadDocumentError(
                 f"{path}: {report.named[0]}; {report.bad} bad document(s) in this file. Set [data] "
                 f"on_bad_document = \"skip\" to skip them (each is then named in a warning)")
-        if report.bad or report.blank:  # the copy leaves out blank paragraphs silently
+        if report.bad or report.blank or report.bom:  # the copy leaves out layout silently
             path_to_load = _cleaned_copy(path, text_field, cache_dir / "checked" / key)
             if report.bad and key not in _warned:
                 _warned.add(key)
@@ -272,6 +274,8 @@ def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileRepor
             shapes.add(_shape({k: v for k, v in document.items() if k != text_field}))
 
     with open(path, "rb") as f:
+        report.bom = text and f.read(len(BOM)) == BOM
+        f.seek(0)
         for raw, where, problem in (paragraphs(f) if text else
                                     json_documents(f, path, text_field, seen)):
             if problem is BLANK:
