@@ -251,9 +251,12 @@ def test_a_text_files_byte_order_mark_is_not_trained_on(tmp_path, capsys, stream
     dropped. It is dropped from a .txt file too, and both give the same tokens."""
     paragraphs = ["first paragraph", "second\nparagraph"]
     txt = _laid_out(tmp_path / "notes.txt", ("\ufeff" + "\n\n".join(paragraphs)).encode())
-    jsonl = _laid_out(tmp_path / "notes.jsonl", "\ufeff".encode() + b'{"text": "first paragraph"}\n')
-    load = lambda path, **kwargs: load_documents(str(path), "train", streaming=streaming,  # noqa: E731
-                                                 val_every=0, cache_dir=tmp_path / "cache", **kwargs)
+    jsonl = _laid_out(tmp_path / "notes.jsonl", b'\xef\xbb\xbf{"text": "first paragraph"}\n')
+
+    def load(path, **kwargs):
+        return load_documents(str(path), "train", streaming=streaming, val_every=0,
+                              cache_dir=tmp_path / "cache", **kwargs)
+
     assert [d["text"] for d in load(jsonl)] == ["first paragraph"]
     assert [d["text"] for d in load(txt)] == paragraphs
     windows = TokenWindows(load(txt), BYTE, seq_len=len("".join(paragraphs)) + 3)
