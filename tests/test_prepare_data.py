@@ -181,6 +181,40 @@ def test_bad_documents_are_named_or_skipped(tmp_path, rng, capsys):
     assert not index["splits"]["validation"]["shards"]
 
 
+def test_a_file_whose_documents_all_keep_their_text_under_another_field_names_text_field(
+        tmp_path, rng, capsys):
+    """The corpus keeps its text under "content": the trainer says `set [data] text_field`, and
+    prepare_data said so for parquet (`set --text-field`), but for .jsonl it told the user to
+    pass --on-bad-document skip, which then failed with "no training documents (5 bad ones were
+    skipped)" (or, beside a good file, left the file out); neither named --text-field. A file
+    none of whose documents has the field is now the error the trainer gives, under skip too."""
+    texts = random_texts(rng, 40)
+    write_jsonl(tmp_path / "a" / "content.jsonl", texts, field="content")
+    args = ["--source", tmp_path / "a" / "content.jsonl", "--tokenizer", "byte", "--workers", 2,
+            "--val-every", 0, *SMALL_UNITS]  # many units of the one file
+    assert prepare(*args, "--out", tmp_path / "stop") == 1
+    assert capsys.readouterr().err == (
+        f"prepare_data.py: error: {tmp_path / 'a' / 'content.jsonl'}: line 1: no field 'text' (its "
+        "fields: content). Set --text-field if the documents keep their text under another field, "
+        "or pass --on-bad-document skip to skip such documents (each is then counted, the first "
+        "named)\n")
+    missing = (f"prepare_data.py: error: {tmp_path / 'a' / 'content.jsonl'}: the documents have no "
+               "field 'text' (their fields: content); set --text-field\n")
+    assert prepare(*args, "--out", tmp_path / "skip", "--on-bad-document", "skip") == 1
+    assert capsys.readouterr().err == missing
+    write_jsonl(tmp_path / "a" / "text.jsonl", texts)  # beside a good file: not left out unsaid
+    both = ["--source", tmp_path / "a", *args[2:], "--on-bad-document", "skip"]
+    assert prepare(*both, "--out", tmp_path / "both") == 1
+    assert capsys.readouterr().err == missing
+    with pytest.raises(ValueError, match=r"content\.jsonl: the documents have no field 'text' "
+                                         r"\(their fields: content\); set \[data\] text_field"):
+        load_documents(str(tmp_path / "a"), "train", cache_dir=tmp_path / "cache",
+                       on_bad_document="skip")
+    assert prepare(*args, "--out", tmp_path / "content", "--text-field", "content") == 0
+    assert shard_documents(tmp_path / "content", "train") == [framed(ByteTokenizer(), t)
+                                                              for t in texts]
+
+
 def test_the_first_bad_document_in_the_files_order_is_named():
     """Workers tokenize units in parallel: a later unit's bad document can be found first. The
     error names the earliest one (the same on every run), as one worker would have."""

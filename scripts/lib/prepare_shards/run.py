@@ -21,7 +21,7 @@ from components.data.shards import (FORMAT, INDEX, PLAN, VERSION, ShardFormatErr
                                     token_dtype)
 from components.synced_files import write_json_synced
 from scripts.lib.prepare_shards.units import PrepareError, Unit
-from scripts.lib.prepare_shards.worker import UNITS, _start_job, prepare_unit
+from scripts.lib.prepare_shards.worker import UNITS, _start_job, missing_field, prepare_unit
 
 
 def tokenizer_record(tokenizer, name: str, path: str | None) -> dict:
@@ -265,6 +265,7 @@ def write_index(out: Path, units: list[Unit], settings: dict) -> dict:
         splits[split] = {"tokens": sum(s["tokens"] for s in shards),
                          "documents": sum(s["documents"] for s in shards),
                          "shards": [s for s in shards if s["tokens"]]}
+    _refuse_files_without_the_field(units, reports, settings["text_field"])
     if not splits["train"]["tokens"]:
         raise PrepareError(f"{out}: no training documents in the source"
                            + (f" ({sum(r['bad'] for r in reports)} bad ones were skipped)"
@@ -278,6 +279,26 @@ def write_index(out: Path, units: list[Unit], settings: dict) -> dict:
              "created": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     write_json_synced(out / INDEX, index, atomic=True)
     return index
+
+
+def _refuse_files_without_the_field(units: list[Unit], reports: list[dict],
+                                    text_field: str) -> None:
+    """A file none of whose documents has the text field is the wrong --text-field, not bad
+    documents: an error naming the file and --text-field, as the trainer's (checks.check_files),
+    under --on-bad-document skip too (every document was skipped, and the error was "no training
+    documents", or the file was left out while the others were tokenized)."""
+    by_file: dict[str, list] = {}
+    for unit, report in zip(units, reports):
+        if unit.kind not in ("jsonl", "json"):
+            continue
+        found = by_file.setdefault(unit.path, [0, 0, 0, []])  # good, bad, without field, fields
+        found[0] += sum(split["documents"] for split in report["splits"].values())
+        found[1] += report["bad"]
+        found[2] += report.get("without_field", 0)  # a unit of an older prepare_data: unknown
+        found[3] = found[3] or report.get("fields", [])
+    for path, (good, bad, without_field, fields) in by_file.items():
+        if not good and without_field and without_field == bad:
+            raise missing_field(path, text_field, fields)
 
 
 def usable_cpus() -> int:

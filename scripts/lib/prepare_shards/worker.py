@@ -12,7 +12,7 @@ import numpy as np
 
 from components.data import SPLITS
 from components.data.checks import NAMED, MissingTextField
-from components.data.document_reader import BadDocumentError, read_documents, text_problem
+from components.data.document_reader import BadDocumentError, NoField, read_documents, text_problem
 from components.data.document_tokens import bind_to_parent, frame_texts
 from components.data.shards import ShardWriter
 from components.synced_files import write_json_synced
@@ -56,10 +56,14 @@ def _documents(unit: Unit, text_field: str) -> Iterator[tuple[str | None, str, i
 
 def _check_field(fields: list[str], text_field: str, where: str) -> None:
     if text_field not in fields:
-        missing = MissingTextField(f"{where}: the documents have no field {text_field!r} (their "
-                                   f"fields: {', '.join(fields)})")
-        missing.fix = "set --text-field"
-        raise missing
+        raise missing_field(where, text_field, fields)
+
+
+def missing_field(where: str, text_field: str, fields: list[str]) -> MissingTextField:
+    missing = MissingTextField(f"{where}: the documents have no field {text_field!r} (their "
+                               f"fields: {', '.join(fields) or 'none'})")
+    missing.fix = "set --text-field"
+    return missing
 
 
 def _checked(text, where: str, text_field: str) -> tuple[str | None, str, int, str | None]:
@@ -100,7 +104,10 @@ def prepare_unit(unit: Unit) -> dict:
     out, settings, tokenizer = _job["out"], _job["settings"], _job["tokenizer"]
     dtype = np.dtype(settings["dtype"])
     writers = {split: ShardWriter(out / split / unit.name, dtype) for split in SPLITS}
-    report = {"unit": unit.name, "bad": 0, "named": [], "max_token_id": -1, "bytes": 0}
+    # without_field, fields: the bad documents that lack the text field, and the first's fields
+    # (run.py names a file whose documents all lack it, as the trainer does)
+    report = {"unit": unit.name, "bad": 0, "named": [], "max_token_id": -1, "bytes": 0,
+              "without_field": 0, "fields": []}
     progress, progress_tokens = _job.get("progress"), _job.get("progress_tokens")
     try:
         batch, batch_bytes, counted = [], 0, 0
@@ -108,9 +115,17 @@ def prepare_unit(unit: Unit) -> dict:
             if problem is not None:
                 where = where if where.startswith(unit.path) else f"{unit.path}: {where}"
                 if settings["on_bad_document"] == "error":
-                    raise BadDocumentError(f"{where}: {problem}. Pass --on-bad-document skip to skip "
-                                           f"such documents (each is then counted, the first named)")
+                    # stopped at the first, so whether the others lack the field is not known
+                    other_field = ("Set --text-field if the documents keep their text under "
+                                   "another field, or pass" if isinstance(problem, NoField) else
+                                   "Pass")
+                    raise BadDocumentError(f"{where}: {problem}. {other_field} --on-bad-document "
+                                           "skip to skip such documents (each is then counted, "
+                                           "the first named)")
                 report["bad"] += 1
+                if isinstance(problem, NoField):
+                    report["without_field"] += 1
+                    report["fields"] = report["fields"] or problem.fields
                 if len(report["named"]) < NAMED:
                     report["named"].append(f"{where}: {problem}")
                 continue
