@@ -6,8 +6,9 @@
     python3 -m scripts.prepare_data --hf-dataset HuggingFaceFW/fineweb-edu --hf-subset sample-10BT \\
         --hf-streaming --tokenizer tokenizer.json --out shards/fineweb-edu
 
---source takes .jsonl/.json/.parquet/.txt files (a .txt file: one document per paragraph),
-folders of them and globs; --hf-dataset a Hugging Face dataset (a hub name, a local folder of
+--source takes .jsonl/.json/.parquet/.txt files (a .txt file: one document per paragraph; the
+text ones also compressed: .gz, .bz2, .xz), folders of them and globs (other files there are
+named and left out); --hf-dataset a Hugging Face dataset (a hub name, a local folder of
 data files, or one saved with save_to_disk), read whole (--hf-streaming: file by file, without
 a local copy). Documents are framed [bos] + tokens + [eos] and tokenized by --workers processes.
 Every --val-every-th document (by a hash of its text) goes to the validation split; 0: none.
@@ -29,6 +30,7 @@ if not __package__:  # run as a file: the repository root (components) is not im
     sys.exit("run from the repository root as a module: python3 -m scripts.prepare_data ...")
 
 from components.data.checks import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
+from components.data.document_reader import KINDS  # noqa: E402
 from components.data.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from scripts.lib.prepare_shards import (Plan, PrepareError, file_units,  # noqa: E402
@@ -94,7 +96,13 @@ def main(argv=None) -> int:
         unit_bytes = int(args.unit_mb * 2**20)
         dataset, files = None, None
         if args.source:
-            paths = local_files(args.source, out=args.out)
+            others = []
+            paths = local_files(args.source, out=args.out, left_out=others)
+            if others:
+                shown = ", ".join(map(str, others[:5])) + (f", ... ({len(others)} in all)"
+                                                           if len(others) > 5 else "")
+                print(f"prepare_data: leaving out {len(others)} file(s) of other kinds than "
+                      f"{KINDS}: {shown}", file=sys.stderr)
             fixed, left_out = layout_splits(args.source, paths)
             if left_out:
                 print(f"prepare_data: leaving out {len(left_out)} file(s) of a split other than train "

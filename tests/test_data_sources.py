@@ -1,7 +1,11 @@
 """load_documents and build_data on text sources: the stdlib corpus, JSON lines, parquet, text
 files, folders of them, a Hub name offline; sources that cannot be read are named."""
 
+import bz2
+import gzip
 import json
+import logging
+import lzma
 import os
 import subprocess
 import sys
@@ -18,7 +22,10 @@ from components.data.build import build_data
 from components.data.checks import BadDocumentError, MissingTextField
 from components.data.sources import STDLIB_CORPUS_BYTES, embedded_corpus, load_documents
 from components.data.windows import TokenWindows
+from shard_cases import shard_documents
 from test_data_windows import BYTE, framed, random_texts, read_tokens, write_jsonl
+
+from scripts import prepare_data
 
 
 def test_stdlib_corpus_builds_offline_once_and_yields_windows(tmp_path):
@@ -218,3 +225,113 @@ def test_a_folder_of_token_shard_folders_says_to_name_one_or_mix_them(tmp_path):
                          split="train", tokenizer=BYTE)
     assert next(iter(batches))[0].shape == (1, 8)
     batches.close()
+
+
+COMPRESS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+
+
+def _compressed(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with COMPRESS[path.suffix](path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _jsonl_bytes(texts: list[str]) -> bytes:
+    return "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+
+
+def _prepared(tmp_path, source: Path, out: str, *extra) -> list[list[int]]:
+    """The train documents prepare_data makes of source (all of them: --val-every 0)."""
+    assert prepare_data.main([str(a) for a in ("--source", source, "--tokenizer", "byte", "--out",
+                                               tmp_path / out, "--val-every", 0, "--workers", 1,
+                                               "--no-progress", *extra)]) == 0
+    return shard_documents(tmp_path / out, "train")
+
+
+def test_a_compressed_corpus_file_in_a_source_folder_is_read_or_named_not_left_out(tmp_path):
+    """A folder holding the corpus as .jsonl.gz (which `datasets` reads natively) and a small
+    .txt note: the trainer trained on the note alone and prepare_data sharded the note alone, and
+    neither said a word about the compressed file that holds the data. Both read it now; the
+    trainer, which reads one kind of file per folder, names both files in its refusal."""
+    folder = tmp_path / "corpus"
+    texts = [f"compressed document {i}" for i in range(100)]
+    _compressed(folder / "part-00000.jsonl.gz", _jsonl_bytes(texts))
+    (folder / "notes.txt").write_text("downloaded on Monday\n")
+    with pytest.raises(ValueError) as error:
+        load_documents(str(folder), "train", val_every=0, cache_dir=tmp_path / "cache")
+    assert str(error.value) == (
+        f"{folder}: mixes file types .jsonl.gz, .txt ({folder / 'notes.txt'}, "
+        f"{folder / 'part-00000.jsonl.gz'}); one directory must hold one kind")
+    assert len(_prepared(tmp_path, folder, "shards")) == 101
+
+
+@pytest.mark.parametrize("codec", [".gz", ".bz2", ".xz"])
+def test_compressed_files_are_read_and_other_files_named_by_the_trainer_and_prepare_data(
+        tmp_path, rng, capsys, caplog, codec):
+    """.jsonl.gz/.bz2/.xz files were left out of a source folder without a word (the trainer
+    read the plain .jsonl beside them, or said the folder held no .jsonl files; prepare_data
+    likewise); so were files of any other kind. Compressed .jsonl/.json/.txt files are read now,
+    whole (one unit of prepare_data's), and both give the same documents; other files are named
+    in one line."""
+    texts = random_texts(rng, 30)
+    folder = tmp_path / "corpus"
+    _compressed(folder / f"part-00000.jsonl{codec}", _jsonl_bytes(texts[:20]))
+    write_jsonl(folder / "part-00001.jsonl", texts[20:])  # beside a plain one
+    (folder / "README.md").write_text("how this corpus was made\n")
+    (folder / "part-00002.jsonl.zst").write_bytes(b"(zstd: not read)")
+    with caplog.at_level(logging.WARNING):
+        for streaming in (False, True):
+            documents = load_documents(str(folder), "train", streaming=streaming, val_every=0,
+                                       cache_dir=tmp_path / "cache")
+            assert [d["text"] for d in documents] == texts
+    from components.data.document_reader import KINDS  # what the note says is read
+
+    # once, though each split and each load reads the folder
+    assert caplog.messages == [f"data: {folder}: leaving out 2 file(s) of other kinds than "
+                               f"{KINDS}: README.md, part-00002.jsonl.zst"]
+    assert _prepared(tmp_path, folder, "shards", "--unit-mb", 0.0001) == [framed([t])
+                                                                          for t in texts]
+    note = (f"prepare_data: leaving out 2 file(s) of other kinds than {KINDS}: "
+            f"{folder / 'README.md'}, {folder / 'part-00002.jsonl.zst'}\n")
+    assert note in capsys.readouterr().err
+    units = json.loads((tmp_path / "shards" / "prepare.json").read_text())["units"]
+    compressed = [u for u in units if u["path"].endswith(codec)]
+    assert len(compressed) == 1 and compressed[0]["kind"] == "jsonl"  # whole: no byte ranges
+    assert len(units) > 2
+
+
+def test_compressed_text_json_and_damaged_files(tmp_path, rng, capsys):
+    """A .txt.gz file (paragraphs; a byte-order mark and a blank paragraph, which the trainer
+    reads from a copy without them) and a .json.bz2 array read as their plain files are, a bad
+    document of a .jsonl.xz file skipped, by the trainer and prepare_data alike; a compressed
+    file that cannot be decompressed is one line naming it."""
+    texts = random_texts(rng, 12)
+    txt = _compressed(tmp_path / "txt" / "book.txt.gz",
+                      ("\ufeff" + "\n\n".join(texts[:4]) + "\n\n  \n\n" + texts[4]).encode())
+    array = _compressed(tmp_path / "json" / "docs.json.bz2",
+                        json.dumps([{"text": t} for t in texts[5:8]]).encode())
+    bad = _compressed(tmp_path / "xz" / "docs.jsonl.xz",
+                      _jsonl_bytes(texts[8:10]) + b'{"text": ""}\n' + _jsonl_bytes(texts[10:]))
+    for source, expected, extra in ((txt, texts[:5], []), (array, texts[5:8], []),
+                                    (bad, texts[8:], ["--on-bad-document", "skip"])):
+        skip = {"on_bad_document": "skip"} if extra else {}
+        for folder_or_file in (source.parent, source):
+            documents = load_documents(str(folder_or_file), "train", val_every=0,
+                                       cache_dir=tmp_path / "cache", **skip)
+            assert [d["text"] for d in documents] == expected
+        assert _prepared(tmp_path, source, f"shards-{source.name}", *extra) == [
+            framed([t]) for t in expected]
+    capsys.readouterr()
+
+    damaged = tmp_path / "damaged" / "docs.jsonl.gz"
+    damaged.parent.mkdir()
+    damaged.write_bytes(gzip.compress(_jsonl_bytes(texts))[:-30])  # cut short
+    with pytest.raises(ValueError) as error:
+        load_documents(str(damaged), "train", val_every=0, cache_dir=tmp_path / "cache")
+    assert str(error.value).startswith(f"{damaged}: cannot be read as a gz file (")
+    assert str(error.value).endswith("): fix or remove it") and "\n" not in str(error.value)
+    assert prepare_data.main([str(a) for a in ("--source", damaged, "--tokenizer", "byte", "--out",
+                                               tmp_path / "out", "--workers", 1,
+                                               "--no-progress")]) == 1
+    assert capsys.readouterr().err == f"prepare_data.py: error: {error.value}\n"

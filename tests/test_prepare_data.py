@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from components.config.schema import Data, Training
+from components.data.document_reader import KINDS
 from components.data.sources import load_documents
 from components.data.shard_batches import build_shard_batches
 from components.data.shards import ShardFormatError, read_index
@@ -299,7 +300,7 @@ def test_byte_tokenizer_and_the_stored_arrays_load_with_plain_numpy(tmp_path, rn
 def test_sources_that_are_not_there_are_named(tmp_path, capsys):
     for source, message in ((tmp_path / "missing.jsonl", "missing.jsonl: no such file or folder"),
                             (tmp_path / "*.jsonl", "*.jsonl: no such file or folder"),
-                            (tmp_path, "no .jsonl/.json/.parquet/.txt files there")):
+                            (tmp_path, f"no {KINDS} files there")):
         assert prepare("--source", source, "--tokenizer", "byte", "--out", tmp_path / "out",
                        "--no-progress") == 1
         assert message in capsys.readouterr().err

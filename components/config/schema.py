@@ -188,7 +188,8 @@ class MixtureSource:
 class Data:
     """The training text: where it comes from and how it is read."""
     source: str = "stdlib"
-    """"stdlib", a .jsonl/.json/.parquet/.txt file or folder, a hub dataset, or a token shard folder.
+    """"stdlib", a .jsonl/.json/.parquet/.txt file (.gz/.bz2/.xz too) or folder, a hub dataset, or
+    a token shard folder.
 
     "stdlib" is the Python standard library's source code: offline, for smoke runs. A token
     shard folder (made by scripts.prepare_data) is read in a seeded shuffled order."""

@@ -1,4 +1,5 @@
-"""Local .jsonl/.json/.txt/.parquet files read once, document by document, before `datasets` loads them.
+"""Local .jsonl/.json/.txt/.parquet files (the first three also compressed: .gz, .bz2, .xz) read
+once, document by document, before `datasets` loads them.
 
 What `datasets` does with a bad document otherwise: pyarrow's JSON reader stores a string that is not
 UTF-8 as it is, and the run dies with a bare UnicodeDecodeError when that row is turned into Python
@@ -34,8 +35,9 @@ from typing import BinaryIO
 from filelock import FileLock  # a dependency of datasets
 
 from components.config.schema import OnBadDocument
-from components.data.document_reader import (BLANK, BOM, BadDocumentError, json_documents,
-                                             NoField, paragraphs, text_problem)
+from components.data.document_reader import (BLANK, BOM, BadDocumentError, NoField,
+                                             document_suffix, json_documents, opened,
+                                             paragraphs, text_problem)
 from components.synced_files import atomic_open
 
 logger = logging.getLogger(__name__)
@@ -221,13 +223,14 @@ def _no_text(texts):
 def _why_empty(path: Path, report: FileReport) -> str:
     if report.bad:
         return f" (all {report.bad} were bad and skipped)"
-    if path.suffix == ".parquet":
+    if document_suffix(path) == ".parquet":
         return " (no rows)"
-    if path.stat().st_size == 0:
+    with opened(path) as f:  # decompressed: a compressed empty file is not 0 bytes
+        head = f.read(4096)
+    if not head:
         return " (the file is empty)"
-    with open(path, "rb") as f:
-        return " (an empty JSON array)" if f.read(4096).lstrip(BOM).lstrip().startswith(b"[") else \
-            " (only blank lines)"
+    return " (an empty JSON array)" if head.lstrip(BOM).lstrip().startswith(b"[") else \
+        " (only blank lines)"
 
 
 def _cache_key(path: Path, text_field: str) -> str:
@@ -252,7 +255,7 @@ def _report(path: Path, text_field: str, stem: Path) -> FileReport:
 
 
 def _cleaned_copy(path: Path, text_field: str, stem: Path) -> Path:
-    copy = stem.with_suffix(path.suffix)
+    copy = stem.with_suffix(document_suffix(path))  # written uncompressed
     with FileLock(str(stem) + ".lock"):
         if not copy.is_file():
             with atomic_open(copy, unique=True) as f:
@@ -263,17 +266,17 @@ def _cleaned_copy(path: Path, text_field: str, stem: Path) -> Path:
 def _scan(path: Path, text_field: str, out: BinaryIO | None = None) -> FileReport:
     """Count (and name) the good and bad documents; write the good ones to `out` if given, in a
     form that `datasets` reads back as the same documents."""
-    if path.suffix == ".parquet":
+    if document_suffix(path) == ".parquet":
         return _scan_parquet(path, text_field, out)
     report = FileReport()
-    text = CHECKED_SUFFIXES[path.suffix] == "text"
+    text = CHECKED_SUFFIXES[document_suffix(path)] == "text"
     shapes: set[str] = set()
 
     def seen(document: dict) -> None:
         if len(shapes) <= SHAPES:
             shapes.add(_shape({k: v for k, v in document.items() if k != text_field}))
 
-    with open(path, "rb") as f:
+    with opened(path) as f:
         report.bom = text and f.read(len(BOM)) == BOM
         f.seek(0)
         for raw, where, problem in (paragraphs(f) if text else

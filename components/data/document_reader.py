@@ -1,13 +1,60 @@
 """Raw .jsonl/.json/.txt bytes read into documents, each with where it is and what is wrong
 with it. Apart from checks.py, which counts and cleans whole files with these readers, because
-scripts.prepare_data's workers read their units' documents with them too."""
+scripts.prepare_data's workers read their units' documents with them too. What files hold
+documents (document_suffix) is decided here for the trainer and prepare_data alike."""
 
+import bz2
+import contextlib
+import gzip
 import io
 import json
+import lzma
+import zlib
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 BOM = b"\xef\xbb\xbf"
+DOCUMENT_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
+# Compressed text files (part-00000.jsonl.gz, as corpora are often published) hold documents too:
+# `datasets` reads them, and they were left out of a source folder without a word. Parquet
+# compresses inside the file.
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+COMPRESSED_SUFFIXES = (".jsonl", ".json", ".txt")
+KINDS = (f"{'/'.join(DOCUMENT_SUFFIXES)} (the first three also as "
+         f"{'/'.join(COMPRESSIONS)})")  # the files read, for messages
+
+
+def document_suffix(path: Path) -> str | None:
+    """What a file holds by its name: one of DOCUMENT_SUFFIXES (".jsonl" for a.jsonl and for
+    a.jsonl.gz), or None for a file that holds no documents to read."""
+    if path.suffix in COMPRESSIONS:
+        inner = Path(path.stem).suffix
+        return inner if inner in COMPRESSED_SUFFIXES else None
+    return path.suffix if path.suffix in DOCUMENT_SUFFIXES else None
+
+
+def is_compressed(path: Path) -> bool:
+    return path.suffix in COMPRESSIONS
+
+
+@contextlib.contextmanager
+def opened(path: Path) -> Iterator[BinaryIO]:
+    """The file's bytes, decompressed. A compressed file that cannot be decompressed (damaged,
+    cut short) is a BadDocumentError naming it: nothing in it can be skipped."""
+    if not is_compressed(path):
+        with open(path, "rb") as f:
+            yield f
+        return
+    try:
+        with COMPRESSIONS[path.suffix](path, "rb") as f:
+            yield f
+    except (EOFError, zlib.error, lzma.LZMAError, OSError) as e:
+        # errors of the system (a full disk under a copy being written) carry an errno; the
+        # codecs' (BadGzipFile, bz2's "Invalid data stream") none
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        raise BadDocumentError(f"{path}: cannot be read as a {path.suffix[1:]} file ({e}): "
+                               "fix or remove it") from None
 
 # One document: its bytes as they go into a cleaned copy, where it is ("line 18"), and why it is
 # bad (None: it is good).
@@ -39,9 +86,10 @@ def read_documents(path: Path, text_field: str, start: int = 0,
                    stop: int | None = None) -> Iterator[tuple[str | None, str, int, str | None]]:
     """(text, where, bytes, problem) for each document of a .jsonl/.json/.txt file, the documents
     the trainer's reader sees: text is None when problem says why the document is bad. A JSON
-    lines file can be read in byte ranges: the lines that begin in [start, stop)."""
-    with open(path, "rb") as f:
-        if path.suffix == ".txt":
+    lines file can be read in byte ranges: the lines that begin in [start, stop); a compressed
+    one only whole."""
+    with opened(path) as f:
+        if document_suffix(path) == ".txt":
             for raw, where, problem in paragraphs(f):
                 if problem is not BLANK:
                     yield (None if problem else raw.decode("utf-8")), where, len(raw), problem
@@ -90,7 +138,7 @@ def json_documents(f: BinaryIO, path: Path, text_field: str, seen=None) -> Itera
     _line_problem's."""
     head = f.read(4096).lstrip(BOM).lstrip()
     f.seek(0)
-    if path.suffix == ".json" and head.startswith(b"["):
+    if document_suffix(path) == ".json" and head.startswith(b"["):
         yield from _json_array(f.read(), path, text_field, seen)
         return
     for number, line in enumerate(f, 1):

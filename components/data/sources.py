@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -22,7 +23,10 @@ import numpy as np
 
 from components.data import SPLITS
 from components.data.checks import VARIED, MissingTextField, check_dataset, check_files
+from components.data.document_reader import KINDS, document_suffix
 from components.synced_files import atomic_open
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = "~/.cache/flce-recipes"
 BUILDER_BY_SUFFIX = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -83,10 +87,12 @@ def _stdlib_sources() -> Iterator[tuple[str, str]]:
 def load_documents(source: str, split: str, text_field: str = "text", streaming: bool = False,
                    val_every: int = 100, cache_dir: str | Path = DEFAULT_CACHE_DIR,
                    on_bad_document: str = "error") -> Documents:
-    """source: "stdlib", a local .txt/.jsonl/.json/.parquet file or a directory of them, or a Hugging Face
-    Hub dataset name (needs network access). A .txt file gives one document per paragraph (blank-line
-    separated, as it is); a paragraph of only whitespace is layout, not a document (checks.py leaves
-    it out). split: "train" or "validation", or another split the source really has.
+    """source: "stdlib", a local .txt/.jsonl/.json/.parquet file (the first three also compressed:
+    .gz, .bz2, .xz) or a directory of them (its other files are named in a warning and left
+    out), or a Hugging Face Hub dataset name (needs network access). A .txt file gives one
+    document per paragraph (blank-line separated, as it is); a paragraph of only whitespace is
+    layout, not a document (checks.py leaves it out). split: "train" or "validation", or another
+    split the source really has.
     on_bad_document: what a document of a local .jsonl/.json/.txt/.parquet file that is not UTF-8,
     not JSON or without text, or a row of a Hub dataset without text, does: "error" names it,
     "skip" leaves it out with a warning."""
@@ -121,7 +127,7 @@ def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str,
         by_split = {split: check_files(files, text_field, on_bad_document, cache_dir, origins)
                     for split, files in split_files(path).items()}
         return _load_local(by_split, streaming, cache_dir, text_field, origins), False
-    if source.startswith(("/", "./", "../", "~")) or path.suffix in BUILDER_BY_SUFFIX:
+    if source.startswith(("/", "./", "../", "~")) or document_suffix(path):
         raise FileNotFoundError(f"data source not found: {path}")
     import datasets
     try:
@@ -136,22 +142,42 @@ def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str,
 
 def _data_files(path: Path) -> list[Path]:
     if path.is_file():
-        files = [path]
-    else:
-        _refuse_saved_dataset(path)
-        # Hidden directories hold caches and VCS data, not documents.
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in BUILDER_BY_SUFFIX
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        _refuse_shard_folders(path, files)
-        if not files:
-            raise FileNotFoundError(f"{path}: no {'/'.join(BUILDER_BY_SUFFIX)} files in this directory")
-    suffixes = sorted({p.suffix for p in files})
-    if any(s not in BUILDER_BY_SUFFIX for s in suffixes):
-        raise ValueError(f"{path}: unsupported file type {suffixes[0]!r}; expected one of "
-                         f"{', '.join(BUILDER_BY_SUFFIX)}")
-    if len({BUILDER_BY_SUFFIX[s] for s in suffixes}) > 1:
-        raise ValueError(f"{path}: mixes file types {', '.join(suffixes)}; one directory must hold one kind")
+        if not document_suffix(path):
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected {KINDS}")
+        return [path]
+    _refuse_saved_dataset(path)
+    # Hidden directories hold caches and VCS data, not documents.
+    found = sorted(p for p in path.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = [p for p in found if document_suffix(p)]
+    _refuse_shard_folders(path, files)
+    others = [p for p in found if not document_suffix(p)]
+    if not files:
+        raise FileNotFoundError(f"{path}: no {KINDS} files in this directory"
+                                + (f" (it holds {_some(others, path)})" if others else ""))
+    if others and path not in _noted:  # each split of the source is loaded apart
+        _noted.add(path)
+        logger.warning("data: %s: leaving out %d file(s) of other kinds than %s: %s", path,
+                       len(others), KINDS, _some(others, path))
+    first_of = {}  # builder: its first file
+    for p in files:
+        first_of.setdefault(BUILDER_BY_SUFFIX[document_suffix(p)], p)
+    if len(first_of) > 1:
+        suffixes = sorted({"".join(p.suffixes[-2:]) if p.suffix != document_suffix(p) else p.suffix
+                           for p in files})
+        raise ValueError(f"{path}: mixes file types {', '.join(suffixes)} "
+                         f"({', '.join(str(p) for p in first_of.values())}); one directory must "
+                         "hold one kind")
     return files
+
+
+_noted: set[Path] = set()  # folders whose other files this process has named
+
+
+def _some(files: list[Path], folder: Path, shown: int = 5) -> str:
+    """The first few files, relative to folder, and how many there are in all."""
+    names = ", ".join(str(p.relative_to(folder)) for p in files[:shown])
+    return names + (f", ... ({len(files)} in all)" if len(files) > shown else "")
 
 
 def splits_of(folder: Path, files: list[Path]) -> tuple[dict[str, list[Path]], list[Path]]:
@@ -201,7 +227,7 @@ def _refuse_saved_dataset(path: Path) -> None:
         (path / "state.json").is_file() or any(path.glob("data-*.arrow")))
     if saved:
         raise ValueError(f"{path}: a dataset saved with datasets' save_to_disk, not a folder of "
-                         f"{'/'.join(BUILDER_BY_SUFFIX)} files; tokenize it into token shards with "
+                         f"{KINDS} files; tokenize it into token shards with "
                          f"`python3 -m scripts.prepare_data --hf-dataset {path} --tokenizer TOKENIZER "
                          "--out SHARDS` and set [data] source = SHARDS")
 
@@ -245,7 +271,7 @@ def _load_local(files: list[Path] | dict[str, list[Path]], streaming: bool, cach
     kept, because `datasets` loads files together only when their fields agree."""
     import datasets
     by_split = files if isinstance(files, dict) else {"train": files}
-    builder = BUILDER_BY_SUFFIX[next(iter(by_split.values()))[0].suffix]
+    builder = BUILDER_BY_SUFFIX[document_suffix(next(iter(by_split.values()))[0])]
     # The text builder makes a paragraph of only whitespace a document too: a .txt file that has
     # any comes here as check_files' copy without them.
     options = {"sample_by": "paragraph"} if builder == "text" else {}

@@ -8,9 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.data.document_reader import KINDS, document_suffix, is_compressed
 from components.data.sources import splits_of
-
-SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 
 
 class PrepareError(ValueError):
@@ -21,6 +20,7 @@ class PrepareError(ValueError):
 class Unit:
     name: str  # "fffff-ppppp": part p of input f
     kind: str  # "jsonl" | "json" | "txt" (a whole file of paragraphs) | "parquet" | "rows" | "stream"
+    #            (a compressed .jsonl/.json/.txt file is its kind, read whole)
     path: str  # the file, or the dataset's name
     start: int = 0  # jsonl: first byte; parquet: first row group; rows: first row; stream: its shard
     stop: int = 0
@@ -38,11 +38,13 @@ def held_out(text: str, val_every: int) -> bool:
     return int.from_bytes(digest, "little") % val_every == 0
 
 
-def local_files(sources: list[str], out: Path | None = None) -> list[Path]:
-    """Files, folders (their .jsonl/.json/.parquet/.txt files, hidden ones left out) and globs;
-    nothing inside `out`, the shard folder being written (its .json files are not sources, even
-    when it sits in a source folder)."""
-    files = []
+def local_files(sources: list[str], out: Path | None = None,
+                left_out: list[Path] | None = None) -> list[Path]:
+    """Files, folders (their files of KINDS, hidden ones left out) and globs; nothing inside
+    `out`, the shard folder being written (its .json files are not sources, even when it sits in
+    a source folder). left_out, when given, gets the files of other kinds in those folders and
+    globs, for a note: they were left out without a word (a corpus of .jsonl.gz files too)."""
+    files, others = [], []
     out = Path(out).expanduser().resolve() if out is not None else None
     for source in sources:
         expanded = os.path.expanduser(source)
@@ -52,18 +54,22 @@ def local_files(sources: list[str], out: Path | None = None) -> list[Path]:
         found = []
         for match in map(Path, matches):
             if match.is_dir():
-                found += sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in SUFFIXES
+                found += sorted(p for p in match.rglob("*") if p.is_file()
                                 and not any(part.startswith(".") for part in p.relative_to(match).parts))
-            elif match.suffix in SUFFIXES:
+            elif document_suffix(match) or glob.has_magic(expanded):
                 found.append(match)
-            elif not glob.has_magic(expanded):
-                raise PrepareError(f"--source {source}: unsupported file type {match.suffix!r}; expected "
-                                   f"one of {', '.join(SUFFIXES)}")
+            else:
+                raise PrepareError(f"--source {source}: unsupported file type {match.suffix!r}; "
+                                   f"expected {KINDS}")
         found = [p for p in found if out is None or not p.resolve().is_relative_to(out)]
+        others += [p for p in found if not document_suffix(p)]
+        found = [p for p in found if document_suffix(p)]
         if not found:
-            raise PrepareError(f"--source {source}: no {'/'.join(SUFFIXES)} files there"
+            raise PrepareError(f"--source {source}: no {KINDS} files there"
                                + (f" (outside --out {out})" if out is not None else ""))
         files += found
+    if left_out is not None:
+        left_out += sorted(set(p.resolve() for p in others))
     return sorted(set(p.resolve() for p in files))
 
 
@@ -110,7 +116,8 @@ def file_units(number: int, path: Path, unit_bytes: int, split: str = "") -> lis
 def _file_units(number: int, path: Path, unit_bytes: int) -> list[Unit]:
     size = path.stat().st_size
     name = lambda part: f"{number:05d}-{part:05d}"  # noqa: E731
-    if path.suffix == ".parquet":
+    kind = document_suffix(path)[1:]
+    if kind == "parquet":
         import pyarrow.parquet as pq
 
         metadata = pq.ParquetFile(path).metadata
@@ -121,12 +128,12 @@ def _file_units(number: int, path: Path, unit_bytes: int) -> list[Unit]:
                 units.append(Unit(name(len(units)), "parquet", str(path), first, group + 1, gathered))
                 first, gathered = group + 1, 0
         return units or [Unit(name(0), "parquet", str(path), 0, 0, 0)]
-    if path.suffix == ".jsonl":
+    if kind == "jsonl" and not is_compressed(path):  # a compressed stream has no byte ranges
         parts = max(1, -(-size // unit_bytes))
         bounds = [size * i // parts for i in range(parts + 1)]
         return [Unit(name(i), "jsonl", str(path), bounds[i], bounds[i + 1], bounds[i + 1] - bounds[i])
                 for i in range(parts)]
-    return [Unit(name(0), path.suffix[1:], str(path), 0, size, size)]
+    return [Unit(name(0), kind, str(path), 0, size, size)]
 
 
 def listing(files: list[Path]) -> dict:

@@ -12,7 +12,8 @@ import numpy as np
 
 from components.data import SPLITS
 from components.data.checks import NAMED, MissingTextField
-from components.data.document_reader import BadDocumentError, NoField, read_documents, text_problem
+from components.data.document_reader import (BadDocumentError, NoField, is_compressed,
+                                             read_documents, text_problem)
 from components.data.document_tokens import bind_to_parent, frame_texts
 from components.data.shards import ShardWriter
 from components.synced_files import write_json_synced
@@ -34,8 +35,10 @@ def _start_job(job: dict) -> None:
 def _documents(unit: Unit, text_field: str) -> Iterator[tuple[str | None, str, int, str | None]]:
     """(text, where, bytes, problem) for each document of the unit."""
     if unit.kind in ("jsonl", "json", "txt"):
-        yield from read_documents(Path(unit.path), text_field, unit.start if unit.kind == "jsonl" else 0,
-                                  unit.stop if unit.kind == "jsonl" else None)
+        path = Path(unit.path)
+        ranged = unit.kind == "jsonl" and not is_compressed(path)
+        yield from read_documents(path, text_field, unit.start if ranged else 0,
+                                  unit.stop if ranged else None)
     elif unit.kind == "parquet":
         yield from _parquet_documents(Path(unit.path), text_field, unit.start, unit.stop)
     elif unit.kind == "rows":
@@ -110,7 +113,9 @@ def prepare_unit(unit: Unit) -> dict:
               "without_field": 0, "fields": []}
     progress, progress_tokens = _job.get("progress"), _job.get("progress_tokens")
     try:
-        batch, batch_bytes, counted = [], 0, 0
+        # shown: what the bar has counted of this unit, at most its size (a compressed file's
+        # documents are more bytes than the file: the bar ran past its total, then back)
+        batch, batch_bytes, counted, shown = [], 0, 0, 0
         for text, where, size, problem in _documents(unit, settings["text_field"]):
             if problem is not None:
                 where = where if where.startswith(unit.path) else f"{unit.path}: {where}"
@@ -135,18 +140,19 @@ def prepare_unit(unit: Unit) -> dict:
                 tokens = _write_batch(batch, writers, tokenizer, settings["val_every"], report,
                                       unit.split)
                 _fault_point(unit.name)
+                counted += batch_bytes
                 if progress is not None:
                     with progress.get_lock():
-                        progress.value += batch_bytes
+                        progress.value += min(counted, unit.size) - shown
                         progress_tokens.value += tokens
-                counted += batch_bytes
+                    shown = min(counted, unit.size)
                 batch, batch_bytes = [], 0
         tokens = _write_batch(batch, writers, tokenizer, settings["val_every"], report, unit.split)
         _fault_point(unit.name)
         report["bytes"] = counted + batch_bytes
         if progress is not None:  # the unit's estimated size is what the bar counts in the end
             with progress.get_lock():
-                progress.value += unit.size - counted
+                progress.value += unit.size - shown
                 progress_tokens.value += tokens
         report["splits"] = {split: writer.finish() for split, writer in writers.items()}
     except BaseException:
