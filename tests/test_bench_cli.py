@@ -33,7 +33,8 @@ def test_a_grid_without_resume_leaves_an_existing_report_alone(module, args, tmp
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 @pytest.mark.parametrize("module, args", [
     ("attention", []), ("chunk_sizes", ["--points", "64x8x32:16"]), ("flce", []),
-    ("float8_grid", []), ("grad_gemms", ["--chunks", "16x8x32"]), ("logits_epilogue", []),
+    ("float8_dx", ["--shapes", "64x8x32"]), ("float8_grid", []),
+    ("grad_gemms", ["--chunks", "16x8x32"]), ("logits_epilogue", []),
     ("loss_kernels", ["--shapes", "64x8x32"]), ("row_overlap", ["--shapes", "64x8x32"]),
     ("step_floor", []), ("tune_rows_kernel", [])])
 def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(module, args, tmp_path, monkeypatch,

@@ -13,6 +13,7 @@
     tune_rows_kernel.py  the row kernel's block sizes and warps (flce/kernels.py's table)
     loss_kernels.py      each loss's GPU kernels at given shapes, from the profiler
     grad_gemms.py        the chunked sweep's dx and dW GEMMs, bf16 against fp32 outputs
+    float8_dx.py         the float8 loss's dx GEMM whole and in row blocks, and its kernels
     row_order.py         pass 2 of the row kernel backwards (as flce runs it) against forwards
     row_overlap.py       an experiment: the row pass beside a GEMM on another stream
     logits_epilogue.py   an experiment: the softmax statistics in a Triton logits GEMM's epilogue
