@@ -465,7 +465,12 @@ class Checkpointer:
         try:
             saved_dp_world = int(torch.load(path / "rank-0.pt", weights_only=True)["data"]["dp_world"])
         except (OSError, KeyError, TypeError, ValueError, pickle.UnpicklingError):
-            return own  # a data state that is the same on every rank (token shards), or none
+            # a data state that is the same on every rank (token shards' global position), or
+            # none. A rank with no file of its own (more ranks now) reads rank 0's: placed by
+            # step x the new global batch instead, it read other windows than the ranks that
+            # had files (the global batches no longer one run of windows, some never read)
+            first = path / "rank-0.pt"
+            return own if own.is_file() or not first.is_file() else first
         ranks_per_dp_rank = max(len(list(path.glob("rank-*.pt"))) // max(saved_dp_world, 1), 1)
         return path / f"rank-{self.dp_rank * ranks_per_dp_rank}.pt"
 

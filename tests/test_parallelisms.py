@@ -11,13 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
 from launches import errors, launch
+from components.tokenizer import ByteTokenizer
 from parallelisms.mesh import ParallelDims
+from shard_cases import write_token_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 4
@@ -153,6 +156,29 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
         got = metrics(dump)
         assert sorted(got) == [3, 4, 5], name
         assert all(abs(got[s]["loss"] - expected[s]["loss"]) <= 1e-5 for s in got), name
+
+
+def test_token_shards_resumed_on_more_processes_read_from_one_position(tmp_path):
+    """The same end to end: 2 steps on 2 processes (local batch 2) saved at step 2, resumed on 4
+    processes (local batch 2) for step 3. After step 3 every rank's shard state should be the
+    same global position (8 windows read + 8 = 16); ranks 2 and 3, which have no rank file of
+    their own, started at 16 instead of 8 and are at 24: at step 3 they read windows 20-23
+    while ranks 0 and 1 read 8-11, and windows 12-15 are never read in the epoch."""
+    rng = np.random.default_rng(0)
+    folder = write_token_shards(tmp_path / "shards", [rng.integers(0, 256, 20000)], 259,
+                                ByteTokenizer())
+    shards = ["--data.synthetic", "false", "--data.source", str(folder),
+              "--training.local_batch_size", "2", "--checkpoint.interval", "1"]
+    saved = tmp_path / "dp2"
+    torchrun(2, saved, *shards, "--training.steps", "2")
+    dump = tmp_path / "dp4"
+    (dump / "checkpoint").mkdir(parents=True)
+    shutil.copytree(saved / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    torchrun(4, dump, *shards, "--training.steps", "3")
+    step3 = dump / "checkpoint" / "step-3"
+    positions = [torch.load(step3 / f"rank-{r}.pt", weights_only=True)["data"]["global_windows"]
+                 for r in range(4)]
+    assert positions == [16, 16, 16, 16], positions
 
 
 def test_tp_rejects_settings_it_cannot_honour():

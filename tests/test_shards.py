@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +22,9 @@ from components.config.schema import Data, MixtureSource, Training
 from components.data.build import build_data
 from components.data.shard_batches import MIXTURE_BLOCK, Mixture, ShardBatches, _keys, permute
 from components.data.shards import ShardFormatError, TokenShards, read_index
+from components.checkpoint import Checkpointer
 from components.tokenizer import ByteTokenizer
+from parallelisms.mesh import ParallelDims
 from shard_cases import random_texts, shard_documents, train_tokenizer, write_jsonl, write_token_shards
 
 from scripts import prepare_data
@@ -329,3 +332,49 @@ def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path, rng):
         with pytest.raises(ShardFormatError, match=rf"index.json: names shard '{named}', outside the "
                                                    r"folder; not reading it"):
             TokenShards(folder)
+
+
+def _resume_data_like_load_full(path: Path, data, rank: int, dp_rank: int, step: int,
+                                batches_per_step: int) -> None:
+    """Checkpointer._load_full's data part: the rank file _rank_file picks, else none."""
+    ckpt = SimpleNamespace(rank=rank, dp_rank=dp_rank, data=data,
+                           batches_per_step=batches_per_step)
+    rank_file = Checkpointer._rank_file(ckpt, path)
+    if rank_file.is_file():
+        Checkpointer._load_data_state(ckpt, torch.load(rank_file, weights_only=True)["data"], step)
+    else:
+        Checkpointer._load_data_state(ckpt, None, step,
+                                      f"{rank_file.name} is not in the checkpoint")
+
+
+def test_token_shards_resumed_on_more_ranks_continue_at_one_position(tmp_path):
+    """Token shards saved by 2 data-parallel ranks (local batch 2: 4 windows a step), resumed on
+    4 ranks with the same local batch (8 windows a step). The shards' state is global (the same
+    in every rank file): every rank should continue after the 8 windows the checkpoint read.
+    Ranks 0 and 1 load their rank files (global window 8); ranks 2 and 3 have none and are
+    placed by step x the new global batch (window 16): the ranks disagree, and windows 12-15
+    are never read."""
+    rng = np.random.default_rng(0)
+    folder = write_token_shards(tmp_path / "shards", [rng.integers(0, 256, 4000)], 259, BYTE)
+    data = Data(source=str(folder), synthetic=False)
+    step_dir = tmp_path / "step-2"
+    step_dir.mkdir()
+    saved = ParallelDims.resolve(1, -1, 1, 2)
+    for rank in range(2):  # the saving run: 2 steps on 2 ranks, its rank files
+        batches = build_data(data, Training(seq_len=16, local_batch_size=2), split="train",
+                             tokenizer=BYTE, dp_rank=saved.dp_rank(rank), dp_world=saved.dp)
+        for _ in range(2):
+            next(batches)
+        torch.save({"data": batches.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": None},
+                   step_dir / f"rank-{rank}.pt")
+        batches.close()
+    now = ParallelDims.resolve(1, -1, 1, 4)
+    positions = []
+    for rank in range(4):
+        batches = build_data(data, Training(seq_len=16, local_batch_size=2), split="train",
+                             tokenizer=BYTE, dp_rank=now.dp_rank(rank), dp_world=now.dp)
+        _resume_data_like_load_full(step_dir, batches, rank, now.dp_rank(rank), step=2,
+                                    batches_per_step=1)
+        positions.append(batches.state_dict()["global_windows"])
+        batches.close()
+    assert positions == [8, 8, 8, 8], positions
