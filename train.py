@@ -233,6 +233,11 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
                                     cfg.parallelism.tensor_parallel_degree, world,
                                     cfg.parallelism.context_parallel_degree)
         batch_note = resolve_global_batch(cfg, dims.dp)
+    if cfg.training.deterministic:
+        # cuBLAS shares its workspace across streams unless told its size: under deterministic
+        # algorithms torch then refuses the first CUDA matmul (a RuntimeError asking for this
+        # variable). Set before any cuBLAS call, as torchtitan sets it; a user's value stays.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(cfg.training.deterministic)
     with config_checks():  # before config.toml records the settings
         take_settings_from_initial_load(cfg, log)

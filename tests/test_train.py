@@ -422,6 +422,44 @@ def test_a_cuda_run_grows_its_segments_in_place_unless_its_user_says_otherwise(t
     assert f"EXPANDABLE [{user_setting is None}]" in out.stdout
 
 
+def test_a_deterministic_run_sets_the_cublas_workspace_torch_asks_for(tmp_path, monkeypatch):
+    """Under deterministic algorithms torch refuses a CUDA matmul unless CUBLAS_WORKSPACE_CONFIG
+    was set before the first cuBLAS call; nothing set it, so [training] deterministic = true
+    failed at the first step on a GPU. A user's own value stays."""
+    import torch
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        steps = ["--training.steps", "1", "--training.deterministic", "true"]
+        assert run(tmp_path, "a", *steps)[0] == 0
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        assert run(tmp_path, "b", *steps)[0] == 0
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:  # process-wide: the other tests of this worker run as before
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.slow
+def test_a_deterministic_cuda_run_trains_and_repeats_itself(tmp_path):
+    """The same in a fresh process on a GPU (cuBLAS reads the variable once): two deterministic
+    runs of the same seed log the same losses, bit for bit."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    losses = []
+    for name in ("a", "b"):
+        args = SMALL + ["--training.device", "cuda", "--training.steps", "3",
+                        "--training.deterministic", "true", "--job.dump_folder",
+                        str(tmp_path / name)]
+        out = subprocess.run([sys.executable, "-c", f"import train; exit(train.main({args!r}))"],
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses.append([json.loads(r)["loss"] for r in rows if '"loss"' in r])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
 def test_a_failed_run_leaves_no_process_group_behind(tmp_path):
     import torch.distributed as dist
     # Fails after the process group exists (a CUDA host) or before (the CPU): either way the next

@@ -119,7 +119,8 @@ class Training:
     seed: int = 0
     """Seeds the weights' initialisation (and the order token shards are read in)."""
     deterministic: bool = False
-    """torch.use_deterministic_algorithms: reproducible kernels where PyTorch has them (slower)."""
+    """torch.use_deterministic_algorithms: reproducible kernels where PyTorch has them (slower);
+    sets CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set, as CUDA matmuls then need."""
     nan_policy: NanPolicy = "skip"
     """A step with a non-finite loss or gradient norm: "skip" its update, with a warning, or "stop".
 
