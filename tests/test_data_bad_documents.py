@@ -131,6 +131,30 @@ def test_json_array_file(tmp_path):
         load_documents(str(path), "train", cache_dir=tmp_path / "cache", on_bad_document="skip")
 
 
+@pytest.mark.parametrize("name", ["doc.json", "doc.jsonl"])
+def test_one_pretty_printed_object_is_named_as_such(tmp_path, capsys, name):
+    """A document pretty-printed over several lines (or a dict of documents) was read as that
+    many bad lines: "line 1: invalid JSON ... N bad documents", and under skip every line left
+    out; the trainer and prepare_data now say what the file is."""
+    path = tmp_path / name
+    path.write_text(json.dumps({"text": "one document", "source": "x"}, indent=2) + "\n")
+    message = (rf"{re.escape(str(path))}: one JSON object over 5 lines, not a document a line "
+               r"\(JSON lines\) nor a JSON array of documents: write each document on a line of "
+               r"its own")
+    for on_bad_document in ("error", "skip"):
+        with pytest.raises(BadDocumentError, match=message):
+            load_documents(str(path), "train", cache_dir=tmp_path / "cache",
+                           on_bad_document=on_bad_document)
+    from scripts import prepare_data
+    assert prepare_data.main(["--source", str(path), "--tokenizer", "byte", "--out",
+                              str(tmp_path / "shards"), "--workers", "1",
+                              "--on-bad-document", "skip"]) != 0
+    assert re.search(message, capsys.readouterr().err)
+    path.write_text('{"text": "a"}\n{"text": \n')  # JSON lines with a bad line: as before
+    with pytest.raises(BadDocumentError, match=r"line 2: invalid JSON"):
+        load_documents(str(path), "train", cache_dir=tmp_path / "cache")
+
+
 @pytest.mark.parametrize("name,content,why", [
     ("empty.jsonl", b"", "the file is empty"),  # was a bare StopIteration
     ("blank.jsonl", b"\n  \n\n", "only blank lines"),

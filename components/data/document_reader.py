@@ -97,17 +97,19 @@ def read_documents(path: Path, text_field: str, start: int = 0,
         if start == 0 and stop is None:
             documents = json_documents(f, path, text_field)
         else:
-            documents = _json_line_range(f, text_field, start, stop)
+            documents = _json_line_range(f, path, text_field, start, stop)
         for raw, where, problem in documents:
             text = None if problem else json.loads(raw.decode("utf-8"))[text_field]
             yield text, where, len(raw), problem
 
 
-def _json_line_range(f: BinaryIO, text_field: str, start: int, stop: int | None) -> Iterator[Document]:
+def _json_line_range(f: BinaryIO, path: Path, text_field: str, start: int,
+                     stop: int | None) -> Iterator[Document]:
     if start:
         f.seek(start - 1)
         f.readline()  # to the first line that begins at or after start
     number = 1 if start == 0 else None  # line numbers are known only from the file's start
+    first = start == 0  # the file's first document line: _refuse_one_object's
     while (stop is None or f.tell() < stop) and (line := f.readline()):
         where = f"line {number}" if number else f"the line at byte {f.tell() - len(line)}"
         if number == 1:
@@ -115,7 +117,11 @@ def _json_line_range(f: BinaryIO, text_field: str, start: int, stop: int | None)
         if number:
             number += 1
         if line.strip():
-            yield line, where, _line_problem(line, text_field)
+            problem = _line_problem(line, text_field)
+            if problem and first:
+                _refuse_one_object(f, path, line)
+            first = False
+            yield line, where, problem
 
 
 def _line_problem(line: bytes, text_field: str, seen=None) -> str | None:
@@ -141,13 +147,39 @@ def json_documents(f: BinaryIO, path: Path, text_field: str, seen=None) -> Itera
     if document_suffix(path) == ".json" and head.startswith(b"["):
         yield from _json_array(f.read(), path, text_field, seen)
         return
+    first = True
     for number, line in enumerate(f, 1):
         if number == 1:
             line = line.removeprefix(BOM)
         if not line.strip():
             continue
-        yield (line if line.endswith(b"\n") else line + b"\n", f"line {number}",
-               _line_problem(line, text_field, seen))
+        problem = _line_problem(line, text_field, seen)
+        if first and problem:
+            _refuse_one_object(f, path, line)
+        first = False
+        yield (line if line.endswith(b"\n") else line + b"\n", f"line {number}", problem)
+
+
+def _refuse_one_object(f: BinaryIO, path: Path, first_line: bytes) -> None:
+    """A file whose first document line is not JSON but which is, whole, one JSON object (a
+    document pretty-printed, or a dict of them) was read as that many bad lines ("line 1:
+    invalid JSON", every line bad): it is the file's layout that is wrong, said here."""
+    if not first_line.lstrip().startswith(b"{"):
+        return
+    here = f.tell()
+    f.seek(0)
+    try:
+        data = f.read().removeprefix(BOM)
+        whole = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return
+    finally:
+        f.seek(here)
+    if isinstance(whole, dict):
+        lines = data.count(b"\n") + 1
+        raise BadDocumentError(
+            f"{path}: one JSON object over {lines} lines, not a document a line (JSON lines) nor "
+            "a JSON array of documents: write each document on a line of its own")
 
 
 def _json_array(data: bytes, path: Path, text_field: str, seen=None) -> Iterator[Document]:
