@@ -586,3 +586,19 @@ def test_tokenizer_errors_name_prepare_datas_own_options(tmp_path, rng, capsys):
         "prepare_data.py: error: --eos-token '</s>' is set, but --tokenizer 'byte' has no tokens "
         "to name (its bos and eos are ids 256 and 257): leave --eos-token out")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_file_among_others_is_noted(tmp_path, capsys):
+    """The trainer warns of a file that holds no documents among others; prepare_data said
+    nothing (a file emptied by a failed export went unnoticed)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "a.jsonl").write_text('{"text": "hello world"}\n')
+    (source / "b.jsonl").write_text("")
+    (source / "c.jsonl").write_text("\n\n")
+    assert prepare("--source", source, "--tokenizer", "byte", "--out", tmp_path / "out",
+                   "--workers", "1") == 0
+    out = capsys.readouterr().out
+    assert f"note: {source / 'b.jsonl'} holds no documents (the file is empty)\n" in out
+    assert f"note: {source / 'c.jsonl'} holds no documents\n" in out
+    assert "a.jsonl holds" not in out

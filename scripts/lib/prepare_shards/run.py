@@ -186,7 +186,23 @@ def prepare(out: Path, plan: Plan, tokenizer, workers: int, progress_bar: bool =
                 f"worker process(es)" + (f" ({len(units) - len(todo)} done before)" if done else ""))
             _run(out, todo, settings, tokenizer, workers, plan.dataset, progress_bar)
         index = write_index(out, units, settings)
+        for path in _files_without_documents(out, units):
+            log(f"note: {path} holds no documents"
+                + (" (the file is empty)" if os.path.getsize(path) == 0 else ""))
         return index
+
+
+def _files_without_documents(out: Path, units: list[Unit]) -> list[str]:
+    """The local files among several none of whose units held a document, good or bad: the
+    trainer warns of such a file (checks.check_files); prepare_data said nothing."""
+    found: dict[str, int] = {}
+    for unit in units:
+        if unit.kind in ("rows", "stream") or not os.path.isfile(unit.path):
+            continue  # a dataset's rows, not a file of the user's
+        report = json.loads((out / UNITS / f"{unit.name}.json").read_text())
+        found[unit.path] = found.get(unit.path, 0) + report["bad"] + sum(
+            split["documents"] for split in report["splits"].values())
+    return [path for path, documents in found.items() if not documents] if len(found) > 1 else []
 
 
 def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, dataset,
