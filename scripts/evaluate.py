@@ -57,20 +57,35 @@ RECORD_KEYS = {"tokens", "source", "split", "seq_len", "checkpoint"}
 
 
 def check_json_target(path: Path) -> None:
-    """--json replaces only an earlier record of this script: a run's metrics.jsonl or a
-    checkpoint's train_state.json given by mistake was overwritten (the checkpoint then read as
-    damaged and a resume fell back a step)."""
+    """--json replaces only an earlier record of this script, or an empty file: a run's
+    metrics.jsonl or a checkpoint's train_state.json given by mistake was overwritten (the
+    checkpoint then read as damaged and a resume fell back a step). What is not a regular file
+    (/dev/stdout, a pipe) is written to as it is, not read."""
     if path.is_dir() or not path.parent.is_dir():
         raise ValueError(f"--json {path}: not a file in an existing folder")
-    if not path.exists():
+    if not path.is_file() or path.stat().st_size == 0:
         return
     try:  # a record is a few hundred bytes: a large file is not one, and is not read whole
         earlier = json.loads(path.read_text()) if path.stat().st_size < 1 << 16 else None
     except (UnicodeDecodeError, json.JSONDecodeError):
         earlier = None
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot read it ({e.strerror})") from None
     if not (isinstance(earlier, dict) and RECORD_KEYS <= earlier.keys()):
         raise ValueError(f"--json {path}: exists and is not an earlier evaluate record; "
                          "pick another file")
+
+
+def write_record(path: Path, record: dict) -> None:
+    """A regular file whole or not at all (a temporary file renamed over it); anything else
+    (/dev/stdout) written to directly."""
+    text = json.dumps(record, indent=2) + "\n"
+    if path.exists() and not path.is_file():
+        path.write_text(text)
+        return
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def given(value: int | None, default: int) -> int:
@@ -200,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                   "read_more_than_once": bool(repeated)}
         if mixture:
             record["mixture"] = [dataclasses.asdict(m) for m in mixture]
-        partial = Path(opts.json).with_name(Path(opts.json).name + ".partial")
-        partial.write_text(json.dumps(record, indent=2) + "\n")
-        partial.replace(opts.json)  # whole or not at all
+        write_record(Path(opts.json), record)
     return 0
 
 

@@ -281,8 +281,18 @@ def test_json_replaces_an_earlier_record_but_no_other_file(run, tmp_path, capsys
         assert load_script("evaluate").main(["--checkpoint", str(step), "--json",
                                              str(record), "--steps", "1"]) == 0
     assert json.loads(record.read_text())["checkpoint"] == str(step)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "metrics.jsonl",
-                                                          "train_state.json"]
+    empty = tmp_path / "empty.json"  # as mktemp makes it: nothing in it to lose
+    empty.write_text("")
+    assert load_script("evaluate").main(["--checkpoint", str(step), "--json", str(empty),
+                                         "--steps", "1"]) == 0
+    assert json.loads(empty.read_text())["checkpoint"] == str(step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.json", "eval.json",
+                                                          "metrics.jsonl", "train_state.json"]
+    # not a regular file: written to, never read (reading /dev/stdout waited for input) nor
+    # replaced by a renamed file
+    assert load_script("evaluate").main(["--checkpoint", str(step), "--json", os.devnull,
+                                         "--steps", "1"]) == 0
+    assert Path(os.devnull).is_char_device()
 
 
 @pytest.mark.slow
