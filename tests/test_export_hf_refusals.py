@@ -172,29 +172,34 @@ def test_a_garbled_train_state_is_named(tmp_path, capsys):
 
 def test_a_run_record_changed_since_the_save_is_named(tmp_path, capsys):
     """config.toml and train_state.json are in the save's checksums.json, but export_hf,
-    generate and evaluate checked only the tensor files: one that still parsed was read as the
-    run's (here: another tokenizer fingerprint, another vocab_size) without a word."""
+    generate and evaluate checked only the tensor files: a config.toml changed since the save
+    built another model than the run's without a word (here: Llama-3 RoPE scaling the run
+    never trained with, exported as the run's), and a changed tokenizer record was blamed on
+    the tokenizer ("other tokens or bos/eos ids"), not named as the damage it is."""
     folder = train_checkpoints(tmp_path / "run")
     step = folder / "step-2"
+    config = step / "config.toml"
+    assert "rope_scaling_factor = 0.0\n" in config.read_text()
     state = step / "train_state.json"
     record = json.loads(state.read_text())
     record["tokenizer"]["fingerprint"] = "0" * len(record["tokenizer"]["fingerprint"])
-    config = step / "config.toml"
-    for changed, text in ((state, json.dumps(record)),
-                          (config, config.read_text().replace("vocab_size = ", "vocab_size = 1"))):
+    for changed, text in ((config, config.read_text().replace("rope_scaling_factor = 0.0\n",
+                                                              "rope_scaling_factor = 8.0\n")),
+                          (state, json.dumps(record))):
         original = changed.read_text()
-        assert text != original
         changed.write_text(text)
         assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 1
         err = capsys.readouterr().err
         assert f"\nexport_hf: error: {changed} " in err, err
-        assert "when it was written; read an earlier checkpoint" in err or (
+        assert "when it was written; restore it, or read an earlier checkpoint" in err or (
             "does not match its checksum: damaged since it was written" in err), err
         assert not (tmp_path / "hf").exists()
         with pytest.raises(ValueError, match=rf"^{changed} .*read an earlier checkpoint"):
             reader.load_model(folder, torch.device("cpu"))  # what generate and evaluate load
         changed.write_text(original)
     assert export_hf.main(["--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 0
+    assert "rope_scaling" not in json.loads((tmp_path / "hf" / "config.json").read_text()) or (
+        json.loads((tmp_path / "hf" / "config.json").read_text())["rope_scaling"] is None)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

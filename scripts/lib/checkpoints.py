@@ -148,14 +148,17 @@ def _refuse_damage(folder: Path, names) -> None:
     """Raise when any of these files of a step folder differs from the save's checksums.json."""
     damage = find_damage(folder, names=names)
     if damage is not None:
-        raise safe_dcp.DamagedCheckpointError(f"{damage}; read an earlier checkpoint (another "
-                                              f"step-<N> folder of {folder.parent})")
+        raise safe_dcp.DamagedCheckpointError(f"{damage}; restore it, or read an earlier "
+                                              f"checkpoint (another step-<N> folder of "
+                                              f"{folder.parent})")
 
 
 def run_config(folder: Path) -> JobConfig | None:
     """The config.toml of the run that wrote a step folder; None when there is none. It and
-    train_state.json (the tokenizer's record) are checked against the save's checksums first,
-    as the trainer checks them: one that still parses but was changed was read without a word."""
+    train_state.json (the tokenizer's record) are checked against the save's checksums first:
+    a config.toml changed since the save that still parsed built another model than the run's
+    (its RoPE, say) without a word. The trainer checks train_state.json but not config.toml,
+    which it only reads to list what a resume changes; the tools build the model from it."""
     _refuse_damage(folder, RUN_RECORDS)
     path = folder / "config.toml"
     if not path.is_file():
