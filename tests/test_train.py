@@ -427,7 +427,8 @@ def test_a_deterministic_run_sets_the_cublas_workspace_torch_asks_for(tmp_path, 
     was set before the first cuBLAS call; nothing set it, so [training] deterministic = true
     failed at the first step on a GPU. A user's own value stays."""
     import torch
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so teardown restores it...
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # ...from what train.main sets below
     try:
         steps = ["--training.steps", "1", "--training.deterministic", "true"]
         assert run(tmp_path, "a", *steps)[0] == 0
