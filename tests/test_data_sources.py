@@ -335,3 +335,16 @@ def test_compressed_text_json_and_damaged_files(tmp_path, rng, capsys):
                                                tmp_path / "out", "--workers", 1,
                                                "--no-progress")]) == 1
     assert capsys.readouterr().err == f"prepare_data.py: error: {error.value}\n"
+
+
+def test_an_unsupported_compressed_file_is_named_by_its_whole_type(tmp_path, capsys):
+    """data.csv.gz was refused as "unsupported file type '.gz'" while the same message listed
+    .gz among the types read."""
+    from scripts import prepare_data
+    path = tmp_path / "data.csv.gz"
+    path.write_bytes(gzip.compress(b"text\nhello\n"))
+    with pytest.raises(ValueError, match=r"data\.csv\.gz: unsupported file type '\.csv\.gz'"):
+        load_documents(str(path), "train", cache_dir=tmp_path / "cache")
+    assert prepare_data.main(["--source", str(path), "--tokenizer", "byte", "--out",
+                              str(tmp_path / "out")]) != 0
+    assert "unsupported file type '.csv.gz'" in capsys.readouterr().err

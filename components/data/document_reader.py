@@ -33,6 +33,11 @@ def document_suffix(path: Path) -> str | None:
     return path.suffix if path.suffix in DOCUMENT_SUFFIXES else None
 
 
+def file_type(path: Path) -> str:
+    """A file's type as messages name it: ".csv.gz" for data.csv.gz, not ".gz"."""
+    return "".join(path.suffixes[-2:]) if is_compressed(path) else path.suffix
+
+
 def is_compressed(path: Path) -> bool:
     return path.suffix in COMPRESSIONS
 

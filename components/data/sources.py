@@ -23,7 +23,7 @@ import numpy as np
 
 from components.data import SPLITS
 from components.data.checks import VARIED, MissingTextField, check_dataset, check_files
-from components.data.document_reader import KINDS, document_suffix
+from components.data.document_reader import KINDS, document_suffix, file_type
 from components.synced_files import atomic_open
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,8 @@ def _load_splits(source: str, streaming: bool, cache_dir: Path, text_field: str,
 def _data_files(path: Path) -> list[Path]:
     if path.is_file():
         if not document_suffix(path):
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected {KINDS}")
+            raise ValueError(f"{path}: unsupported file type {file_type(path)!r}; expected "
+                             f"{KINDS}")
         return [path]
     _refuse_saved_dataset(path)
     # Hidden directories hold caches and VCS data, not documents.

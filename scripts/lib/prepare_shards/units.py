@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.data.document_reader import KINDS, document_suffix, is_compressed
+from components.data.document_reader import KINDS, document_suffix, file_type, is_compressed
 from components.data.sources import splits_of
 
 
@@ -59,8 +59,8 @@ def local_files(sources: list[str], out: Path | None = None,
             elif document_suffix(match) or glob.has_magic(expanded):
                 found.append(match)
             else:
-                raise PrepareError(f"--source {source}: unsupported file type {match.suffix!r}; "
-                                   f"expected {KINDS}")
+                raise PrepareError(f"--source {source}: unsupported file type "
+                                   f"{file_type(match)!r}; expected {KINDS}")
         found = [p for p in found if out is None or not p.resolve().is_relative_to(out)]
         others += [p for p in found if not document_suffix(p)]
         found = [p for p in found if document_suffix(p)]
