@@ -348,3 +348,25 @@ def test_an_unsupported_compressed_file_is_named_by_its_whole_type(tmp_path, cap
     assert prepare_data.main(["--source", str(path), "--tokenizer", "byte", "--out",
                               str(tmp_path / "out")]) != 0
     assert "unsupported file type '.csv.gz'" in capsys.readouterr().err
+
+
+def test_a_file_beside_its_compressed_copy_is_refused(tmp_path, capsys):
+    """x.jsonl beside x.jsonl.gz (an archive kept next to what was extracted from it): since
+    compressed files are read, both were, every document twice, without a word."""
+    from scripts import prepare_data
+    source = tmp_path / "src"
+    source.mkdir()
+    lines = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(20)).encode()
+    (source / "x.jsonl").write_bytes(lines)
+    (source / "x.jsonl.gz").write_bytes(gzip.compress(lines))
+    message = (f"{source / 'x.jsonl'} and {source / 'x.jsonl.gz'} are both sources: the same "
+               "documents read twice if one is the other's copy; remove or move one")
+    with pytest.raises(ValueError) as refused:
+        load_documents(str(source), "train", cache_dir=tmp_path / "cache")
+    assert str(refused.value) == message
+    assert prepare_data.main(["--source", str(source), "--tokenizer", "byte", "--out",
+                              str(tmp_path / "out")]) != 0
+    assert message in capsys.readouterr().err
+    (source / "x.jsonl.gz").rename(source / "y.jsonl.gz")  # two files: both read
+    assert len(load_documents(str(source), "train", cache_dir=tmp_path / "cache",
+                              val_every=0)) == 40

@@ -33,6 +33,17 @@ def document_suffix(path: Path) -> str | None:
     return path.suffix if path.suffix in DOCUMENT_SUFFIXES else None
 
 
+def refuse_compressed_twins(files: list[Path]) -> None:
+    """A ValueError when a file and its compressed copy (x.jsonl and x.jsonl.gz: an archive
+    kept beside what was extracted from it) are both among the files to read: every document
+    would be read twice."""
+    plain = {f for f in files if not is_compressed(f)}
+    for f in files:
+        if is_compressed(f) and f.with_suffix("") in plain:
+            raise ValueError(f"{f.with_suffix('')} and {f} are both sources: the same documents "
+                             "read twice if one is the other's copy; remove or move one")
+
+
 def file_type(path: Path) -> str:
     """A file's type as messages name it: ".csv.gz" for data.csv.gz, not ".gz"."""
     return "".join(path.suffixes[-2:]) if is_compressed(path) else path.suffix

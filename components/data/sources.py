@@ -23,7 +23,8 @@ import numpy as np
 
 from components.data import SPLITS
 from components.data.checks import VARIED, MissingTextField, check_dataset, check_files
-from components.data.document_reader import KINDS, document_suffix, file_type
+from components.data.document_reader import (KINDS, document_suffix, file_type,
+                                             refuse_compressed_twins)
 from components.synced_files import atomic_open
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ def _data_files(path: Path) -> list[Path]:
         _noted.add(path)
         logger.warning("data: %s: leaving out %d file(s) of other kinds than %s: %s", path,
                        len(others), KINDS, _some(others, path))
+    refuse_compressed_twins(files)
     first_of = {}  # builder: its first file
     for p in files:
         first_of.setdefault(BUILDER_BY_SUFFIX[document_suffix(p)], p)

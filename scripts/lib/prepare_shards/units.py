@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.data.document_reader import KINDS, document_suffix, file_type, is_compressed
+from components.data.document_reader import (KINDS, document_suffix, file_type, is_compressed,
+                                             refuse_compressed_twins)
 from components.data.sources import splits_of
 
 
@@ -70,7 +71,12 @@ def local_files(sources: list[str], out: Path | None = None,
         files += found
     if left_out is not None:
         left_out += sorted(set(p.resolve() for p in others))
-    return sorted(set(p.resolve() for p in files))
+    files = sorted(set(p.resolve() for p in files))
+    try:
+        refuse_compressed_twins(files)
+    except ValueError as e:
+        raise PrepareError(f"--source: {e}") from None
+    return files
 
 
 def layout_splits(sources: list[str], files: list[Path]) -> tuple[dict[Path, str], list[Path]]:
