@@ -64,6 +64,29 @@ def resumed_line(line: str) -> bool:
     return isinstance(record, dict) and record.get("resumed") is True
 
 
+def _glued_hint(line: str) -> str:
+    """Where a line ends in a whole JSON object after a partial one, a hint: the trainer before
+    the cut-short fix appended a resumed run's first line to the stopped run's partial last
+    line, and this is that line; the file mends with a line break."""
+    for start in _starts(line):
+        try:
+            if isinstance(json.loads(line[start:]), dict):
+                return (f"; it ends in a whole metrics line from character {start + 1}: a run "
+                        "stopped mid-write with the next run's first line appended (an older "
+                        "trainer's); a line break there mends the file")
+        except json.JSONDecodeError:
+            continue
+    return ""
+
+
+def _starts(line: str):
+    """The positions after the first of each "{" in line."""
+    start = line.find("{", 1)
+    while start > 0:
+        yield start
+        start = line.find("{", start + 1)
+
+
 def read_metric(run: str, metric: str) -> dict[int, float]:
     """{step: value} of one run; NaN where the trainer wrote null (a non-finite value)."""
     path = data_path(run)
@@ -89,7 +112,7 @@ def read_metric(run: str, metric: str) -> dict[int, float]:
                 print(f"warning: {path}:{number}: skipping a partial line, the last of a run "
                       "stopped mid-write (a resumed run's lines follow)", file=sys.stderr)
                 continue
-            raise BadInput(f"{path}:{number}: not JSON ({e})") from None
+            raise BadInput(f"{path}:{number}: not JSON ({e}){_glued_hint(line)}") from None
         if not isinstance(record, dict):
             raise BadInput(f"{path}:{number}: a JSON {type(record).__name__}, not a metrics line "
                            "(an object with step and the metric)")

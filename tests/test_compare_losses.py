@@ -145,6 +145,28 @@ def test_a_line_cut_short_is_skipped_at_the_end_or_before_a_resumed_run(tmp_path
         "line, the last of a run stopped mid-write (a resumed run's lines follow)") in result.stderr
 
 
+def test_a_line_an_older_trainer_glued_onto_a_partial_one_is_refused_with_its_mend(tmp_path):
+    """An older trainer appended a resumed run's first line to the stopped run's partial last
+    line: such a file is still refused (nothing says which run the line belongs to), and the
+    message now says where a line break mends it."""
+    a = write_metrics(tmp_path / "a", curve, steps=range(1, 9))
+    b = write_metrics(tmp_path / "b", curve, steps=range(1, 5))
+    glued = json.dumps({"step": 4, "time": 1.0, "resumed": True})
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "ti' + glued + "\n" + "".join(
+            json.dumps({"step": s, "time": 1.0, "loss": curve(s)}) + "\n" for s in range(5, 9)))
+    result = compare(a, b)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(f"error: {b / 'metrics.jsonl'}:5: not JSON")
+    assert result.stderr.rstrip().endswith(
+        "; it ends in a whole metrics line from character 16: a run stopped mid-write with the "
+        "next run's first line appended (an older trainer's); a line break there mends the file")
+    lines = (b / "metrics.jsonl").read_text().splitlines()
+    lines[4:5] = [lines[4][:15], lines[4][15:]]  # the mend the message gives
+    (b / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert compare(a, b).returncode == 0
+
+
 def test_a_seed_run_that_smooths_to_a_is_no_band(tmp_path):
     """A = [5.0, 4.5], seed = [5.25, 4.25]: the raw curves differ, their moving averages do
     not, and the band verdict divided by zero (ZeroDivisionError)."""
