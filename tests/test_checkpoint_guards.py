@@ -290,7 +290,7 @@ def test_a_checkpoint_folder_at_a_runs_own_file_or_in_tensorboards_is_refused(tm
     config.toml, run.lock) failed at that save, after every step before it (a NotADirectoryError
     traceback, exit 1); inside TensorBoard's folder "tb" it went aside with it when a later
     fresh run set an earlier run's outputs aside, and the run after that started again from step
-    1 without a word. The profiling folders were refused for both already."""
+    1 without a word. The profiling folders are refused for both too (test_profiling.py)."""
     with pytest.raises(ConfigError, match=r"\[checkpoint\] folder = .*: name another folder"):
         load_config(["--checkpoint.folder", folder, "--job.dump_folder", str(tmp_path / "run")])
 

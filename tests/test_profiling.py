@@ -142,6 +142,18 @@ def test_a_profiling_folder_that_cannot_be_made_is_refused_at_startup(tmp_path, 
     assert not fresh.exists()
 
 
+@pytest.mark.parametrize("key", ["save_traces_folder", "save_memory_snapshot_folder"])
+def test_a_profiling_folder_in_tensorboards_folder_is_refused(tmp_path, key):
+    """tb/plugins/profile (where TensorBoard's profile plugin looks) was accepted: a later fresh
+    run in the folder set tb/ aside, then failed to find the traces' folder in it (a
+    FileNotFoundError traceback) after moving the earlier run's metrics, config and tb/."""
+    fresh = tmp_path / "fresh"
+    for value in ("tb", "tb/plugins/profile"):
+        assert refused(fresh, key, value) == (
+            f"[profiling] {key} = {value!r}: {fresh / 'tb'} is TensorBoard's folder, which a "
+            "fresh run sets aside whole: name another folder")
+
+
 def test_profiling_folders_inside_the_dump_folder_are_accepted(tmp_path):
     from components.config.parse import load_config
     (tmp_path / "linked").symlink_to(tmp_path, target_is_directory=True)

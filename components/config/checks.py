@@ -161,10 +161,14 @@ def _check_profiling_folders(cfg: JobConfig) -> None:
             raise ConfigError(f"[profiling] {key} = {value!r}: must name a folder inside the "
                               f"dump folder, as a relative path (the default: "
                               f"{getattr(type(cfg.profiling), key)!r})")
-        taken = _taken(dump, dump / value, RUN_FILES)
+        # inside TensorBoard's folder (tb/plugins/profile, where its profile plugin looks) a
+        # later fresh run set tb/ aside first and then failed to find the traces' folder in it
+        taken = _taken(dump, dump / value, (*RUN_FILES, TENSORBOARD_FOLDER))
         if taken is not None:
-            raise ConfigError(f"[profiling] {key} = {value!r}: {taken} is the run's own "
-                              "file, not a folder: name another folder")
+            what = ("TensorBoard's folder, which a fresh run sets aside whole"
+                    if taken.name == TENSORBOARD_FOLDER else "the run's own file, not a folder")
+            raise ConfigError(f"[profiling] {key} = {value!r}: {taken} is {what}: name another "
+                              "folder")
         for n in range(1, len(parts) + 1):
             path = dump.joinpath(*parts[:n])
             if path.exists() and not path.is_dir():
