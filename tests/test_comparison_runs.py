@@ -149,6 +149,22 @@ def test_fused_vs_unfused_refuses_a_folder_it_did_not_make(tmp_path):
     assert files_under(tmp_path) == before
 
 
+def test_the_folder_check_names_the_folders_of_an_out_dir_with_an_ampersand(tmp_path):
+    """The up-front check took OUT_DIR "a&b" for "ab" (bash 5.2 reads an & in a ${x/#/...}
+    replacement as the match): a run of yours in OUT_DIR/unfused went unseen, and a real
+    comparison trained (and cleared) OUT_DIR/flce before refusing it."""
+    out = tmp_path / "a&b"
+    (out / "unfused").mkdir(parents=True)
+    (out / "unfused" / "metrics.jsonl").write_text('{"step": 10}\n')
+    result = run(["scripts/compare_fused_vs_unfused.sh", "configs/debug.toml", *SHORT],
+                 env={"OUT_DIR": str(out), "PYTHON": sys.executable, "NGPU": "1",
+                      "DRY_RUN": "1"})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {out / 'unfused'} holds files that no script run "
+                                    "made")
+    assert (out / "unfused" / "metrics.jsonl").read_text() == '{"step": 10}\n'
+
+
 @pytest.mark.slow
 def test_float8_vs_bf16_trains_both_and_judges_float8_by_the_seed_band(tmp_path):
     """Real CPU runs: the float8 run has float8 layers (emulated on the CPU) and the float8

@@ -93,7 +93,10 @@ print(device, cfg.training.seed)' --config "$config" "$@" || echo "error")
   local names=("$ref_name" "$run_name")
   if [[ $verdict == band ]]; then names+=("$noise"); fi
   # Every run's folder must be clearable before the first run starts (the reason is printed).
-  run_folders check "${names[@]/#/$out/}" || exit 2
+  # (paths built in a loop: in a ${x/#/...} replacement bash 5.2 reads an & in $out as the match)
+  local folders=() name
+  for name in "${names[@]}"; do folders+=("$out/$name"); done
+  run_folders check "${folders[@]}" || exit 2
 
   local run_args=("${RUN[@]:1}")
   if [[ $device == cpu ]]; then run_args+=("${CPU_RUN_ARGS[@]}"); fi
