@@ -9,7 +9,8 @@
 # NGPU defaults to the visible GPUs (CUDA_VISIBLE_DEVICES if set, else nvidia-smi), or 1.
 # NGPU=1 runs plain `python3 train.py`: no launcher in between, so tracebacks, Ctrl-C and the
 # trainer's SIGUSR1/SIGTERM checkpoint-and-exit reach the trainer directly. NGPU>1 runs
-# `torchrun --standalone` (rendezvous on this machine, no port to choose).
+# torchrun (`python3 -m torch.distributed.run --standalone`: rendezvous on this machine, no port
+# to choose).
 # Arguments are train.py overrides (--section.key value), passed through unchanged. So is the
 # environment: set NCCL_*, TORCH_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES in the caller.
 # PYTHON picks the interpreter; DRY_RUN=1 prints the command instead of running it.
@@ -37,9 +38,11 @@ else
   # the script then exits 0 (scripts/lib/torchrun.sh).
   # shellcheck source=scripts/lib/torchrun.sh
   source "$repo/scripts/lib/torchrun.sh"
+  # torchrun under PYTHON: the one on PATH may be another environment's, or missing
+  torchrun_launcher=("$PYTHON" -m torch.distributed.run)
   probe_torchrun "${SHUTDOWN_TIMEOUT:-240}"
-  cmd=(torchrun --standalone --nproc-per-node "$NGPU" "${torchrun_signal_options[@]}"
-       "$repo/train.py" --config "$CONFIG" "$@")
+  cmd=("${torchrun_launcher[@]}" --standalone --nproc-per-node "$NGPU"
+       "${torchrun_signal_options[@]}" "$repo/train.py" --config "$CONFIG" "$@")
 fi
 
 if [[ ${DRY_RUN:-0} == 1 ]]; then

@@ -259,7 +259,8 @@ def test_sigint_through_run_train_after_a_saved_stop_exits_0(tmp_path):
 
 @pytest.mark.parametrize("ngpu, expect", [
     ("1", [sys.executable, str(REPO / "train.py")]),
-    ("2", ["torchrun", "--standalone", "--nproc-per-node", "2"])])
+    ("2", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2"])])
 def test_run_train_command(ngpu, expect):
     result = run(["scripts/run_train.sh", "--training.steps", "5"],
                  env={"NGPU": ngpu, "DRY_RUN": "1", "PYTHON": sys.executable,
@@ -268,6 +269,23 @@ def test_run_train_command(ngpu, expect):
     assert result.returncode == 0, result.stderr
     assert argv[:len(expect)] == expect
     assert argv[-4:] == ["--config", "configs/debug.toml", "--training.steps", "5"]
+
+
+@pytest.mark.slow
+def test_two_trainers_run_under_the_python_named_by_python(tmp_path):
+    """PYTHON picks the interpreter, the header says: with NGPU > 1 the script ran whatever
+    torchrun was first on PATH (another environment's, or none: "exec: torchrun: not found",
+    exit 127, where NGPU=1 worked)."""
+    no_torchrun = tmp_path / "bin"  # a PATH with the system's tools but no torchrun
+    no_torchrun.mkdir()
+    dump = tmp_path / "run"
+    result = run(["scripts/run_train.sh", *SHORT, "--training.steps", "2", "--loss.impl",
+                  "unfused", "--data.synthetic", "true", "--training.local_batch_size", "2",
+                  "--job.dump_folder", str(dump)],
+                 env={"NGPU": "2", "PYTHON": sys.executable, "CONFIG": "configs/debug.toml",
+                      "OMP_NUM_THREADS": "1", "PATH": f"{no_torchrun}:/usr/bin:/bin"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert len((dump / "metrics.jsonl").read_text().splitlines()) >= 2
 
 
 # ---- train.sbatch: USR1 -> forwarded to srun -> requeue --------------------------------------

@@ -16,14 +16,17 @@
 # exit 1 after a clean stop; a third SIGINT sends torchrun SIGTERM (trainers that hang).
 
 torchrun_signal_options=()
+# The launcher: torchrun on PATH, or (run_train.sh) "$PYTHON" -m torch.distributed.run, the same
+# program run by the interpreter PYTHON names.
+torchrun_launcher=(torchrun)
 
-# probe_torchrun SHUTDOWN_SECONDS: fills torchrun_signal_options for the installed torchrun.
+# probe_torchrun SHUTDOWN_SECONDS: fills torchrun_signal_options for torchrun_launcher.
 # Newer torchrun takes --shutdown-timeout: how long the trainers may take to checkpoint after a
 # signal torchrun relays (scancel's SIGTERM) before it kills them; torch 2.11's has no such
 # option and waits 30 s. --signals-to-handle (2.11 has it) keeps SIGINT out of torchrun's hands.
 probe_torchrun() {
   local help
-  help=$(torchrun --help 2> /dev/null || true)
+  help=$("${torchrun_launcher[@]}" --help 2> /dev/null || true)
   # shellcheck disable=SC2034  # read by the scripts that source this file
   if grep -q -- --shutdown-timeout <<< "$help"; then
     torchrun_signal_options+=(--shutdown-timeout "$1")
