@@ -153,6 +153,10 @@ def test_one_pretty_printed_object_is_named_as_such(tmp_path, capsys, name):
     path.write_text('{"text": "a"}\n{"text": \n')  # JSON lines with a bad line: as before
     with pytest.raises(BadDocumentError, match=r"line 2: invalid JSON"):
         load_documents(str(path), "train", cache_dir=tmp_path / "cache")
+    path.write_text('{"body": "a"}\n')  # one document a line, without the text field: as before
+    with pytest.raises(KeyError, match=r"the documents have no field 'text' \(their fields: "
+                                       r"body\)"):
+        load_documents(str(path), "train", cache_dir=tmp_path / "cache")
 
 
 @pytest.mark.parametrize("name,content,why", [

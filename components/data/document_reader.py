@@ -182,6 +182,11 @@ def _refuse_one_object(f: BinaryIO, path: Path, first_line: bytes) -> None:
     invalid JSON", every line bad): it is the file's layout that is wrong, said here."""
     if not first_line.lstrip().startswith(b"{"):
         return
+    try:  # a whole JSON line (a document without the text field, say) is a document
+        json.loads(first_line)
+        return
+    except (UnicodeDecodeError, ValueError):
+        pass
     here = f.tell()
     f.seek(0)
     try:
