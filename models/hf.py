@@ -37,6 +37,9 @@ _BLOCK_NAMES = (
     ("attention_norm.weight", "input_layernorm.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
 )
+_BLOCK_TO_HF = dict(_BLOCK_NAMES)
+_TOP_TO_HF = {"tok_embeddings.weight": "model.embed_tokens.weight",
+              "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
 # ---------------------------------------------------------------------------------- RoPE rows
@@ -60,18 +63,14 @@ def permute_from_hf(w: Tensor, n_heads: int) -> Tensor:
 def to_hf(state: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
     """transformers' names and layouts for a Llama state dict (this Llama's names, all keys
     present). A tied model gets no lm_head.weight, as transformers saves one."""
-    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"]}
-    for i in range(args.n_layers):
-        for ours, theirs in _BLOCK_NAMES:
-            value = state[f"layers.{i}.{ours}"]
-            if ours == "attention.wq.weight":
-                value = permute_to_hf(value, args.n_heads)
-            elif ours == "attention.wk.weight":
-                value = permute_to_hf(value, args.n_kv_heads)
-            out[f"model.layers.{i}.{theirs}"] = value
-    out["model.norm.weight"] = state["norm.weight"]
-    if not args.tie_embeddings:
-        out["lm_head.weight"] = state["output.weight"]
+    out = {}
+    for key in _names(args) + ([] if args.tie_embeddings else ["output.weight"]):
+        value = state[key]
+        if key.endswith("attention.wq.weight"):
+            value = permute_to_hf(value, args.n_heads)
+        elif key.endswith("attention.wk.weight"):
+            value = permute_to_hf(value, args.n_kv_heads)
+        out[hf_name(key)] = value
     return out
 
 
@@ -79,32 +78,33 @@ def from_hf(state: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
     """This Llama's names and layouts for a LlamaForCausalLM state dict whose shapes fit `args`
     (check_hf_state first). Without an lm_head.weight (tied embeddings) the output projection
     is the embedding table."""
-    out = {"tok_embeddings.weight": state["model.embed_tokens.weight"]}
-    for i in range(args.n_layers):
-        for ours, theirs in _BLOCK_NAMES:
-            value = state[f"model.layers.{i}.{theirs}"]
-            if ours == "attention.wq.weight":
-                value = permute_from_hf(value, args.n_heads)
-            elif ours == "attention.wk.weight":
-                value = permute_from_hf(value, args.n_kv_heads)
-            out[f"layers.{i}.{ours}"] = value
-    out["norm.weight"] = state["model.norm.weight"]
+    out = {}
+    for key in _names(args):
+        value = state[hf_name(key)]
+        if key.endswith("attention.wq.weight"):
+            value = permute_from_hf(value, args.n_heads)
+        elif key.endswith("attention.wk.weight"):
+            value = permute_from_hf(value, args.n_kv_heads)
+        out[key] = value
     # tied: an lm_head.weight the folder may hold equals the embedding (check_hf_state)
     out["output.weight"] = (out["tok_embeddings.weight"] if args.tie_embeddings
-                            else state["lm_head.weight"])
+                            else state[hf_name("output.weight")])
     return out
+
+
+def _names(args: LlamaArgs) -> list[str]:
+    """This Llama's tensor names, in order, but output.weight (absent where it is tied)."""
+    return ["tok_embeddings.weight", *(f"layers.{i}.{name}" for i in range(args.n_layers)
+                                       for name, _ in _BLOCK_NAMES), "norm.weight"]
 
 
 def hf_name(key: str) -> str:
     """transformers' name of one of this Llama's tensors (to_hf's renaming); key itself for a
     name it does not know."""
-    top = {"tok_embeddings.weight": "model.embed_tokens.weight",
-           "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
     layer, _, name = key.removeprefix("layers.").partition(".")
-    block = dict(_BLOCK_NAMES)
-    if key.startswith("layers.") and layer.isdigit() and name in block:
-        return f"model.layers.{layer}.{block[name]}"
-    return top.get(key, key)
+    if key.startswith("layers.") and layer.isdigit() and name in _BLOCK_TO_HF:
+        return f"model.layers.{layer}.{_BLOCK_TO_HF[name]}"
+    return _TOP_TO_HF.get(key, key)
 
 
 def hf_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:

@@ -68,7 +68,7 @@ def _glued_hint(line: str) -> str:
     """Where a line ends in a whole JSON object after a partial one, a hint: the trainer before
     the cut-short fix appended a resumed run's first line to the stopped run's partial last
     line, and this is that line; the file mends with a line break."""
-    for start in _starts(line):
+    for start in (i for i, c in enumerate(line) if c == "{" and i > 0):
         try:
             if isinstance(json.loads(line[start:]), dict):
                 return (f"; it ends in a whole metrics line from character {start + 1}: a run "
@@ -77,14 +77,6 @@ def _glued_hint(line: str) -> str:
         except json.JSONDecodeError:
             continue
     return ""
-
-
-def _starts(line: str):
-    """The positions after the first of each "{" in line."""
-    start = line.find("{", 1)
-    while start > 0:
-        yield start
-        start = line.find("{", start + 1)
 
 
 def read_metric(run: str, metric: str) -> dict[int, float]:

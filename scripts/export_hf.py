@@ -90,8 +90,8 @@ def _check(state: dict[str, Tensor], args: LlamaArgs) -> None:
     for key, value in state.items():
         if not value.is_floating_point():
             raise ValueError(f"{key}: dtype {value.dtype}, expected a floating-point tensor")
-        if not torch.isfinite(value).all():
-            raise ValueError(f"{key}: holds non-finite values (NaN or inf)")
+    if bad := checkpoints.non_finite(state.items()):
+        raise ValueError(f"{bad[0]}: holds non-finite values (NaN or inf)")
     if args.tie_embeddings and "output.weight" in state and not torch.equal(
             state["output.weight"], state["tok_embeddings.weight"]):
         raise ValueError("tie_embeddings is set but output.weight differs from "

@@ -30,7 +30,7 @@ if not __package__:  # run as a file: the repository root (components) is not im
     sys.exit("run from the repository root as a module: python3 -m scripts.prepare_data ...")
 
 from components.data.checks import ON_BAD_DOCUMENT, MissingTextField  # noqa: E402
-from components.data.document_reader import KINDS  # noqa: E402
+from components.data.document_reader import KINDS, some_files  # noqa: E402
 from components.data.shards import ShardFormatError  # noqa: E402
 from components.tokenizer import build_tokenizer  # noqa: E402
 from scripts.lib.prepare_shards import (Plan, PrepareError, file_units,  # noqa: E402
@@ -99,10 +99,8 @@ def main(argv=None) -> int:
             others = []
             paths = local_files(args.source, out=args.out, left_out=others)
             if others:
-                shown = ", ".join(map(str, others[:5])) + (f", ... ({len(others)} in all)"
-                                                           if len(others) > 5 else "")
                 print(f"prepare_data: leaving out {len(others)} file(s) of other kinds than "
-                      f"{KINDS}: {shown}", file=sys.stderr)
+                      f"{KINDS}: {some_files(others)}", file=sys.stderr)
             fixed, left_out = layout_splits(args.source, paths)
             if left_out:
                 print(f"prepare_data: leaving out {len(left_out)} file(s) of a split other than train "

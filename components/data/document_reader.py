@@ -44,6 +44,13 @@ def refuse_compressed_twins(files: list[Path]) -> None:
                              "read twice if one is the other's copy; remove or move one")
 
 
+def some_files(files: list[Path], folder: Path | None = None, shown: int = 5) -> str:
+    """The first few files (relative to folder, if given), and how many there are in all: the
+    files a message names."""
+    names = ", ".join(str(p.relative_to(folder) if folder else p) for p in files[:shown])
+    return names + (f", ... ({len(files)} in all)" if len(files) > shown else "")
+
+
 def file_type(path: Path) -> str:
     """A file's type as messages name it: ".csv.gz" for data.csv.gz, not ".gz"."""
     return "".join(path.suffixes[-2:]) if is_compressed(path) else path.suffix

@@ -24,7 +24,7 @@ import numpy as np
 from components.data import SPLITS
 from components.data.checks import VARIED, MissingTextField, check_dataset, check_files
 from components.data.document_reader import (KINDS, document_suffix, file_type,
-                                             refuse_compressed_twins)
+                                             refuse_compressed_twins, some_files)
 from components.synced_files import atomic_open
 
 logger = logging.getLogger(__name__)
@@ -156,18 +156,17 @@ def _data_files(path: Path) -> list[Path]:
     others = [p for p in found if not document_suffix(p)]
     if not files:
         raise FileNotFoundError(f"{path}: no {KINDS} files in this directory"
-                                + (f" (it holds {_some(others, path)})" if others else ""))
+                                + (f" (it holds {some_files(others, path)})" if others else ""))
     if others and path not in _noted:  # each split of the source is loaded apart
         _noted.add(path)
         logger.warning("data: %s: leaving out %d file(s) of other kinds than %s: %s", path,
-                       len(others), KINDS, _some(others, path))
+                       len(others), KINDS, some_files(others, path))
     refuse_compressed_twins(files)
     first_of = {}  # builder: its first file
     for p in files:
         first_of.setdefault(BUILDER_BY_SUFFIX[document_suffix(p)], p)
     if len(first_of) > 1:
-        suffixes = sorted({"".join(p.suffixes[-2:]) if p.suffix != document_suffix(p) else p.suffix
-                           for p in files})
+        suffixes = sorted({file_type(p) for p in files})
         raise ValueError(f"{path}: mixes file types {', '.join(suffixes)} "
                          f"({', '.join(str(p) for p in first_of.values())}); one directory must "
                          "hold one kind")
@@ -175,12 +174,6 @@ def _data_files(path: Path) -> list[Path]:
 
 
 _noted: set[Path] = set()  # folders whose other files this process has named
-
-
-def _some(files: list[Path], folder: Path, shown: int = 5) -> str:
-    """The first few files, relative to folder, and how many there are in all."""
-    names = ", ".join(str(p.relative_to(folder)) for p in files[:shown])
-    return names + (f", ... ({len(files)} in all)" if len(files) > shown else "")
 
 
 def splits_of(folder: Path, files: list[Path]) -> tuple[dict[str, list[Path]], list[Path]]:

@@ -265,15 +265,22 @@ def checked_run_tokenizer(folder: Path, config: JobConfig, path: str | None = No
     return tokenizer
 
 
+def non_finite(named) -> list[str]:
+    """The names of the (name, tensor) pairs whose tensor holds a NaN or an inf, found on the
+    tensors' device with one host sync for all of them."""
+    names, tensors = zip(*named)
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).tolist()
+    return [name for name, ok in zip(names, finite) if not ok]
+
+
 def _refuse_non_finite(model: Llama, folder: Path, hf_folder: bool) -> None:
     """A ValueError naming the first weight that holds a NaN or an inf (as the folder names it).
     Such weights (a run that diverged, a damaged file that no checksum covers: a Hugging Face
     folder, a checkpoint saved before checksums) make every logit NaN: sampling failed deep in
     torch.multinomial, greedy decoding and the loss gave garbage. Checked once, on the device
     and with one host sync, rather than on every generated token."""
-    names, params = zip(*model.named_parameters())
-    finite = torch.stack([torch.isfinite(p).all() for p in params]).tolist()
-    bad = [hf.hf_name(name) if hf_folder else name for name, ok in zip(names, finite) if not ok]
+    bad = [hf.hf_name(name) if hf_folder else name
+           for name in non_finite(model.named_parameters())]
     if bad:
         more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
         raise ValueError(f"{folder}: {bad[0]}{more} holds non-finite values (NaN or inf): the "

@@ -185,24 +185,7 @@ def prepare(out: Path, plan: Plan, tokenizer, workers: int, progress_bar: bool =
             log(f"{out}: {len(todo)} of {len(units)} units to tokenize with {min(workers, len(todo))} "
                 f"worker process(es)" + (f" ({len(units) - len(todo)} done before)" if done else ""))
             _run(out, todo, settings, tokenizer, workers, plan.dataset, progress_bar)
-        index = write_index(out, units, settings)
-        for path in _files_without_documents(out, units):
-            log(f"note: {path} holds no documents"
-                + (" (the file is empty)" if os.path.getsize(path) == 0 else ""))
-        return index
-
-
-def _files_without_documents(out: Path, units: list[Unit]) -> list[str]:
-    """The local files among several none of whose units held a document, good or bad: the
-    trainer warns of such a file (checks.check_files); prepare_data said nothing."""
-    found: dict[str, int] = {}
-    for unit in units:
-        if unit.kind in ("rows", "stream") or not os.path.isfile(unit.path):
-            continue  # a dataset's rows, not a file of the user's
-        report = json.loads((out / UNITS / f"{unit.name}.json").read_text())
-        found[unit.path] = found.get(unit.path, 0) + report["bad"] + sum(
-            split["documents"] for split in report["splits"].values())
-    return [path for path, documents in found.items() if not documents] if len(found) > 1 else []
+        return write_index(out, units, settings, log)
 
 
 def _run(out: Path, todo: list[Unit], settings: dict, tokenizer, workers: int, dataset,
@@ -268,8 +251,9 @@ def wait_in_order(futures: list, show_progress=lambda: None) -> None:
         raise first_bad[1]
 
 
-def write_index(out: Path, units: list[Unit], settings: dict) -> dict:
+def write_index(out: Path, units: list[Unit], settings: dict, log=print) -> dict:
     reports = [json.loads((out / UNITS / f"{u.name}.json").read_text()) for u in units]
+    files = _file_tallies(units, reports)
     splits = {}
     for split in SPLITS:
         shards = [{"file": f"{split}/{r['unit']}.tokens.npy", **r["splits"][split]} for r in reports]
@@ -281,7 +265,7 @@ def write_index(out: Path, units: list[Unit], settings: dict) -> dict:
         splits[split] = {"tokens": sum(s["tokens"] for s in shards),
                          "documents": sum(s["documents"] for s in shards),
                          "shards": [s for s in shards if s["tokens"]]}
-    _refuse_files_without_the_field(units, reports, settings["text_field"])
+    _refuse_files_without_the_field(files, settings["text_field"])
     if not splits["train"]["tokens"]:
         raise PrepareError(f"{out}: no training documents in the source"
                            + (f" ({sum(r['bad'] for r in reports)} bad ones were skipped)"
@@ -294,27 +278,41 @@ def write_index(out: Path, units: list[Unit], settings: dict) -> dict:
              "skipped_named": [n for r in reports for n in r["named"]][:NAMED],
              "created": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     write_json_synced(out / INDEX, index, atomic=True)
+    # a local file among several that held no document, good or bad: the trainer warns of it
+    # (checks.check_files); prepare_data said nothing
+    if len(files) > 1:
+        for path, tally in files.items():
+            if not tally["good"] + tally["bad"] and os.path.isfile(path):
+                log(f"note: {path} holds no documents"
+                    + (" (the file is empty)" if os.path.getsize(path) == 0 else ""))
     return index
 
 
-def _refuse_files_without_the_field(units: list[Unit], reports: list[dict],
-                                    text_field: str) -> None:
+def _file_tallies(units: list[Unit], reports: list[dict]) -> dict[str, dict]:
+    """Per local file (a dataset's rows and streams left out): its units' good and bad
+    documents, those bad for lacking the text field, and the first such document's fields."""
+    files: dict[str, dict] = {}
+    for unit, report in zip(units, reports):
+        if unit.kind in ("rows", "stream"):
+            continue
+        tally = files.setdefault(unit.path, {"kind": unit.kind, "good": 0, "bad": 0,
+                                             "without_field": 0, "fields": []})
+        tally["good"] += sum(split["documents"] for split in report["splits"].values())
+        tally["bad"] += report["bad"]
+        tally["without_field"] += report.get("without_field", 0)  # an older unit's: unknown
+        tally["fields"] = tally["fields"] or report.get("fields", [])
+    return files
+
+
+def _refuse_files_without_the_field(files: dict[str, dict], text_field: str) -> None:
     """A file none of whose documents has the text field is the wrong --text-field, not bad
     documents: an error naming the file and --text-field, as the trainer's (checks.check_files),
     under --on-bad-document skip too (every document was skipped, and the error was "no training
     documents", or the file was left out while the others were tokenized)."""
-    by_file: dict[str, list] = {}
-    for unit, report in zip(units, reports):
-        if unit.kind not in ("jsonl", "json"):
-            continue
-        found = by_file.setdefault(unit.path, [0, 0, 0, []])  # good, bad, without field, fields
-        found[0] += sum(split["documents"] for split in report["splits"].values())
-        found[1] += report["bad"]
-        found[2] += report.get("without_field", 0)  # a unit of an older prepare_data: unknown
-        found[3] = found[3] or report.get("fields", [])
-    for path, (good, bad, without_field, fields) in by_file.items():
-        if not good and without_field and without_field == bad:
-            raise missing_field(path, text_field, fields)
+    for path, tally in files.items():
+        if (tally["kind"] in ("jsonl", "json") and not tally["good"] and tally["without_field"]
+                and tally["without_field"] == tally["bad"]):
+            raise missing_field(path, text_field, tally["fields"])
 
 
 def usable_cpus() -> int:
