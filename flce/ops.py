@@ -53,13 +53,17 @@ MAX_CHUNK_BYTES = 4 << 30   # and never more logits than this (8192 tokens up to
 # too (benchmarks/flce_grad_gemms_*_h100.md, docs/performance.md "The one-block path's dx").
 DX_BLOCK_TOKENS = 8192
 
-# The float8 dx GEMM (`_scaled_mm`) runs in the same row blocks. On an H100 one of 16384 rows
-# made the float8 loss slower than the bf16 loss at 16384x8192x256000 (304.1 ms against 300.9;
-# chunks of 8192 295.7); on an H200 the one block ran 1.5-2.8% faster than its chunks (of at
-# most 8192) at five points N = 10240-65536 with its dx one GEMM, 2.0-4.7% at four with it in
-# row blocks (16384x8192x256000: 223.3 ms against 233.9); on an H100 at 0a8f989, in row blocks,
-# 1.4-7.7% ahead of the chunks at six (294.8 ms there, bf16 299.0): docs/performance.md "Float8
-# dx row blocks".
+# The float8 dx GEMM runs in row blocks of its own. Without fast accumulation cuBLAS runs one
+# cooperative kernel for it at every height (nvjet ..._coopA_algo2 on an H100), whose speed
+# depends on the rows: on an H100 (the dx GEMM alone: benchmarks/float8_dx_h100.md,
+# docs/performance.md "Float8 dx row blocks") blocks of 2048 rows (1024 above H = 4096) took
+# 0.63-0.93x the time of blocks of 8192 at the nine points with V >= 128256 and more rows than a
+# block (16384x8192x128256 31.31 ms against 50.06; 8192x4096x128256 8.08 against 11.10),
+# 0.99-1.03x at V = 32000; 1024 rows at H = 1024 ran 1.6x slower, 512 was never the fastest.
+# The float8 loss ("logits+dx") ran 6-11% faster at four points, even at the fifth.
+FLOAT8_DX_BLOCK_TOKENS = 2048
+FLOAT8_DX_WIDE_HIDDEN = 4096
+FLOAT8_DX_WIDE_BLOCK_TOKENS = 1024
 
 # float8 GEMMs pay for quantizing W (a read of V x H, per call) and their extra launches only
 # from this many tokens and this much GEMM work (N·H·V); measured on an H200 in interleaved
@@ -153,12 +157,20 @@ def matmul_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
-def dx_row_blocks(n_rows: int) -> list[tuple[int, int]]:
-    """[start, end) of the even row blocks, of at most DX_BLOCK_TOKENS rows, that a dx GEMM of
-    n_rows runs in (one block up to that many)."""
-    if n_rows <= DX_BLOCK_TOKENS:
+def float8_dx_block_tokens(hidden: int) -> int:
+    """The most rows of one float8 dx GEMM (`Float8Gemms.dx_into`) at hidden size H."""
+    return FLOAT8_DX_WIDE_BLOCK_TOKENS if hidden > FLOAT8_DX_WIDE_HIDDEN else \
+        FLOAT8_DX_BLOCK_TOKENS
+
+
+def dx_row_blocks(n_rows: int, block_tokens: Optional[int] = None) -> list[tuple[int, int]]:
+    """[start, end) of the even row blocks, of at most block_tokens rows (the bf16 dx's
+    DX_BLOCK_TOKENS unless given), that a dx GEMM of n_rows runs in (one block up to that
+    many)."""
+    block_tokens = block_tokens or DX_BLOCK_TOKENS
+    if n_rows <= block_tokens:
         return [(0, n_rows)]
-    blocks = -(-n_rows // DX_BLOCK_TOKENS)
+    blocks = -(-n_rows // block_tokens)
     even_rows = -(-n_rows // blocks)
     rows = -(-even_rows // 8) * 8
     return [(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
@@ -228,6 +240,8 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
     # views made once a call, and no slice that changes nothing: at a few thousand tokens each
     # view is host time a chunk beside its three GEMMs (tests/test_flce_host_ops.py)
     trim = buf.shape[1] != width
+    float8_dx = dx is not None and fp8 is not None and fp8.dx
+    dx_rows = float8_dx_block_tokens(weight.shape[1]) if float8_dx else None
     x_parts = x.split(chunk_size)
     dx_parts = dx.split(chunk_size) if dx is not None and (fp8 is None or not fp8.dx) else None
     # chunk height -> (block, logits, rows, logits.T, dx's row blocks and those blocks of the
@@ -240,7 +254,7 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
             block = buf if x_c.shape[0] == buf.shape[0] else buf[: x_c.shape[0]]
             logits = block[:, :width] if trim else block  # columns V.. hold 0 (W's padding rows)
             rows = logits if width == V else logits[:, :V]
-            bounds = dx_row_blocks(x_c.shape[0])
+            bounds = dx_row_blocks(x_c.shape[0], dx_rows)
             dx_blocks = [(logits[lo:hi], lo, hi) for lo, hi in bounds]
             views[x_c.shape[0]] = block, logits, rows, logits.t(), bounds, dx_blocks
         block, logits, rows, logits_t, bounds, dx_blocks = views[x_c.shape[0]]
@@ -251,7 +265,7 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
         else:
             torch.addmm(b, x_c, w_t, out=logits)
         row_pass(rows, start, end, block.shape[1])
-        if dx is not None and fp8 is not None and fp8.dx:
+        if float8_dx:
             fp8.dx_into(dx[start:end], weight, start, bounds)
         elif dx is not None and len(dx_blocks) == 1:
             matmul_into(dx_parts[i], logits, w, accumulate=False)
@@ -389,7 +403,7 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
     if fp8 is not None:
         dx = x.new_empty(x.shape)
         if N:
-            fp8.dx_into(dx, weight, 0, dx_row_blocks(N))
+            fp8.dx_into(dx, weight, 0, dx_row_blocks(N, float8_dx_block_tokens(weight.shape[1])))
     elif need_dx:
         dx = dx_in_row_blocks(gemm_view, gemm_operands(weight, None)[0])
     if need_dw:

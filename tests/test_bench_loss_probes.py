@@ -315,7 +315,8 @@ def test_float8_floor_in_row_blocks_sums_dw_over_the_blocks(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and tuple(map(int, torch.__version__.split(".")[:2])) < (2, 12):
         pytest.skip("torch < 2.12 runs only per-tensor float8 scales on the CPU")
-    monkeypatch.setattr(bench_float8_grid.flce.ops, "DX_BLOCK_TOKENS", 8)
+    monkeypatch.setattr(bench_float8_grid.flce.ops, "DX_BLOCK_TOKENS", 16)
+    monkeypatch.setattr(bench_float8_grid.flce.ops, "FLOAT8_DX_BLOCK_TOKENS", 8)
     scaled_mm, dx_rows = torch._scaled_mm, []
 
     def recording_scaled_mm(a, b, *args, use_fast_accum, **kwargs):
@@ -329,7 +330,7 @@ def test_float8_floor_in_row_blocks_sums_dw_over_the_blocks(monkeypatch):
     run, (f8, logits, out, dw) = bench_float8_grid.float8_floor(x, w, max_logits_bytes=16 * 48 * 2)
     run()
     assert logits.shape == (16, 48)  # blocks of 16, 16 and 8 rows
-    # dx in flce's dx row blocks (of at most 8 rows here), as the bf16 floor's
+    # dx in the float8 loss's dx row blocks (of at most 8 rows here), not the bf16 loss's (16)
     assert dx_rows == [8, 8, 8, 8, 8]
     expected_dx = logits.float() @ w.float()
     torch.testing.assert_close(f8.dx_out[:16].float(), expected_dx, rtol=0.1,

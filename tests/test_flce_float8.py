@@ -394,15 +394,22 @@ def test_chunk_size_independence(impl, device, float8):
 @IMPL_DEVICES
 @pytest.mark.parametrize("chunk", [None, 40], ids=["one_block", "chunked"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_float8_dx_in_row_blocks(impl, device, monkeypatch, chunk, reduction):
-    """The float8 dx GEMM runs in the bf16 dx's row blocks (`ops.dx_row_blocks`: one
-    `_scaled_mm` of 16384 rows made the float8 loss slower than bf16 on an H100), in one block
-    of all tokens and in each chunk: every row once, an uneven last block too, within the
-    float8 loss's derived bounds."""
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_float8_dx_in_row_blocks(impl, device, monkeypatch, chunk, reduction, wide):
+    """The float8 dx GEMM runs in row blocks of its own (`ops.float8_dx_block_tokens`: cuBLAS's
+    kernel for it changes with the rows; blocks of 8192 ran up to 1.33x blocks of 2048 on an
+    H100), not the bf16 dx's, fewer rows above FLOAT8_DX_WIDE_HIDDEN, in one block of all tokens
+    and in each chunk: every row once, an uneven last block too, within the float8 loss's
+    derived bounds."""
     import flce.float8
     import flce.function
     import flce.ops
-    monkeypatch.setattr(flce.ops, "DX_BLOCK_TOKENS", 16)
+    N, H, V = SHAPES[0]
+    monkeypatch.setattr(flce.ops, "DX_BLOCK_TOKENS", 24)
+    monkeypatch.setattr(flce.ops, "FLOAT8_DX_BLOCK_TOKENS", 16)
+    monkeypatch.setattr(flce.ops, "FLOAT8_DX_WIDE_BLOCK_TOKENS", 8)
+    monkeypatch.setattr(flce.ops, "FLOAT8_DX_WIDE_HIDDEN", H - 1 if wide else H)
+    block_rows = 8 if wide else 16
     scaled_mm, dx_rows, entered = flce.float8.scaled_mm, [], []
 
     def recording_scaled_mm(a, *args, fast_accum, **kwargs):
@@ -413,15 +420,14 @@ def test_float8_dx_in_row_blocks(impl, device, monkeypatch, chunk, reduction):
     one_block = flce.function._OneBlockLoss.apply
     monkeypatch.setattr(flce.function._OneBlockLoss, "apply",
                         lambda *a: entered.append(a[6]) or one_block(*a))
-    N, H, V = SHAPES[0]
     x, t, w, b = make_inputs(N, H, V, device, torch.float32, scale=2.0)
     loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, chunk_size=chunk,
                                      impl=impl, float8="logits+dx", reduction=reduction,
                                      label_smoothing=0.1)
     assert entered == (["logits+dx"] if chunk is None else [])
     heights = [N] if chunk is None else [chunk, N - chunk]
-    expected = [b - a for h in heights for a, b in flce.ops.dx_row_blocks(h)]
-    assert max(expected) <= 16 and sum(expected) == N
+    expected = [b - a for h in heights for a, b in flce.ops.dx_row_blocks(h, block_rows)]
+    assert max(expected) <= block_rows and sum(expected) == N and len(expected) > len(heights)
     assert dx_rows == expected
     if impl == "triton" and device == "cpu":
         return  # the interpreter's e4m3 rounding: bounds checked elsewhere on CUDA

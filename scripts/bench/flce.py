@@ -175,12 +175,15 @@ def fwd_bwd(f, x, t, w):
     return run
 
 
-def floor_row_blocks(N: int, V: int, elem_bytes: int, max_logits_bytes=None):
+def floor_row_blocks(N: int, V: int, elem_bytes: int, max_logits_bytes=None,
+                     dx_block_tokens=None):
     """The floors' row blocks: (rows of the largest, [(start, rows, its `dx_row_blocks`)]),
-    blocks of N rows or of as many as max_logits_bytes of logits hold."""
+    blocks of N rows or of as many as max_logits_bytes of logits hold; dx in blocks of at most
+    dx_block_tokens rows (the bf16 loss's unless given)."""
     rows = N if max_logits_bytes is None else max(
         1, min(N, max_logits_bytes // (V * elem_bytes)))
-    return rows, [(start, min(rows, N - start), dx_row_blocks(min(rows, N - start)))
+    return rows, [(start, min(rows, N - start),
+                   dx_row_blocks(min(rows, N - start), dx_block_tokens))
                   for start in range(0, N, rows)]
 
 

@@ -13,13 +13,14 @@ on fresh random operands (never zeros):
   fp8           dx = G @ W as the float8 loss computes it (`flce.float8.scaled_mm`): e4m3 G with
                 row scales, e4m3 W (stored transposed, [H, V]) with column scales, bf16 out, no
                 fast accumulation (partial sums promoted to fp32 over the K = V terms), one GEMM
-  fp8_loss      the same in the row blocks the float8 loss runs (`ops.dx_row_blocks`, as
+  fp8_loss      the same in the row blocks the float8 loss runs (`ops.float8_dx_block_tokens`, as
                 `Float8Gemms.dx_into`)
   fp8_rows<R>   the same in row blocks of R rows (each R < N of --rows; the last one shorter)
   fp8_fast      one GEMM with fast accumulation, for reference (the loss never runs it: its
                 error grows with K)
 TFLOP/s count 2·N·H·V. Each run's CUDA kernels (one call, under the profiler) are recorded:
-cuBLAS's choice of kernel per shape is what the row blocks change.
+whether cuBLAS picks another kernel for another height (on an H100 it did not: one kernel, whose
+speed the height changes).
 Writes <out>.json and <out>.md.
 """
 
@@ -32,7 +33,7 @@ if not __package__:
 import torch  # noqa: E402
 
 from flce.float8 import E4M3, scaled_mm  # noqa: E402
-from flce.ops import dx_in_row_blocks, dx_row_blocks  # noqa: E402
+from flce.ops import dx_in_row_blocks, dx_row_blocks, float8_dx_block_tokens  # noqa: E402
 from scripts.bench.flce import run_meta  # noqa: E402
 from scripts.lib.loss_grid import parse_shape, parse_shapes, parse_sizes  # noqa: E402
 from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
@@ -44,6 +45,7 @@ def dx_runs(N: int, H: int, V: int, rows: list[int]) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
     Vp, Hp = -(-V // 16) * 16, -(-H // 16) * 16
+    float8_rows = float8_dx_block_tokens(H)
 
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, device="cuda", dtype=bf, generator=gen) * scale
@@ -62,7 +64,7 @@ def dx_runs(N: int, H: int, V: int, rows: list[int]) -> dict:
     runs = {"bf16": lambda: torch.mm(g16, w16, out=dx16),
             "bf16_loss": lambda: dx_in_row_blocks(g16, w16),
             "fp8": lambda: fp8(0, N),
-            "fp8_loss": lambda: [fp8(lo, hi) for lo, hi in dx_row_blocks(N)]}
+            "fp8_loss": lambda: [fp8(lo, hi) for lo, hi in dx_row_blocks(N, float8_rows)]}
     for r in sorted(set(rows)):
         if r < N:
             runs[f"fp8_rows{r}"] = lambda r=r: [fp8(lo, min(lo + r, N)) for lo in range(0, N, r)]

@@ -25,7 +25,7 @@ if not __package__:
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from flce.ops import float8_used, gemm_operands  # noqa: E402
+from flce.ops import float8_dx_block_tokens, float8_used, gemm_operands  # noqa: E402
 from scripts.bench.flce import (FLOOR_LOGITS_BYTES, GRID_EXISTS, first_calls,  # noqa: E402
                                 floor_row_blocks, gemm_floor, make_inputs, run_meta)
 from scripts.lib.loss_grid import (grid_shapes, hbm_peak, logit_traffic_ms,  # noqa: E402
@@ -52,14 +52,15 @@ def float8_floor(x, w, max_logits_bytes=None):
     """The float8 loss's GEMMs alone: float8 logits and dx (rowwise scales, bf16 out, operands
     quantized beforehand, as flce/float8.py calls them) and the bf16 dW, at full size or in row
     blocks whose logits take at most max_logits_bytes (dW summed in place). The float8 dx runs in
-    `dx_row_blocks`, as the bf16 floor's: so does the float8 loss (`Float8Gemms.dx_into`), and
-    one of 16384 rows is cuBLAS's slow shape. The operands hold real values (x's first rows,
+    the float8 loss's row blocks (`dx_row_blocks` of `float8_dx_block_tokens` rows): cuBLAS's
+    kernel for it changes with the rows. The operands hold real values (x's first rows,
     their logits as the stand-in dlogits), not zeros, which a GEMM runs faster on."""
     from flce.float8 import Float8Gemms
     from flce.quantize_kernels import quantize_rows
     w = gemm_operands(w.detach(), None)[0]
     (N, H), V = x.shape, w.shape[0]
-    rows, row_blocks = floor_row_blocks(N, V, x.element_size(), max_logits_bytes)
+    rows, row_blocks = floor_row_blocks(N, V, x.element_size(), max_logits_bytes,
+                                        float8_dx_block_tokens(H))
     target = torch.zeros(N, dtype=torch.long, device=x.device)
     f8 = Float8Gemms(w, None, target, rows, dx=True, use_triton=True)
     logits = torch.mm(x[:rows], w.t())
