@@ -57,7 +57,7 @@ DX_BLOCK_TOKENS = 8192
 # cooperative kernel for it at every height (nvjet ..._coopA_algo2 on an H100), whose speed
 # depends on the rows: on an H100 (the dx GEMM alone: benchmarks/float8_dx_h100.md,
 # docs/performance.md "Float8 dx row blocks") blocks of 2048 rows (1024 above H = 4096) took
-# 0.63-0.93x the time of blocks of 8192 at the nine points with V >= 128256 and more rows than a
+# 0.62-0.93x the time of blocks of 8192 at the nine points with V >= 128256 and more rows than a
 # block (16384x8192x128256 31.31 ms against 50.06; 8192x4096x128256 8.08 against 11.10),
 # 0.99-1.03x at V = 32000; 1024 rows at H = 1024 ran 1.6x slower, 512 was never the fastest.
 # The float8 loss ("logits+dx") ran 6-11% faster at four points, even at the fifth.
