@@ -14,14 +14,16 @@ from scripts.lib import loss_grid
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.parametrize("name", ["report", "report_v1.5"])
 @pytest.mark.parametrize("module, args", [("flce", ["--grid"]), ("float8_grid", [])])
-def test_a_grid_without_resume_leaves_an_existing_report_alone(module, args, tmp_path,
+def test_a_grid_without_resume_leaves_an_existing_report_alone(module, args, name, tmp_path,
                                                                monkeypatch, capsys):
     """The grids' default --out is the committed report: a run without --resume rewrote it
-    point by point, one point at the first."""
-    report = tmp_path / "report.json"
+    point by point, one point at the first. A dotted --out (report_v1.5) is the report
+    report_v1.5.json, not report_v1.json."""
+    report = tmp_path / f"{name}.json"
     report.write_text('{"meta": {}, "results": []}')
-    monkeypatch.setattr(sys, "argv", [module, *args, "--out", str(tmp_path / "report")])
+    monkeypatch.setattr(sys, "argv", [module, *args, "--out", str(tmp_path / name)])
     with pytest.raises(SystemExit) as exit_:
         importlib.import_module(f"scripts.bench.{module}").main()
     assert exit_.value.code == 2 and report.read_text() == '{"meta": {}, "results": []}'

@@ -298,3 +298,27 @@ def test_loss_parallel_benchmark_on_two_cpu_processes(tmp_path):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and a["ms"] > 0
         assert math.isclose(a["loss"], c["loss"], rel_tol=1e-5)
     assert "| 90x24x101 |" in md
+
+
+def test_layouts_keep_a_dotted_out_whole(tmp_path, monkeypatch):
+    """--out name_v1.5 wrote name_v1.json and name_v1.md (Path.with_suffix took ".5" for a
+    suffix). The runs and the comparison stand in for train.py and compare_losses.py."""
+    from scripts import compare_layouts
+    from scripts.lib.runs import throughput
+
+    def execute(run, args):
+        return {**{k: v for k, v in run.items() if k != "cmd"}, "status": "ok", "exit_code": 0,
+                "wall_seconds": 1.0, "final_step": 4, "final_loss": 1.0, **throughput([], 1)}
+
+    monkeypatch.setattr(compare_layouts, "probe_environment", dict)
+    monkeypatch.setattr(compare_layouts, "execute", execute)
+    monkeypatch.setattr(compare_layouts, "compare", lambda layout, records, args, out: {
+        "layout": layout, "verdict": "PASS", "exit_code": 0})
+    monkeypatch.setenv("FLCE_GIT_REVISION", "0a1b2c3")
+    out = tmp_path / "name_v1.5"
+    assert compare_layouts.main(["--config", "configs/debug.toml", "--nproc", "1", "--steps",
+                                 "4", "--warmup-steps", "1", "--layouts", "fsdp", "--out",
+                                 str(out), "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert sorted(p.name for p in tmp_path.glob("name_v1*")) == ["name_v1.5.json", "name_v1.5.md"]
+    assert [r["layout"] for r in json.loads(
+        (tmp_path / "name_v1.5.json").read_text())["runs"]] == ["fsdp", "fsdp"]

@@ -90,6 +90,17 @@ def test_write_report_writes_both_files_whole(tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["bench_x.json", "bench_x.md"]
 
 
+@pytest.mark.parametrize("out, names", [
+    ("name_v1.5", ["name_v1.5.json", "name_v1.5.md"]),  # with_suffix: name_v1.json, name_v1.md
+    ("bench.x", ["bench.x.json", "bench.x.md"]),
+    ("bench_x.json", ["bench_x.json", "bench_x.md"]),  # an --out naming the report, as before
+    ("bench_x.md", ["bench_x.json", "bench_x.md"])])
+def test_write_report_keeps_a_dotted_name_whole(tmp_path, out, names):
+    report.write_report(tmp_path / out, {"meta": {}}, "# x\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    assert [report.report_file(tmp_path / out, s).name for s in (".json", ".md")] == names
+
+
 DIRTY = {"git": "abc1234+dirty", "dirty": True}
 CLEAN = {"git": "abc1234", "dirty": False}
 # the provenance a kernel benchmark's report heads with; KERNEL_META: from a clean commit

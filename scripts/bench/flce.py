@@ -32,7 +32,6 @@ of at most 4 GiB of logits (dW summed in place, as a chunked loss must).
 import argparse
 import json
 import sys
-from pathlib import Path
 
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.flce ...")
@@ -44,7 +43,7 @@ from flce.ops import dx_row_blocks, gemm_operands, pick_chunk_size, uses_one_blo
 from scripts.lib.loss_grid import (GRID_METHODS, HOST_AHEAD, grid_markdown,  # noqa: E402
                                    grid_shapes, parse_shape, parse_shapes)
 from scripts.lib.report import (grid_table, kernel_report_head, provenance,  # noqa: E402
-                                write_report)
+                                report_file, write_report)
 from scripts.lib.timing import (AHEAD_FILL, SETTLE_MS, interleaved_rounds,  # noqa: E402
                                 medians, require_cuda)
 
@@ -317,8 +316,8 @@ def main():
         p.error("--remeasure applies to --grid --resume with --shapes (the points to measure again)")
     args.out = args.out or ("benchmarks/flce_float8" if args.float8 else
                             "benchmarks/flce_grid" if args.grid else "benchmarks/flce_bench")
-    if args.grid and not args.resume and Path(args.out).with_suffix(".json").exists():
-        p.error(GRID_EXISTS.format(out=Path(args.out).with_suffix(".json")))
+    if args.grid and not args.resume and report_file(args.out, ".json").exists():
+        p.error(GRID_EXISTS.format(out=report_file(args.out, ".json")))
     require_cuda("scripts.bench.flce")
     origin = provenance()  # the commit (a dirty tree flagged) of the code that runs
     dtype = getattr(torch, args.dtype)
@@ -456,7 +455,7 @@ GRID_EXISTS = ("{out} exists: --resume measures the points it lacks, --out names
 
 
 def run_grid(args, origin, dtype):
-    out = Path(args.out).with_suffix(".json")
+    out = report_file(args.out, ".json")
     earlier = json.loads(out.read_text()) if args.resume and out.exists() else None
     meta = {**run_meta(origin, args.dtype), "seconds_per_method": args.seconds,
             **timing_meta(args.host_ahead), "compiled_peer": COMPILED_PEER}

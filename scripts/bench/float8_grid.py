@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 if not __package__:
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.float8_grid ...")
@@ -30,7 +29,8 @@ from scripts.bench.flce import (FLOOR_LOGITS_BYTES, GRID_EXISTS, first_calls,  #
                                 floor_row_blocks, gemm_floor, make_inputs, run_meta)
 from scripts.lib.loss_grid import (grid_shapes, hbm_peak, logit_traffic_ms,  # noqa: E402
                                    parse_shape, parse_shapes)
-from scripts.lib.report import kernel_report_head, provenance, write_report  # noqa: E402
+from scripts.lib.report import (kernel_report_head, provenance, report_file,  # noqa: E402
+                                write_report)
 from scripts.lib.timing import SETTLE_MS, interleaved_rounds, medians, require_cuda  # noqa: E402
 
 MODE = "logits+dx"
@@ -201,7 +201,7 @@ def main():
     p.add_argument("--out", default="benchmarks/flce_float8_grid",
                    help="output path without suffix")
     args = p.parse_args()
-    path = Path(args.out).with_suffix(".json")
+    path = report_file(args.out, ".json")
     if not args.resume and path.exists():
         p.error(GRID_EXISTS.format(out=path))
     require_cuda("scripts.bench.float8_grid")

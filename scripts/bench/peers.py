@@ -44,7 +44,7 @@ from components.config.parse import load_config  # noqa: E402
 from components.config.schema import ConfigError  # noqa: E402
 from models.args import FLAVORS, flops_per_token  # noqa: E402  (torch, but no CUDA context)
 from scripts.lib.report import (fmt, probe_environment, provenance,  # noqa: E402
-                                warning_lines, write_report)
+                                report_file, warning_lines, write_report)
 from scripts.lib.run_folders import exit_unless_clearable, fresh_run_folder  # noqa: E402
 from scripts.lib.runs import (REPO, classify, last_lines, log_tail, read_metrics,  # noqa: E402
                               run_process, throughput, torchrun)
@@ -264,14 +264,14 @@ def main(argv=None) -> int:
             "nproc": args.nproc, "seq_len": args.seq_len, "steps": args.steps,
             "warmup_steps": args.warmup_steps, "log_freq": args.log_freq}
     out = Path(args.out)
-    kept = finished_runs(out.with_suffix(".json"), meta) if args.resume else {}
+    kept = finished_runs(report_file(out, ".json"), meta) if args.resume else {}
     exit_unless_clearable(Path(args.runs_dir) / name for name, kind, extra in args.runs
                           if (name, kind, tuple(extra)) not in kept)
     runs = []
     for name, kind, extra in args.runs:
         if (name, kind, tuple(extra)) in kept:
             runs.append(kept[name, kind, tuple(extra)])
-            print(f"{name}: kept from {out.with_suffix('.json')} (git {runs[-1]['git']})")
+            print(f"{name}: kept from {report_file(out, '.json')} (git {runs[-1]['git']})")
             continue
         start = time.monotonic()
         runs.append({**execute(args, name, kind, extra), "git": meta["git"],
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
         ref = reference(args, runs)
         write_report(out, {"meta": meta, "reference": ref and ref["name"], "runs": runs},
                      markdown(meta, runs, ref))
-    print(out.with_suffix(".md").read_text())
+    print(report_file(out, ".md").read_text())
     return 0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root, scripts.lib with it, is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.train ...")
 
-from scripts.lib.report import write_report  # noqa: E402
+from scripts.lib.report import report_file, write_report  # noqa: E402
 from scripts.lib.run_folders import exit_unless_clearable, fresh_run_folder  # noqa: E402
 from scripts.lib.runs import (classify, last_lines, log_tail, read_metrics,  # noqa: E402
                               run_process, throughput, trainer)
@@ -352,7 +352,8 @@ def print_plan(args) -> None:
               "memory with less")
     budget = f"budget {args.budget_minutes:g} min" if args.budget_minutes else "no time budget"
     print(f"  at most {planned_max_runs(args)} runs (each search stops at its first OOM, so "
-          f"usually far fewer); {budget}; results to {args.out}.json/.md", flush=True)
+          f"usually far fewer); {budget}; results to {report_file(args.out, '.json')} and "
+          f"{report_file(args.out, '.md').name}", flush=True)
 
 
 # ---- main -------------------------------------------------------------------------------------

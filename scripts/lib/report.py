@@ -125,14 +125,27 @@ def provenance(launcher: tuple[str, ...] = ("python3",)) -> dict:
     return meta
 
 
-def write_report(out: str | Path, report: dict, markdown: str) -> None:
-    """<out>.json and <out>.md, each written to a temporary file, synced and renamed
-    (components/synced_files.py): a reader (or a benchmark killed mid-write) never leaves half a
-    file."""
+# an --out ending in one of these names the report itself (out.json: out.json and out.md)
+REPORT_SUFFIXES = (".json", ".md")
+
+
+def report_file(out: str | Path, suffix: str) -> Path:
+    """The report file <out><suffix> (suffix ".json" or ".md"). out keeps its whole name:
+    Path.with_suffix would take a dot in it for a suffix (name_v1.5 would give name_v1.json);
+    only a .json or .md ending is replaced."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix in REPORT_SUFFIXES:
+        return out.with_suffix(suffix)
+    return out.with_name(out.name + suffix)
+
+
+def write_report(out: str | Path, report: dict, markdown: str) -> None:
+    """<out>.json and <out>.md (report_file), each written to a temporary file, synced and
+    renamed (components/synced_files.py): a reader (or a benchmark killed mid-write) never leaves
+    half a file."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps(report, indent=1) + "\n"), (".md", markdown)):
-        write_synced(out.with_suffix(suffix), text, atomic=True)
+        write_synced(report_file(out, suffix), text, atomic=True)
 
 
 def fmt(value, spec: str = "{:,.0f}") -> str:
