@@ -39,6 +39,7 @@ input (missing file, metric absent, no common steps, no usable noise band, no ru
 """
 
 import argparse
+import io
 import json
 import math
 import sys
@@ -147,6 +148,11 @@ def plot_path(out: str | None, reference: str, metric: str) -> Path:
     """The file the plot is written to: --out, with .png added where it names no format (as
     matplotlib would add it, unseen), else compare_<metric>.png beside A's metrics.jsonl.
     Checked before the comparison: a suffix matplotlib cannot write failed only after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:  # the plot is always drawn: without it, a traceback at the end
+        raise BadInput(f"the plot needs matplotlib, which does not import ({e}): pip install "
+                       "'flce-recipes[metrics]' (or: pip install matplotlib)") from e
     if not out:
         return data_path(reference).parent / f"compare_{metric}.png"
     path = Path(out)
@@ -159,7 +165,25 @@ def plot_path(out: str | None, reference: str, metric: str) -> Path:
     if path.suffix[1:].lower() not in formats:
         raise BadInput(f"--out {out}: matplotlib writes no {path.suffix} files; end the name "
                        f"in .png or another suffix it writes ({', '.join(sorted(formats))})")
+    check_writable(out, path.suffix[1:].lower())
     return path
+
+
+def check_writable(out: str, fmt: str) -> None:
+    """Draws a small figure with text as fmt, in memory. matplotlib lists formats it may not
+    write here (avif with a Pillow built without it, pgf without its TeX system): they failed
+    at the plot, after the whole comparison, with a traceback."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(1, 1))
+    fig.text(0.5, 0.5, "x")  # text: pgf sizes it with its TeX system
+    try:
+        fig.savefig(io.BytesIO(), format=fmt)
+    except Exception as e:  # any failure to write it: a backend's own error, whichever it is
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise BadInput(f"--out {out}: matplotlib cannot write {fmt} files here "
+                       f"({type(e).__name__}: {why}); end the name in .png") from e
 
 
 def first_step_above(steps, diffs, threshold):

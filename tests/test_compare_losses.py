@@ -89,6 +89,43 @@ def test_an_out_matplotlib_cannot_write_is_refused_before_the_comparison(tmp_pat
     assert (tmp_path / "upper.PDF").read_bytes()[:5] == b"%PDF-"
 
 
+def test_a_format_matplotlib_lists_but_cannot_write_here_is_refused_first(tmp_path,
+                                                                          monkeypatch, capsys):
+    """matplotlib lists avif (and pgf) wherever it is installed; a Pillow without avif (or no
+    TeX for pgf) failed at the plot, after the whole comparison, with a traceback. Here Pillow
+    is made to lack avif; a run that does not exist shows nothing was read."""
+    from matplotlib.backends import backend_agg
+    from scripts import compare_losses
+
+    check = backend_agg.features.check
+    monkeypatch.setattr(backend_agg.features, "check", lambda f, *a: f != "avif" and check(f))
+    a = write_metrics(tmp_path / "a", curve)
+    out = tmp_path / "x.avif"
+    assert compare_losses.main([str(a), str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: --out {out}: matplotlib cannot write avif files "
+                                   "here (RuntimeError: The installed pillow version does not "
+                                   "support avif")
+    assert captured.err.count("\n") == 1 and not captured.out and not out.exists()
+
+
+@pytest.mark.parametrize("out", [None, "x.png", "x"])
+def test_without_matplotlib_the_comparison_is_refused_first(tmp_path, monkeypatch, capsys, out):
+    """The plot is always drawn (compare_<metric>.png without --out): without matplotlib the
+    comparison ran and ended in a ModuleNotFoundError's traceback (with --out x.png, the suffix
+    check's). None in sys.modules makes the import fail."""
+    from scripts import compare_losses
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    a = write_metrics(tmp_path / "a", curve)
+    result = compare_losses.main([str(a), str(a)] + (["--out", str(tmp_path / out)] if out else []))
+    captured = capsys.readouterr()
+    assert result == 2 and not captured.out, captured.out
+    assert captured.err.startswith("error: the plot needs matplotlib, which does not import (")
+    assert captured.err.endswith("): pip install 'flce-recipes[metrics]' (or: pip install "
+                                 "matplotlib)\n") and captured.err.count("\n") == 1
+
+
 def test_a_run_that_stopped_early_is_refused_not_passed(tmp_path):
     """A run stopped at step 4 of 30 (SIGUSR1, exit 0) compared over the 4 steps both logged
     and passed: "2 runs aligned on 4 common steps", PASS, the other 26 unseen."""
