@@ -132,22 +132,10 @@ class HFTokenizer:
         self._tokenizer.encode_special_tokens = encode_special_tokens
 
     def _encode_whole(self) -> None:
-        """Truncation and padding saved in the file (sentence-transformers saves them, and so
-        does a tokenizer saved after enable_truncation) turned off, with a warning: every
-        document was cut to max_length ids and the shorter ones padded with pad ids, which the
-        trainer and prepare_data framed and trained on as text. The trainer frames whole
-        documents and cuts windows itself."""
-        truncation, padding = self._tokenizer.truncation, self._tokenizer.padding
-        found = []
-        if truncation is not None:
-            found.append(f"truncation (max_length {truncation['max_length']})")
-        if padding is not None:
-            length = f"length {padding['length']}" if padding.get("length") else "to the longest"
-            found.append(f"padding ({length}, with {padding['pad_token']!r})")
+        """Truncation and padding saved in the file turned off (encode_whole), with a warning."""
+        found = encode_whole(self._tokenizer)
         if not found:
             return
-        self._tokenizer.no_truncation()
-        self._tokenizer.no_padding()
         warnings.warn(f"{self.path} sets {' and '.join(found)}: "
                       f"{'both' if len(found) == 2 else 'it is'} off here; documents are encoded "
                       "whole")
@@ -323,6 +311,25 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 BYTE_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")  # ids 256, 257, 258
+
+
+def encode_whole(tokenizer: tokenizers.Tokenizer) -> list[str]:
+    """Turns off the truncation and padding a tokenizer.json saved (sentence-transformers saves
+    them, and so does a tokenizer saved after enable_truncation); returns what was on, e.g.
+    ["truncation (max_length 8)"], empty where neither was. With them on, every document was cut
+    to max_length ids and the shorter ones padded with pad ids, which the trainer and
+    prepare_data framed and trained on as text: the trainer frames whole documents and cuts
+    windows itself. export_hf ships the tokenizer so too."""
+    truncation, padding = tokenizer.truncation, tokenizer.padding
+    found = []
+    if truncation is not None:
+        found.append(f"truncation (max_length {truncation['max_length']})")
+    if padding is not None:
+        length = f"length {padding['length']}" if padding.get("length") else "to the longest"
+        found.append(f"padding ({length}, with {padding['pad_token']!r})")
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return found
 
 
 def with_training_framing(tokenizer_json: str, bos: str, eos: str) -> str:

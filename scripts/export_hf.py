@@ -13,7 +13,7 @@ trained; safetensors, shards with an index above --max-shard-size), config.json 
 generation_config.json with the tokenizer's bos/eos ids, and the tokenizer: the run's
 tokenizer.json (with its tokenizer_config.json and special_tokens_map.json when they sit beside
 it), or for the built-in byte tokenizer an equivalent tokenizer.json, framing text as training
-did (bos first, in transformers too). The q/k rows
+did (bos first, in transformers too), its truncation and padding off as in training. The q/k rows
 are permuted for transformers' RoPE layout (models/hf.py); the exported model gives the same
 logits (tests/test_export_hf.py). A run with [loss] logit_scale or softcap is refused:
 LlamaForCausalLM has neither. export_hf.json marks the folder as this tool's (the checkpoint it
@@ -37,11 +37,12 @@ from pathlib import Path
 if not __package__:  # run as a file: the repository root (models) is not importable
     sys.exit("run from the repository root as a module: python3 -m scripts.export_hf ...")
 
+import tokenizers  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from components.tokenizer import (ByteTokenizer, HFTokenizer, byte_tokenizer_json,  # noqa: E402
-                                  with_training_framing)
+                                  encode_whole, with_training_framing)
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
 from parallelisms.build import model_args  # noqa: E402
@@ -135,9 +136,15 @@ def tokenizer_files(tokenizer, max_len: int) -> dict[str, bytes]:
     else:
         names = {"bos_token": tokenizer.id_to_token(tokenizer.bos_id),
                  "eos_token": tokenizer.id_to_token(tokenizer.eos_id)}
+        # with the truncation and padding training had off (a file saved with them on would
+        # make transformers cut and pad every text), said in one line where they were on
+        source = tokenizers.Tokenizer.from_file(str(tokenizer.path))
+        turned_off = encode_whole(source)
+        if turned_off:
+            print(f"export_hf: {tokenizer.path} sets {' and '.join(turned_off)}: off in the "
+                  "exported tokenizer.json, as in training", file=sys.stderr)
         files["tokenizer.json"] = with_training_framing(
-            tokenizer.path.read_text(encoding="utf-8"), names["bos_token"],
-            names["eos_token"]).encode()
+            source.to_str(), names["bos_token"], names["eos_token"]).encode()
         for name in _TOKENIZER_SIDE_FILES:
             if (tokenizer.path.parent / name).is_file():
                 files[name] = _with_specials((tokenizer.path.parent / name).read_bytes(), names,

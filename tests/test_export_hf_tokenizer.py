@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -107,6 +108,36 @@ def test_a_tokenizers_own_framing_and_flags_give_way_to_trainings(tmp_path):
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     ids = frame_texts(tokenizer, DOCUMENTS[:1])[0].tolist()
     assert hf_tokenizer(DOCUMENTS[0]).input_ids == ids[:-1]
+
+
+def test_truncation_and_padding_saved_in_the_tokenizer_are_off_in_the_export(tmp_path, capsys):
+    """A tokenizer.json saved with truncation and padding on: the trainer turns both off (with a
+    warning), but the export copied the file as it was, so transformers cut every text to 4 ids
+    and padded the short ones. The export has both off, as training, and says so in one line."""
+    path = _bpe_tokenizer(tmp_path / "tok").path
+    raw = tokenizers.Tokenizer.from_file(str(path))
+    raw.enable_truncation(max_length=4)
+    raw.enable_padding(pad_id=raw.token_to_id("</s>"), pad_token="</s>", length=16)
+    raw.save(str(path))
+    with pytest.warns(UserWarning, match="both off here; documents are encoded whole"):
+        tokenizer = HFTokenizer(path)
+    files = export_hf.tokenizer_files(tokenizer, 64)
+    assert capsys.readouterr().err == (
+        f"export_hf: {path} sets truncation (max_length 4) and padding (length 16, with '</s>'): "
+        "off in the exported tokenizer.json, as in training\n")
+    exported = json.loads(files["tokenizer.json"])
+    assert exported["truncation"] is None and exported["padding"] is None
+    (tmp_path / "hf").mkdir()
+    for name, content in files.items():
+        (tmp_path / "hf" / name).write_bytes(content)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = frame_texts(tokenizer, DOCUMENTS)[0].tolist()  # bos A eos bos B eos
+    first = len(tokenizer.encode(DOCUMENTS[0])) + 1
+    assert first > 4 and hf_tokenizer(DOCUMENTS[0]).input_ids == ids[:first]
+    assert hf_tokenizer("a").input_ids == [tokenizer.bos_id, *tokenizer.encode("a")]  # unpadded
+
+    export_hf.tokenizer_files(_bpe_tokenizer(tmp_path / "plain"), 64)  # neither on: no line
+    assert capsys.readouterr().err == ""
 
 
 def test_a_runs_hf_tokenizer_is_copied_with_its_ids(tmp_path):
