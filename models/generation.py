@@ -92,7 +92,7 @@ def generate_batch(model: Llama, prompt: list[int], max_new_tokens: int, num_sam
     generators: one per row (see sample_rows). logit_scale and softcap turn the output
     projection into the logits the model was trained with ([loss] logit_scale, softcap).
     vocab_limit: ids from it on (the padding rows of a vocabulary larger than the tokenizer's)
-    are never sampled.
+    are never sampled. Logits that hold NaN or inf raise a ValueError naming the token.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if num_samples < 1:
@@ -125,12 +125,22 @@ def generate_batch(model: Llama, prompt: list[int], max_new_tokens: int, num_sam
         logits = model.logits(hidden[:, -1]).float() * logit_scale
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
+        # Finite weights can still give NaN or inf logits (an overflow in bfloat16, say):
+        # torch.multinomial then failed (a device-side assert on CUDA) and argmax drew garbage.
+        # Checked on the device, with no sync of its own: such a row samples from zeros and its
+        # token becomes -1, read with the tokens below.
+        finite = torch.isfinite(logits).all(-1, keepdim=True)
+        logits = logits.masked_fill(~finite, 0.0)
         if vocab_limit is not None and vocab_limit < vocab:
             logits[:, vocab_limit:] = float("-inf")
         # after the prompt one row of logits, the same for every sample: each draws its own
         tokens = sample_rows(logits.expand(len(rows), -1), temperature, top_k, top_p,
                              None if generators is None else [generators[r] for r in rows])
-        drawn = tokens.tolist()
+        drawn = torch.where(finite[:, 0], tokens, -1).tolist()
+        if -1 in drawn:
+            raise ValueError(f"the logits of new token {step + 1} (position {len(prompt) + step}) "
+                             f"hold NaN or inf: an overflow in {weight.dtype} (float32 has more "
+                             "range), or a model that diverged")
         going = [i for i, token in enumerate(drawn) if token != eos_id]
         for i in going:
             new[rows[i]].append(drawn[i])

@@ -436,3 +436,66 @@ def test_generate_from_weights_with_a_nan_is_one_line_not_a_traceback(checkpoint
         assert err == (f"generate: error: {folder}: {tensor} holds non-finite values (NaN or "
                        "inf): the model's outputs would be NaN; a run that diverged, or a "
                        "damaged file\n")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_finite_weights_that_overflow_to_inf_logits_are_named(temperature):
+    """Finite float16 weights whose logits overflow (65504 is float16's largest): sampling
+    failed in torch.multinomial (a device-side assert on CUDA) and greedy decoding drew
+    garbage. A ValueError names the token and its position."""
+    model = model_for(DEBUG, seq_len=64).to(torch.float16)
+    with torch.no_grad():  # each logit about 60000 x the sum of a hidden state's values
+        model.output.weight[0::2] = 60000.0
+        model.output.weight[1::2] = -60000.0
+    prompt = [256, 100, 101]
+    assert not torch.isfinite(model.logits(model(torch.tensor([prompt]))[:, -1])).all()
+    with pytest.raises(ValueError, match=r"^the logits of new token 1 \(position 3\) hold NaN or "
+                                         r"inf: an overflow in torch.float16 \(float32 has more "
+                                         r"range\), or a model that diverged$"):
+        generate_batch(model, prompt, 5, 3, temperature=temperature, vocab_limit=259)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("temperature", ["1", "0"])
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "recompute"])
+def test_generate_with_inf_logits_at_one_step_is_one_line(checkpoint, capsys, monkeypatch,
+                                                          temperature, use_cache):
+    """The model's logits hold inf (in one row) at the third new token only: generate.py said
+    so with torch.multinomial's traceback ("probability tensor contains either inf, nan or
+    element < 0"), and printed garbage at temperature 0. One line naming the token and its
+    position, exit status 1."""
+    calls = []
+
+    def logits(self, hidden):
+        calls.append(1)
+        out = self.output(hidden)
+        return out.index_fill(0, torch.tensor([out.shape[0] - 1]), float("inf")) \
+            if len(calls) == 3 else out
+
+    monkeypatch.setattr(Llama, "logits", logits)
+    argv = ["--checkpoint", str(checkpoint), "--prompt", "ab", "--max-new-tokens", "6",
+            "--temperature", temperature, "--num-samples", "2", "--seed", "1"]
+    code = load_script("generate").main(argv + ([] if use_cache else ["--no-cache"]))
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and len(calls) == 3, err
+    assert err.splitlines()[-1] == (
+        "generate: error: the logits of new token 3 (position 5) hold NaN or inf: an overflow "
+        "in torch.float32 (float32 has more range), or a model that diverged")
+
+
+def test_the_logits_check_reads_nothing_more_to_the_host():
+    """The check rides on the tokens read each step (for eos): one read per step, as before,
+    not a sync of its own per token; inf logits at the third step only name that token."""
+    model = model_for(DEBUG, seq_len=64)
+    prompt = [256, 100, 101]
+    reads, tolist = [], torch.Tensor.tolist
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+        assert len(generate_batch(model, prompt, 5, 3, temperature=1.0)[0]) == 5
+    assert len(reads) == 5
+    steps, logits = [], model.logits
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "logits", lambda hidden: steps.append(1) or (
+            logits(hidden) + (float("inf") if len(steps) == 3 else 0.0)))
+        with pytest.raises(ValueError, match=r"^the logits of new token 3 \(position 5\) hold "):
+            generate_batch(model, prompt, 5, 3, temperature=1.0)
