@@ -61,6 +61,7 @@ def test_bench_peers_resume_keeps_the_finished_runs_and_runs_the_others(tmp_path
     and runs the ones it lacks; a report of another setup is refused. Real train.py runs of the
     debug model on the CPU."""
     monkeypatch.setenv("FLCE_GIT_REVISION", "aaaaaaa")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the trainers it starts (torch_threads.py)
     common = ["--config", "configs/debug.toml", "--seq-len", "64", "--steps", "5",
               "--warmup-steps", "2", "--log-freq", "1", "--runs-dir", str(tmp_path / "runs"),
               "--out", str(tmp_path / "peers")]

@@ -16,6 +16,7 @@ import pytest
 from scripts.bench import train as bench_train
 from scripts.lib import train_report
 from scripts.lib.runs import classify
+from torch_threads import ONE_THREAD
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = [sys.executable, "-m", "scripts.bench.train"]
@@ -84,7 +85,8 @@ def fake_trainer(tmp_path):
 @pytest.mark.slow
 def test_equal_batch_and_search_on_the_cpu(tmp_path):
     # CUDA hidden: the runs must be CPU runs also on a GPU machine (MFU and memory are None)
-    report, md, stdout = bench(tmp_path, *CPU_RUN, "--mode", "both", env={"CUDA_VISIBLE_DEVICES": ""})
+    report, md, stdout = bench(tmp_path, *CPU_RUN, "--mode", "both",
+                               env={"CUDA_VISIBLE_DEVICES": "", **ONE_THREAD})
     runs = report["runs"]
     # The search's batch-2 runs are the equal-batch runs, not run twice.
     assert [(r["loss"], r["batch"]) for r in runs] == [

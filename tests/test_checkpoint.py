@@ -19,6 +19,7 @@ import torch
 
 import train
 from components.checkpoint_folders import list_checkpoints
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread)
 
 ROOT = Path(__file__).resolve().parents[1]
 # The loss is not under test here: the unfused one is the fastest on the CPU, where the fused

@@ -11,6 +11,7 @@ import pytest
 from test_compare_losses import compare
 from test_launch_scripts import SHORT, option
 from test_script_conventions import files_under, run
+from torch_threads import ONE_THREAD
 
 
 # ---- the real thing, on the CPU --------------------------------------------------------------
@@ -19,7 +20,8 @@ from test_script_conventions import files_under, run
 def fused_vs_unfused(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     result = run(["scripts/compare_fused_vs_unfused.sh", "configs/debug.toml", *SHORT],
-                 env={"OUT_DIR": str(out), "PYTHON": sys.executable, "NGPU": "1"}, timeout=600)
+                 env={"OUT_DIR": str(out), "PYTHON": sys.executable, "NGPU": "1", **ONE_THREAD},
+                 timeout=600)
     return result, out
 
 
@@ -37,7 +39,7 @@ def test_fused_and_unfused_losses_agree(fused_vs_unfused):
 def train_short(dump, *overrides):
     result = run([sys.executable, "train.py", "--config", "configs/debug.toml", *SHORT,
                   "--metrics.log_freq", "1", *overrides, "--job.dump_folder", str(dump)],
-                 timeout=600)
+                 env=ONE_THREAD, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return dump
 
@@ -170,8 +172,8 @@ def test_float8_vs_bf16_trains_both_and_judges_float8_by_the_seed_band(tmp_path)
     """Real CPU runs: the float8 run has float8 layers (emulated on the CPU) and the float8
     loss, its curve differs from bf16's (it is not bf16 again) by far less than another seed's."""
     result = run(["scripts/compare_float8_vs_bf16.sh", "configs/debug.toml", *SHORT],
-                 env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1"},
-                 timeout=600)
+                 env={"OUT_DIR": str(tmp_path), "PYTHON": sys.executable, "NGPU": "1",
+                      **ONE_THREAD}, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "=== device cpu: verdict band" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("PASS: within the noise band")

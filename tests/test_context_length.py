@@ -23,6 +23,7 @@ from components.config.parse import load_config
 from models import FLAVORS, Llama, with_context
 from models import hf
 from parallelisms.build import model_args
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = FLAVORS["debug"]

@@ -23,6 +23,7 @@ import pytest
 import train
 from components.checkpoint_folders import list_checkpoints
 from test_checkpoint import as_before_checksums
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread)
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast subset
 

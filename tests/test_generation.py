@@ -15,6 +15,7 @@ import train
 from components.tokenizer import ByteTokenizer
 from models import FLAVORS, KVCache, Llama
 from models.generation import generate, generate_batch, row_generators, sample_next
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = FLAVORS["debug"]

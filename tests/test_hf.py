@@ -31,6 +31,7 @@ from components.data.build import build_data  # noqa: E402
 from components.tokenizer import ByteTokenizer  # noqa: E402
 from models import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from models import hf  # noqa: E402
+from torch_threads import one_torch_thread  # noqa: E402, F401 (autouse: one torch thread)
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 64

@@ -20,6 +20,7 @@ from components.config.parse import refusal_line
 from components.config.schema import ConfigError
 from components.optim import lr_multiplier
 from installed import needs_wandb
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = str(ROOT / "configs/debug.toml")
