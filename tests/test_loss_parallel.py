@@ -22,11 +22,9 @@ from ports import free_port
 OPTIONS = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 8.0, "ignore_index": -100}
 
 
-def _worker(rank, world, port, style_name, reduction, result_path, impl="torch", device="cpu"):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device == "cuda":  # one GPU per rank: gloo with CUDA tensors crashed (SIGSEGV) on an H200
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+def _case(mesh, style_name, reduction, impl="torch", device="cpu") -> dict:
+    """One style's loss and gradients on the mesh's ranks against the unfused float64 loss on
+    the whole batch: {"loss", "dx", "dw", "db", "ref_loss", "ref_dx", ...} on the CPU."""
     torch.manual_seed(0)  # the same global data on every rank
     B, T, H, V = 2, 10, 16, 37  # T and V not multiples of the world size
     x = torch.randn(B, T, H, dtype=torch.float64)
@@ -34,7 +32,6 @@ def _worker(rank, world, port, style_name, reduction, result_path, impl="torch",
     b = torch.randn(V, dtype=torch.float64) / 4
     t = torch.randint(0, V, (B, T))
     t[0, :3] = -100
-    mesh = init_device_mesh(device, (world,))
     x, w, b, t = (a.to(device) for a in (x, w, b, t))
     dtype = torch.float64 if impl == "torch" else torch.float32  # Triton: fp32
     loss_fn = flce.FusedLinearCrossEntropyLoss(reduction=reduction, impl=impl, **OPTIONS)
@@ -55,35 +52,60 @@ def _worker(rank, world, port, style_name, reduction, result_path, impl="torch",
     (ref * 0.7).backward()
     out.update(ref_loss=ref.detach().cpu(), ref_dx=xr.grad.cpu(), ref_dw=wr.grad.cpu(),
                ref_db=br.grad.cpu())
+    return out
+
+
+def _worker(rank, world, port, cases, result_path, device="cpu"):
+    """Each (style, reduction, impl) case on `world` ranks, in one process group (starting the
+    processes costs far more than a case); rank 0 saves {case: _case's results}."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":  # one GPU per rank: gloo with CUDA tensors crashed (SIGSEGV) on an H200
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh(device, (world,))
+    results = {case: _case(mesh, *case, device=device) for case in cases}
     if rank == 0:
-        torch.save(out, result_path)
+        torch.save(results, result_path)
     dist.destroy_process_group()
     # as the trainer leaves (components/process.py): gloo's teardown at interpreter exit aborts
     # now and then ("terminate called without an active exception", SIGABRT in a CI run)
     exit_without_teardown(0)
 
 
+STYLES = ["sequence", "vocab", "vocab_unfused"]
+TRITON_STYLES = ["sequence", "vocab"]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """The results of every 2-rank CPU case below, from one mp.spawn: {(style, reduction,
+    impl): _case's results}."""
+    cases = [(style, reduction, "torch") for style in STYLES for reduction in ("mean", "sum")]
+    if INTERPRETED:
+        cases += [(style, "mean", "triton") for style in TRITON_STYLES]
+    path = tmp_path_factory.mktemp("loss_parallel") / "results.pt"
+    mp.spawn(_worker, args=(2, free_port(), cases, str(path)), nprocs=2)
+    return torch.load(path)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("style", ["sequence", "vocab", "vocab_unfused"])
+@pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_loss_parallel_styles_match_float64(tmp_path, style, reduction):
-    path = tmp_path / "result.pt"
-    mp.spawn(_worker, args=(2, free_port(), style, reduction, str(path)), nprocs=2)
-    r = torch.load(path)
+def test_loss_parallel_styles_match_float64(two_ranks, style, reduction):
+    r = two_ranks[(style, reduction, "torch")]
     torch.testing.assert_close(r["loss"], r["ref_loss"], rtol=1e-10, atol=1e-12)
     for g in ("dx", "dw", "db"):
         torch.testing.assert_close(r[g], r[f"ref_{g}"], rtol=1e-9, atol=1e-12, msg=g)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+@pytest.mark.skipif(not INTERPRETED,
                     reason="runs the kernels on CPU tensors through Triton's interpreter")
-@pytest.mark.parametrize("style", ["sequence", "vocab"])
-def test_loss_parallel_styles_triton_kernels(tmp_path, style):
+@pytest.mark.parametrize("style", TRITON_STYLES)
+def test_loss_parallel_styles_triton_kernels(two_ranks, style):
     """The Triton kernels (vocab offset, statistics pass) in fp32 against float64."""
-    path = tmp_path / "result.pt"
-    mp.spawn(_worker, args=(2, free_port(), style, "mean", str(path), "triton"), nprocs=2)
-    r = torch.load(path)
+    r = two_ranks[(style, "mean", "triton")]
     torch.testing.assert_close(r["loss"].double(), r["ref_loss"], rtol=1e-5, atol=1e-6)
     for g in ("dx", "dw", "db"):
         torch.testing.assert_close(r[g].double(), r[f"ref_{g}"], rtol=1e-4, atol=1e-6, msg=g)
@@ -94,8 +116,9 @@ def test_loss_parallel_styles_triton_kernels(tmp_path, style):
 def test_loss_parallel_styles_triton_on_cuda(tmp_path, style):
     """The same on two GPUs with NCCL: the compiled Triton kernels."""
     path = tmp_path / "result.pt"
-    mp.spawn(_worker, args=(2, free_port(), style, "mean", str(path), "triton", "cuda"), nprocs=2)
-    r = torch.load(path)
+    mp.spawn(_worker, args=(2, free_port(), [(style, "mean", "triton")], str(path), "cuda"),
+             nprocs=2)
+    r = torch.load(path)[(style, "mean", "triton")]
     torch.testing.assert_close(r["loss"].double(), r["ref_loss"], rtol=1e-5, atol=1e-6)
     for g in ("dx", "dw", "db"):
         torch.testing.assert_close(r[g].double(), r[f"ref_{g}"], rtol=1e-4, atol=1e-6, msg=g)
