@@ -470,8 +470,8 @@ def test_generate_with_inf_logits_at_one_step_is_one_line(checkpoint, capsys, mo
     def logits(self, hidden):
         calls.append(1)
         out = self.output(hidden)
-        return out.index_fill(0, torch.tensor([out.shape[0] - 1]), float("inf")) \
-            if len(calls) == 3 else out
+        last_row = torch.tensor([out.shape[0] - 1], device=out.device)  # cuda under the GPU suite
+        return out.index_fill(0, last_row, float("inf")) if len(calls) == 3 else out
 
     monkeypatch.setattr(Llama, "logits", logits)
     argv = ["--checkpoint", str(checkpoint), "--prompt", "ab", "--max-new-tokens", "6",
