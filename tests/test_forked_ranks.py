@@ -1,0 +1,98 @@
+"""tests/forked_ranks.py gives what torchrun gives: the same metrics for a 2-rank run, the
+test's environment and torchrun's variables in each rank, a failed rank's status and words,
+and a timeout."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import forked_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+ARGS = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+        "--training.seq_len", "64", "--metrics.log_freq", "1", "--job.print_config", "false",
+        "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2",
+        "--training.steps", "4", "--data.synthetic", "true", "--training.local_batch_size", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def script(tmp_path: Path, code: str) -> str:
+    path = tmp_path / "probe.py"
+    path.write_text(textwrap.dedent(code))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_as_under_torchrun(tmp_path):
+    rows = {}
+    for how, launch in (("torchrun", subprocess.run), ("forked", forked_ranks.run)):
+        dump = tmp_path / how
+        launch(TORCHRUN + ["2", str(ROOT / "train.py"), *ARGS, "--job.dump_folder", str(dump)],
+               cwd=ROOT, env=ENV, timeout=300, check=True, stdout=subprocess.DEVNULL)
+        rows[how] = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "grad_norm")
+    got, ref = ([{k: r[k] for k in keys if k in r} for r in rows[how]]
+                for how in ("forked", "torchrun"))
+    assert len(got) == len(ref) >= 4 and any("loss" in r for r in got)
+    for a, b in zip(got, ref):
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-6 for k in a), (a, b)
+
+
+def test_each_rank_has_the_tests_environment_and_torchruns(tmp_path):
+    probe = script(tmp_path, """
+        import os, sys, torch
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PROBE", "MASTER_ADDR")
+        print(*(os.environ[k] for k in keys), torch.get_num_threads(), os.getcwd(), sys.argv[1:])
+        """)
+    run = forked_ranks.run(TORCHRUN + ["2", probe, "--x", "1"], cwd=tmp_path,
+                           env={**ENV, "PROBE": "from-the-test"}, timeout=60,
+                           capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stdout.splitlines()) == [
+        f"{r} {r} 2 2 from-the-test 127.0.0.1 1 {tmp_path} ['--x', '1']" for r in (0, 1)]
+
+
+def test_a_failed_rank_fails_the_launch_and_ends_the_others(tmp_path):
+    probe = script(tmp_path, """
+        import os, time
+        if os.environ["RANK"] == "1":
+            raise ValueError("rank 1 gives up")
+        time.sleep(120)
+        """)
+    start = time.monotonic()
+    run = forked_ranks.run(TORCHRUN + ["2", probe], cwd=tmp_path, env=ENV, timeout=100,
+                           capture_output=True, text=True)
+    assert run.returncode == 1  # torchrun's, whatever the rank's status
+    assert "ValueError: rank 1 gives up" in run.stderr
+    assert time.monotonic() - start < 60  # rank 0 was ended (SIGTERM), not waited for
+
+
+def test_a_config_error_exits_as_under_torchrun(tmp_path):
+    run = forked_ranks.run(TORCHRUN + ["2", str(ROOT / "train.py"), *ARGS, "--job.dump_folder",
+                                       str(tmp_path), "--training.seq_len", "63",
+                                       "--parallelism.tensor_parallel_degree", "2"],
+                           cwd=ROOT, env=ENV, timeout=300, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "config error: [parallelism] tensor_parallel_degree = 2 does not divide" in run.stderr
+
+
+def test_a_timeout_ends_the_ranks(tmp_path):
+    marker = tmp_path / "still-running"
+    probe = script(tmp_path, f"""
+        import time
+        time.sleep(5)
+        open({str(marker)!r}, "w").close()
+        """)
+    with pytest.raises(subprocess.TimeoutExpired):
+        forked_ranks.run(TORCHRUN + ["2", probe], cwd=tmp_path, env=ENV, timeout=1)
+    time.sleep(6)
+    if not forked_ranks._forkable(TORCHRUN + ["2", probe], ENV):
+        return  # subprocess.run's timeout ends torchrun, and its ranks may go on
+    assert not marker.exists()
