@@ -22,12 +22,15 @@ import time
 import uuid
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone"]
-# Read when an interpreter starts or torch is imported: the zygote's values are the ranks' then,
-# so a request whose values differ runs on real torchrun. OMP_NUM_THREADS is applied per rank.
+# Read when an interpreter starts or torch and numpy load (OMP_NUM_THREADS too: OpenBLAS sizes
+# its thread pool by it): the zygote's values are the ranks' then, so a request whose values
+# differ runs on real torchrun.
 AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS",
              "CUDA", "NCCL", "GLOO", "TRITON", "NUMPY")
 # Set per rank: -u (torchrun's) and faulthandler, which a rank switches on itself.
-PER_RANK = {"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "OMP_NUM_THREADS"}
+PER_RANK = {"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER"}
+# The zygote's: what the tests give their multi-rank launches, and torchrun's default for them.
+ZYGOTE_ENV = {"OMP_NUM_THREADS": "1"}
 GRACE_S = 30  # torchrun's: SIGTERM to the other ranks once one failed, SIGKILL this much later
 
 _zygote: tuple[subprocess.Popen, dict] | None = None
@@ -37,29 +40,34 @@ def _import_sensitive(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(AT_IMPORT) and k not in PER_RANK}
 
 
-def _forkable(command: list, env: dict) -> bool:
+def torch_cuda() -> bool:
     import torch
-    if torch.cuda.is_available() or os.environ.get("FLCE_TEST_REAL_TORCHRUN") == "1":
+    return torch.cuda.is_available()
+
+
+def _forkable(command: list, env: dict) -> bool:
+    if torch_cuda() or os.environ.get("FLCE_TEST_REAL_TORCHRUN") == "1":
         return False
     if len(command) < 7 or command[1:4] != TORCHRUN:
         return False
-    if command[4] not in ("--nproc_per_node", "--nproc-per-node"):
+    if command[4] not in ("--nproc_per_node", "--nproc-per-node") or not command[5].isdigit():
         return False
+    if int(command[5]) > 1:  # torchrun's default for several ranks
+        env = {"OMP_NUM_THREADS": "1", **env}
     if not command[6].endswith(".py") or command[6].startswith("-"):
         return False
-    # without OMP_NUM_THREADS a rank takes the zygote's default (its value, or none)
-    zygote_env = _zygote[1] if _zygote else os.environ
-    return (_import_sensitive(env) == _import_sensitive(zygote_env)
-            and ("OMP_NUM_THREADS" in env or "OMP_NUM_THREADS" not in zygote_env))
+    zygote_env = _zygote[1] if _zygote else {**os.environ, **ZYGOTE_ENV}
+    return _import_sensitive(env) == _import_sensitive(zygote_env)
 
 
 def _server() -> subprocess.Popen:
     global _zygote
     if _zygote is None or _zygote[0].poll() is not None:
         # a fresh interpreter, not a fork of this one: pytest-xdist's execnet runs threads here
+        env = {**os.environ, **ZYGOTE_ENV}
         proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ)
-        _zygote = proc, dict(os.environ)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        _zygote = proc, env
         atexit.register(proc.stdin.close)  # its EOF ends the zygote
     return _zygote[0]
 
@@ -92,7 +100,9 @@ def run(command: list, *, cwd=None, env=None, timeout=None, check=False, capture
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, out, err)
     if first is not None:  # torchrun's report of the first failure
-        err += "".join(f"  rank      : {r} (local_rank: {r})\n  exitcode  : {codes[r]}\n"
+        err += "".join(f"  rank      : {r} (local_rank: {r})\n  exitcode  : {codes[r]}"
+                       + (f" (Signal {-codes[r]} ({signal.Signals(-codes[r]).name}))"
+                          if codes[r] < 0 else "") + "\n"
                        for r in [first] + [r for r, c in enumerate(codes) if c and r != first])
     returncode = 0 if first is None else 1  # torchrun's status when a rank failed
     if not (capture_output or stdout == subprocess.PIPE):
@@ -188,7 +198,9 @@ def _launch(request: dict) -> tuple[list, int | None, bool]:
     ranks = {}
     for rank in range(request["nproc"]):
         # a fork copies only the calling thread: another one's locks would stay held in the child
+        # (native threads too: OpenBLAS starts a pool unless OMP_NUM_THREADS=1 when it loads)
         assert threading.active_count() == 1, threading.enumerate()
+        assert len(os.listdir("/proc/self/task")) == 1, "a native thread runs in the zygote"
         pid = os.fork()
         if pid == 0:
             _rank(request, rank)

@@ -8,6 +8,8 @@ import subprocess
 import warnings
 from pathlib import Path
 
+import forked_ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # PYTHONFAULTHANDLER: a rank that crashes (a signal) prints its Python stack for errors()
@@ -20,15 +22,17 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 NATIVE_CRASH = re.compile(r"Fatal Python error: (Segmentation fault|Aborted)")
 
 
-def launch(command: list[str], dump: Path) -> subprocess.CompletedProcess:
+def launch(command: list[str], dump: Path, forked: bool = False) -> subprocess.CompletedProcess:
     """Run a torchrun command writing into `dump`; once more, on `dump` as it was before, if a
-    rank crashed in native code (NATIVE_CRASH)."""
+    rank crashed in native code (NATIVE_CRASH). `forked`: its ranks forked from a process that
+    imported torch already (tests/forked_ranks.py), for a test of what the ranks compute."""
     before = dump.with_name(dump.name + ".before-launch")
     if dump.exists():  # a launch may resume in a folder an earlier one wrote
         shutil.copytree(dump, before)
     for attempt in (1, 2):
-        run = subprocess.run(command, cwd=ROOT, env={**os.environ, **LAUNCH_ENV}, timeout=400,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        run = (forked_ranks.run if forked else subprocess.run)(
+            command, cwd=ROOT, env={**os.environ, **LAUNCH_ENV}, timeout=400,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if run.returncode == 0 or attempt == 2 or not NATIVE_CRASH.search(run.stderr):
             break
         warnings.warn(f"torchrun: a rank crashed in native code, launching again: "

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forked_ranks
 import train
 from components.checkpoint_folders import list_checkpoints
 from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread)
@@ -304,10 +305,11 @@ def test_two_processes_save_one_process_resumes(tmp_path):
     synthetic = ["--data.synthetic", "true", "--training.steps", "6", "--checkpoint.interval", "3"]
     two = tmp_path / "two"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node", "2", str(ROOT / "train.py"), *BASE, *synthetic,
-                    "--training.local_batch_size", "2", "--checkpoint.async_mode", "async",
-                    "--job.dump_folder", str(two)], check=True, cwd=ROOT, env=env, timeout=180)
+    # the ranks forked from a process that imported torch already (tests/forked_ranks.py)
+    forked_ranks.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node", "2", str(ROOT / "train.py"), *BASE, *synthetic,
+                      "--training.local_batch_size", "2", "--checkpoint.async_mode", "async",
+                      "--job.dump_folder", str(two)], check=True, cwd=ROOT, env=env, timeout=180)
     one = tmp_path / "one"
     (one / "checkpoint").mkdir(parents=True)
     shutil.copytree(two / "checkpoint" / "step-3", one / "checkpoint" / "step-3")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import forked_ranks
 import train
 from components.config.schema import ConfigError, Float8, Loss
 from components.config.parse import is_config_error, load_config
@@ -326,7 +327,7 @@ def test_tp_float8_styles_on_one_process():
 
 def _torchrun(dump: Path, *overrides) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = forked_ranks.run(  # its ranks forked from a process that imported torch already
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(ROOT / "train.py"), *BASE, *FLOAT8, "--job.dump_folder", str(dump), *overrides],
         cwd=ROOT, env=env, timeout=400, capture_output=True, text=True)

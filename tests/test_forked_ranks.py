@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import forked_ranks
+from launches import NATIVE_CRASH, errors
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
@@ -96,3 +97,28 @@ def test_a_timeout_ends_the_ranks(tmp_path):
     if not forked_ranks._forkable(TORCHRUN + ["2", probe], ENV):
         return  # subprocess.run's timeout ends torchrun, and its ranks may go on
     assert not marker.exists()
+
+
+def test_a_rank_that_crashes_says_where(tmp_path):
+    """A rank dying of a signal: its Python stack (PYTHONFAULTHANDLER) and the signal's name, which
+    launches.launch reads to launch once more."""
+    probe = script(tmp_path, """
+        import ctypes, os
+        if os.environ["RANK"] == "1":
+            ctypes.string_at(0)
+        """)
+    run = forked_ranks.run(TORCHRUN + ["2", probe], cwd=tmp_path, timeout=60, text=True,
+                           env={**ENV, "PYTHONFAULTHANDLER": "1"}, capture_output=True)
+    assert run.returncode == 1
+    assert NATIVE_CRASH.search(run.stderr), run.stderr
+    assert "SIGSEGV" in errors(run.stderr), run.stderr
+
+
+def test_an_environment_the_zygote_cannot_give_runs_on_torchrun(tmp_path):
+    command = TORCHRUN + ["2", str(ROOT / "train.py")]
+    assert not forked_ranks._forkable(command, {**ENV, "OMP_NUM_THREADS": "2"})
+    assert not forked_ranks._forkable(command, {**ENV, "PYTHONHASHSEED": "12345"})
+    one = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    assert not forked_ranks._forkable(command[:5] + ["1", *command[6:]], one)
+    real = forked_ranks.torch_cuda() or os.environ.get("FLCE_TEST_REAL_TORCHRUN") == "1"
+    assert forked_ranks._forkable(command, ENV) != real  # the tests' launches do fork here

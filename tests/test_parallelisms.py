@@ -34,7 +34,7 @@ BASE = ["--config", str(ROOT / "configs/debug.toml"), "--training.device", "cpu"
 def torchrun(nproc: int, dump: Path, *overrides) -> None:
     run = launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc_per_node", str(nproc), str(ROOT / "train.py"), *BASE,
-                  "--job.dump_folder", str(dump), *overrides], dump)
+                  "--job.dump_folder", str(dump), *overrides], dump, forked=True)
     assert run.returncode == 0, f"torchrun exited {run.returncode}: {errors(run.stderr)}"
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import forked_ranks
 import train
 from components.config.schema import Data, MixtureSource, Training
 from components.data.build import build_data
@@ -275,10 +276,11 @@ def test_torchrun_gloo_two_processes_match_one_on_a_mixture(tmp_path, byte_shard
     resolved = (tmp_path / "one" / "config.toml").read_text()
     assert f'mixture = [{{source = "{byte_shards / "web"}", weight = 3.0}}' in resolved
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    str(ROOT / "train.py"), *args, "--training.local_batch_size", "2",
-                    "--job.dump_folder", str(tmp_path / "two")], check=True, cwd=ROOT, env=env, timeout=300,
-                   stdout=subprocess.DEVNULL)
+    # the ranks forked from a process that imported torch already (tests/forked_ranks.py)
+    forked_ranks.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node", "2", str(ROOT / "train.py"), *args,
+                      "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "two")],
+                     check=True, cwd=ROOT, env=env, timeout=300, stdout=subprocess.DEVNULL)
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     assert max(abs(one[s] - two[s]) for s in one) <= 1e-5
