@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone"]
 # Read when an interpreter starts or torch and numpy load (OMP_NUM_THREADS too: OpenBLAS sizes
@@ -75,6 +76,7 @@ def _server() -> subprocess.Popen:
 def run(command: list, *, cwd=None, env=None, timeout=None, check=False, capture_output=False,
         stdout=None, stderr=None, text=False) -> subprocess.CompletedProcess:
     """subprocess.run(command, ...) of a torchrun command, the ranks forked (see the module)."""
+    assert stderr != subprocess.STDOUT, "not kept apart from stdout here"
     env = dict(os.environ if env is None else env)
     if not _forkable(command, env):
         return subprocess.run(command, cwd=cwd, env=env, timeout=timeout, check=check, text=text,
@@ -88,15 +90,20 @@ def run(command: list, *, cwd=None, env=None, timeout=None, check=False, capture
                        env=env, cwd=os.path.abspath(cwd or "."), nproc=nproc, logs=logs,
                        port=free_port(), timeout=timeout or 24 * 3600)
         zygote = _server()
-        pickle.dump(request, zygote.stdin)
-        zygote.stdin.flush()
-        # the zygote keeps the timeout; this is for a zygote that hangs or died
-        if not select.select([zygote.stdout], [], [], request["timeout"] + 60)[0]:
+        try:
+            pickle.dump(request, zygote.stdin)
+            zygote.stdin.flush()
+            # the zygote keeps the timeout; this is for a zygote that hangs or died
+            if not select.select([zygote.stdout], [], [], request["timeout"] + 60)[0]:
+                raise RuntimeError("forked_ranks: the zygote did not answer")
+            codes, first, timed_out = pickle.load(zygote.stdout)
+        except BaseException:  # its answer would be read as the next request's: a new zygote
+            global _zygote
             zygote.kill()
-            raise RuntimeError("forked_ranks: the zygote did not answer")
-        codes, first, timed_out = pickle.load(zygote.stdout)
-        out, err = ("".join(open(os.path.join(logs, f"{r}.{s}"), errors="backslashreplace")
-                            .read() for r in range(nproc)) for s in ("out", "err"))
+            _zygote = None
+            raise
+        out, err = ("".join(Path(logs, f"{r}.{s}").read_text(errors="backslashreplace")
+                            for r in range(nproc)) for s in ("out", "err"))
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, out, err)
     if first is not None:  # torchrun's report of the first failure
