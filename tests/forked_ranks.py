@@ -10,15 +10,20 @@ GPU machine, with FLCE_TEST_REAL_TORCHRUN=1, and where the command or environmen
 what the zygote can reproduce (see `_forkable`)."""
 
 import atexit
+import faulthandler
 import io
 import os
 import pickle
+import random
+import runpy
 import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -158,10 +163,7 @@ def _rank(request: dict, rank: int) -> None:
             io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
             errors="backslashreplace", write_through=True)
         if os.environ.get("PYTHONFAULTHANDLER"):
-            import faulthandler
             faulthandler.enable()
-        import random
-
         import numpy as np
         import torch
         random.seed()  # a fresh interpreter seeds these from the OS, not from the zygote's state
@@ -171,7 +173,6 @@ def _rank(request: dict, rank: int) -> None:
         os.chdir(request["cwd"])
         sys.argv = [request["script"], *request["args"]]
         sys.path[0] = os.path.dirname(request["script"])  # as `python script` has it
-        import runpy
         try:
             runpy.run_path(request["script"], run_name="__main__")
             code = 0
@@ -182,12 +183,9 @@ def _rank(request: dict, rank: int) -> None:
         except BaseException:
             sys.excepthook(*sys.exc_info())
         # what an interpreter does when it ends: wait for non-daemon threads, run atexit
-        import threading
         threading._shutdown()
-        import atexit as exits
-        exits._run_exitfuncs()
+        atexit._run_exitfuncs()
     except BaseException:
-        import traceback
         traceback.print_exc()
         code = 1
     finally:
@@ -200,7 +198,6 @@ def _rank(request: dict, rank: int) -> None:
 
 
 def _launch(request: dict) -> tuple[list, int | None, bool]:
-    import threading
     request["run_id"] = str(uuid.uuid4())
     ranks = {}
     for rank in range(request["nproc"]):
