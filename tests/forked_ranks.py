@@ -74,8 +74,17 @@ def _server() -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         _zygote = proc, env
-        atexit.register(proc.stdin.close)  # its EOF ends the zygote
+        atexit.register(_stop, proc)
     return _zygote[0]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.stdin.close()  # its EOF ends the zygote
+    proc.stdout.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def run(command: list, *, cwd=None, env=None, timeout=None, check=False, capture_output=False,
@@ -105,6 +114,7 @@ def run(command: list, *, cwd=None, env=None, timeout=None, check=False, capture
         except BaseException:  # its answer would be read as the next request's: a new zygote
             global _zygote
             zygote.kill()
+            _stop(zygote)
             _zygote = None
             raise
         out, err = ("".join(Path(logs, f"{r}.{s}").read_text(errors="backslashreplace")
