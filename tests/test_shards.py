@@ -279,7 +279,8 @@ def test_torchrun_gloo_two_processes_match_one_on_a_mixture(tmp_path, byte_shard
     # the ranks forked from a process that imported torch already (tests/forked_ranks.py)
     forked_ranks.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                       "--nproc_per_node", "2", str(ROOT / "train.py"), *args,
-                      "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "two")],
+                      "--training.local_batch_size", "2",
+                      "--job.dump_folder", str(tmp_path / "two")],
                      check=True, cwd=ROOT, env=env, timeout=300, stdout=subprocess.DEVNULL)
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
