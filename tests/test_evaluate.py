@@ -13,7 +13,6 @@ import math
 import os
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import forked_ranks  # the ranks of a launch forked: tests/forked_ranks.py
 import train
 from components.config.schema import Data, Training
 from components.data.build import build_data
@@ -300,17 +300,17 @@ def test_evaluate_reproduces_a_two_rank_runs_validation(tmp_path, capsys):
     """Each data-parallel rank validates its own share of the documents: evaluating rank 0's
     share alone gave other numbers than the run logged."""
     dump = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node", "2", str(ROOT / "train.py"), "--config",
-                    str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
-                    "--training.seq_len", "64", "--training.local_batch_size", "2",
-                    "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
-                    "--loss.impl", "unfused", "--data.num_workers", "0",
-                    "--validation.enable", "true", "--validation.freq", "2",
-                    "--validation.steps", "2", "--checkpoint.enable", "true",
-                    "--checkpoint.interval", "2", "--job.print_config", "false",
-                    "--job.dump_folder", str(dump)],
-                   check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    forked_ranks.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node", "2", str(ROOT / "train.py"), "--config",
+                      str(ROOT / "configs/debug.toml"), "--training.device", "cpu",
+                      "--training.seq_len", "64", "--training.local_batch_size", "2",
+                      "--training.steps", "2", "--lr_scheduler.warmup_steps", "1",
+                      "--loss.impl", "unfused", "--data.num_workers", "0",
+                      "--validation.enable", "true", "--validation.freq", "2",
+                      "--validation.steps", "2", "--checkpoint.enable", "true",
+                      "--checkpoint.interval", "2", "--job.print_config", "false",
+                      "--job.dump_folder", str(dump)],
+                     check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     (val,) = [r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())
               if "val_loss" in r]
     out = tmp_path / "eval.json"

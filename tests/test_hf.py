@@ -25,6 +25,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+import forked_ranks  # noqa: E402 (the ranks of a launch forked: tests/forked_ranks.py)
 import train  # noqa: E402
 from components.config.schema import Data, Training  # noqa: E402
 from components.data.build import build_data  # noqa: E402
@@ -328,12 +329,12 @@ def test_trainer_starts_from_a_hf_folder_in_any_layout(layout, hf_folder, tmp_pa
     else:
         tp = "2" if layout == "tp2" else "1"
         batch = "4" if layout == "tp2" else "2"  # the same global batch of 4 windows
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "2", str(ROOT / "train.py"), *argv,
-                        "--parallelism.tensor_parallel_degree", tp,
-                        "--training.local_batch_size", batch],
-                       check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       timeout=300, stdout=subprocess.DEVNULL)
+        forked_ranks.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(ROOT / "train.py"), *argv,
+                          "--parallelism.tensor_parallel_degree", tp,
+                          "--training.local_batch_size", batch],
+                         check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         timeout=300, stdout=subprocess.DEVNULL)
     assert abs(first_loss(dump) - expected) < 1e-5
 
 

@@ -3,11 +3,11 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
+import forked_ranks  # the ranks of a launch forked: tests/forked_ranks.py
 from test_train import ROOT, SMALL, run
 
 
@@ -65,10 +65,10 @@ def test_ranks_skip_a_step_together(tmp_path):
     def run_2(name: str, **env) -> list[dict]:
         args = SMALL + ["--training.steps", "3", "--training.local_batch_size", "2",
                         "--data.synthetic", "true", "--job.dump_folder", str(tmp_path / name)]
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "2", str(ROOT / "train.py"), *args], check=True,
-                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                      "FLCE_TEST_NAN_STEPS": "2", **env}, timeout=300)
+        forked_ranks.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(ROOT / "train.py"), *args], check=True,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                        "FLCE_TEST_NAN_STEPS": "2", **env}, timeout=300)
         return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     one_rank, every_rank = run_2("one_rank", FLCE_TEST_NAN_RANK="1"), run_2("every_rank")
