@@ -25,3 +25,16 @@ def float8_at_any_size(monkeypatch):
     import flce.ops
     monkeypatch.setattr(flce.ops, "FLOAT8_MIN_TOKENS", 0)
     monkeypatch.setattr(flce.ops, "FLOAT8_MIN_WORK", 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The environment as it was before each test, its fixtures' setup included: an in-process
+    train.main sets variables (the flight recorder's TORCH_FR_* with the run's folder, a
+    deterministic run's CUBLAS_WORKSPACE_CONFIG) that every later test's subprocesses would
+    inherit, and for which tests/forked_ranks.py would start another zygote."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -7,7 +7,7 @@ and sympy (~1 s more). The zygote, one per pytest process, imports them once and
 For tests about what the ranks compute (layouts, checkpoints across layouts), not the launcher:
 signals, exit codes, faults and timeouts stay on real torchrun. Real torchrun runs instead on a
 GPU machine, with FLCE_TEST_REAL_TORCHRUN=1, and where the command or environment differs from
-what the zygote can reproduce (see `_forkable`)."""
+what a zygote can reproduce (see `_forkable`)."""
 
 import atexit
 import faulthandler
@@ -28,14 +28,16 @@ import uuid
 from pathlib import Path
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone"]
-# Read when an interpreter starts or torch and numpy load (OMP_NUM_THREADS too: OpenBLAS sizes
-# its thread pool by it): the zygote's values are the ranks' then, so a request whose values
-# differ runs on real torchrun.
+# Read when an interpreter starts or torch and numpy load: the zygote's values are the ranks'
+# then, so a request whose values differ gets a zygote of its own (an in-process train.main
+# leaves TORCH_FR_*, CUBLAS_WORKSPACE_CONFIG, ... in the test process's environment).
 AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS",
              "CUDA", "NCCL", "GLOO", "TRITON", "NUMPY")
 # Set per rank: -u (torchrun's) and faulthandler, which a rank switches on itself.
 PER_RANK = {"PYTHONUNBUFFERED", "PYTHONFAULTHANDLER"}
-# The zygote's: what the tests give their multi-rank launches, and torchrun's default for them.
+# Every zygote's: OpenBLAS sizes its thread pool by it when numpy loads, and a fork must not
+# copy a pool. torchrun's default for several ranks, and what the tests give theirs; a request
+# with another value runs on real torchrun.
 ZYGOTE_ENV = {"OMP_NUM_THREADS": "1"}
 GRACE_S = 30  # torchrun's: SIGTERM to the other ranks once one failed, SIGKILL this much later
 
@@ -62,15 +64,20 @@ def _forkable(command: list, env: dict) -> bool:
         env = {"OMP_NUM_THREADS": "1", **env}
     if not command[6].endswith(".py") or command[6].startswith("-"):
         return False
-    zygote_env = _zygote[1] if _zygote else {**os.environ, **ZYGOTE_ENV}
-    return _import_sensitive(env) == _import_sensitive(zygote_env)
+    return all(env.get(k) == v for k, v in ZYGOTE_ENV.items())
 
 
-def _server() -> subprocess.Popen:
+def _server(env: dict) -> subprocess.Popen:
+    """The zygote for a request's environment: the running one where the variables read at
+    import are the same, else a new one started with the request's."""
     global _zygote
-    if _zygote is None or _zygote[0].poll() is not None:
+    if _zygote is not None and (_zygote[0].poll() is not None
+                                or _import_sensitive(_zygote[1]) != _import_sensitive(env)):
+        _stop(_zygote[0])
+        _zygote = None
+    if _zygote is None:
         # a fresh interpreter, not a fork of this one: pytest-xdist's execnet runs threads here
-        env = {**os.environ, **ZYGOTE_ENV}
+        env = {k: v for k, v in env.items() if k not in PER_RANK}
         proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         _zygote = proc, env
@@ -103,7 +110,7 @@ def run(command: list, *, cwd=None, env=None, timeout=None, check=False, capture
         request = dict(script=os.path.abspath(os.path.join(cwd or ".", script)), args=args,
                        env=env, cwd=os.path.abspath(cwd or "."), nproc=nproc, logs=logs,
                        port=free_port(), timeout=timeout or 24 * 3600)
-        zygote = _server()
+        zygote = _server(env)
         try:
             pickle.dump(request, zygote.stdin)
             zygote.stdin.flush()

@@ -117,8 +117,24 @@ def test_a_rank_that_crashes_says_where(tmp_path):
 def test_an_environment_the_zygote_cannot_give_runs_on_torchrun(tmp_path):
     command = TORCHRUN + ["2", str(ROOT / "train.py")]
     assert not forked_ranks._forkable(command, {**ENV, "OMP_NUM_THREADS": "2"})
-    assert not forked_ranks._forkable(command, {**ENV, "PYTHONHASHSEED": "12345"})
     one = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
     assert not forked_ranks._forkable(command[:5] + ["1", *command[6:]], one)
     real = forked_ranks.torch_cuda() or os.environ.get("FLCE_TEST_REAL_TORCHRUN") == "1"
     assert forked_ranks._forkable(command, ENV) != real  # the tests' launches do fork here
+    # A variable read at import that differs from the running zygote's (an in-process
+    # train.main leaves CUBLAS_WORKSPACE_CONFIG and TORCH_FR_* behind; here the hash seed): a
+    # zygote of its own, started with it, forks those ranks. Before, every later launch of
+    # that test process ran on real torchrun.
+    probe = script(tmp_path, """
+        import os
+        print(os.environ["MASTER_ADDR"], hash("forked"))
+        """)
+    for seed in ("1", "2"):
+        env = {**ENV, "PYTHONHASHSEED": seed}
+        run = forked_ranks.run(TORCHRUN + ["2", probe], cwd=tmp_path, env=env, timeout=60,
+                               capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        fresh = subprocess.run([sys.executable, "-c", 'print(hash("forked"))'], env=env,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        addr = "localhost" if real else "127.0.0.1"  # torchrun's --standalone, or the fork's
+        assert run.stdout.splitlines() == [f"{addr} {fresh}"] * 2
