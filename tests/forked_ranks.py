@@ -53,6 +53,11 @@ def torch_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _with_torchrun_defaults(nproc: int, env: dict) -> dict:
+    """env with torchrun's OMP_NUM_THREADS=1 for several ranks, where env sets none."""
+    return {"OMP_NUM_THREADS": "1", **env} if nproc > 1 else env
+
+
 def _forkable(command: list, env: dict) -> bool:
     if torch_cuda() or os.environ.get("FLCE_TEST_REAL_TORCHRUN") == "1":
         return False
@@ -60,10 +65,9 @@ def _forkable(command: list, env: dict) -> bool:
         return False
     if command[4] not in ("--nproc_per_node", "--nproc-per-node") or not command[5].isdigit():
         return False
-    if int(command[5]) > 1:  # torchrun's default for several ranks
-        env = {"OMP_NUM_THREADS": "1", **env}
     if not command[6].endswith(".py") or command[6].startswith("-"):
         return False
+    env = _with_torchrun_defaults(int(command[5]), env)
     return all(env.get(k) == v for k, v in ZYGOTE_ENV.items())
 
 
@@ -103,8 +107,7 @@ def run(command: list, *, cwd=None, env=None, timeout=None, check=False, capture
         return subprocess.run(command, cwd=cwd, env=env, timeout=timeout, check=check, text=text,
                               capture_output=capture_output, stdout=stdout, stderr=stderr)
     nproc, script, args = int(command[5]), command[6], command[7:]
-    if nproc > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
+    env = _with_torchrun_defaults(nproc, env)
     from ports import free_port
     with tempfile.TemporaryDirectory(prefix="forked-ranks-") as logs:
         request = dict(script=os.path.abspath(os.path.join(cwd or ".", script)), args=args,
@@ -135,10 +138,12 @@ def run(command: list, *, cwd=None, env=None, timeout=None, check=False, capture
                        for r in [first] + [r for r, c in enumerate(codes) if c and r != first])
     returncode = 0 if first is None else 1  # torchrun's status when a rank failed
     if not (capture_output or stdout == subprocess.PIPE):
-        None if stdout == subprocess.DEVNULL else sys.stdout.write(out)
+        if stdout != subprocess.DEVNULL:
+            sys.stdout.write(out)
         out = None
     if not (capture_output or stderr == subprocess.PIPE):
-        None if stderr == subprocess.DEVNULL else sys.stderr.write(err)
+        if stderr != subprocess.DEVNULL:
+            sys.stderr.write(err)
         err = None
     if not text:
         out, err = (s.encode() if s is not None else None for s in (out, err))
