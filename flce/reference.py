@@ -160,7 +160,8 @@ def linear_cross_entropy(
     opts = LossOptions(ignore_index, label_smoothing, logit_scale, z_loss, softcap, reduction)
     shape = target.shape
     x = x.reshape(-1, x.shape[-1])
-    target = target.reshape(-1)
+    # the class ids the fused loss takes (int8 to int64): cross_entropy takes int64 alone
+    target = target.reshape(-1).long()
     z = scaled_logits(F.linear(x, weight, bias), opts)
     if opts.z_loss == 0:  # the stock loss, as most trainers call it
         loss = F.cross_entropy(z, target, ignore_index=opts.ignore_index,

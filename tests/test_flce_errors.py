@@ -1,5 +1,7 @@
 """Bad input gets an error that names the problem."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -136,6 +138,20 @@ def test_narrow_integer_targets(dtype):
     for chunk in (None, 2):
         got = flce.fused_linear_cross_entropy(x, target.to(dtype), weight, bias, chunk_size=chunk)
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+@pytest.mark.parametrize("baseline", ["unfused", "torch_chunked"])
+def test_baselines_take_the_targets_the_fused_loss_takes(dtype, baseline):
+    """The unfused baselines stopped at cross_entropy's "expected target dtype to be Long" for
+    the narrow class ids the fused loss takes, so [loss] impl could not be switched alone."""
+    x, target, weight, bias = _inputs()
+    target[1] = 3  # the ignored id below
+    kwargs = {"ignore_index": 3}
+    ref = flce.fused_linear_cross_entropy(x, target, weight, bias, **kwargs)
+    loss = (flce.linear_cross_entropy if baseline == "unfused" else
+            partial(flce.chunked_linear_cross_entropy, chunk_size=2))
+    torch.testing.assert_close(loss(x, target.to(dtype), weight, bias, **kwargs), ref)
 
 
 def test_torch_chunked_loss_with_no_tokens():
