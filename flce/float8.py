@@ -131,8 +131,7 @@ class Float8Gemms:
             quantize_cols(weight.t(), self.wt[:H, :V], self.wt_scale[0, :H])
             self.g, self.g_scale = fp8(max_rows, self.width, max_rows, V), ones32(max_rows, 1)
             self.target_grad = ones32(max_rows)
-            self.dx_out = torch.empty(max_rows, padded(H), device=weight.device,
-                                      dtype=torch.bfloat16)
+            self.dx_block = None  # a row block's float8 dx product where it cannot go to dx
 
     def logits(self, x_c: Tensor, out: Tensor) -> None:
         """out [rows, width] = x_c @ W.T (+ bias), through bf16; out[:, V:] is padding."""
@@ -154,12 +153,20 @@ class Float8Gemms:
     def dx_into(self, out: Tensor, weight: Tensor, start: int,
                 row_blocks: list[tuple[int, int]]) -> None:
         """out = G @ W for the rows [start, start + len(out)) whose G `grad_outputs` holds, the
-        GEMM in row_blocks ([lo, hi) of those rows: `ops.dx_row_blocks`)."""
-        n = out.shape[0]
+        GEMM in row_blocks ([lo, hi) of those rows: `ops.dx_row_blocks`), each block finished
+        (the target's term added) before the next. The GEMM writes a bf16 out itself where H
+        needs no padding, else a block's buffer: no temporary of all the rows (two of them, the
+        product and W's target rows, were 2 GiB of the one block's peak at 65536x8192x32000)."""
+        direct = out.dtype == torch.bfloat16 and self.H == self.wt.shape[0]
+        rows = max(hi - lo for lo, hi in row_blocks)
+        if not direct and (self.dx_block is None or self.dx_block.shape[0] < rows):
+            self.dx_block = out.new_empty(rows, self.wt.shape[0], dtype=torch.bfloat16)
         for lo, hi in row_blocks:
+            gw = out[lo:hi] if direct else self.dx_block[:hi - lo]
             # no fast accumulation: partial sums promoted to fp32 over the K = V terms
             scaled_mm(self.g[lo:hi], self.wt.t(), self.g_scale[lo:hi], self.wt_scale, None,
-                      fast_accum=False, out=self.dx_out[lo:hi])
-        gw = self.dx_out[:n]
-        y = self.target[start:start + n].clamp(0, self.V - 1).long()  # ignored rows: G_y = 0
-        torch.addcmul(gw[:, :self.H], weight[y], self.target_grad[:n, None], out=out)
+                      fast_accum=False, out=gw)
+            # ignored rows: G_y = 0
+            y = self.target[start + lo:start + hi].clamp(0, self.V - 1).long()
+            torch.addcmul(gw[:, :self.H], weight[y], self.target_grad[lo:hi, None],
+                          out=out[lo:hi])

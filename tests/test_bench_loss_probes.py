@@ -327,13 +327,14 @@ def test_float8_floor_in_row_blocks_sums_dw_over_the_blocks(monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(40, 32, device=device, dtype=torch.bfloat16)
     w = torch.randn(48, 32, device=device, dtype=torch.bfloat16) / 6
-    run, (f8, logits, out, dw) = bench_float8_grid.float8_floor(x, w, max_logits_bytes=16 * 48 * 2)
+    run, (f8, logits, out, dx, dw) = bench_float8_grid.float8_floor(
+        x, w, max_logits_bytes=16 * 48 * 2)
     run()
     assert logits.shape == (16, 48)  # blocks of 16, 16 and 8 rows
     # dx in the float8 loss's dx row blocks (of at most 8 rows here), not the bf16 loss's (16)
     assert dx_rows == [8, 8, 8, 8, 8]
     expected_dx = logits.float() @ w.float()
-    torch.testing.assert_close(f8.dx_out[:16].float(), expected_dx, rtol=0.1,
+    torch.testing.assert_close(dx[:16].float(), expected_dx, rtol=0.1,
                                atol=0.1 * expected_dx.abs().max().item())  # e4m3 dlogits
     # dW is bf16 summed in place: each block's fp32 product is added to it and rounded to bf16
     expected = torch.zeros_like(dw)

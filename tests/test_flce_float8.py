@@ -400,7 +400,7 @@ def test_float8_dx_in_row_blocks(impl, device, monkeypatch, chunk, reduction, wi
     kernel for it changes with the rows; blocks of 8192 ran up to 1.33x blocks of 2048 on an
     H100), not the bf16 dx's, fewer rows above FLOAT8_DX_WIDE_HIDDEN, in one block of all tokens
     and in each chunk: every row once, an uneven last block too, within the float8 loss's
-    derived bounds."""
+    derived bounds; each block is finished before the next (no temporary of all the rows)."""
     import flce.float8
     import flce.function
     import flce.ops
@@ -417,6 +417,9 @@ def test_float8_dx_in_row_blocks(impl, device, monkeypatch, chunk, reduction, wi
             dx_rows.append(a.shape[0])
         return scaled_mm(a, *args, fast_accum=fast_accum, **kwargs)
     monkeypatch.setattr(flce.float8, "scaled_mm", recording_scaled_mm)
+    addcmul, target_rows = torch.addcmul, []  # W's target rows, gathered a block at a time
+    monkeypatch.setattr(torch, "addcmul", lambda a, b, *r, **k: target_rows.append(
+        b.shape[0]) or addcmul(a, b, *r, **k))
     one_block = flce.function._OneBlockLoss.apply
     monkeypatch.setattr(flce.function._OneBlockLoss, "apply",
                         lambda *a: entered.append(a[6]) or one_block(*a))
@@ -428,7 +431,7 @@ def test_float8_dx_in_row_blocks(impl, device, monkeypatch, chunk, reduction, wi
     heights = [N] if chunk is None else [chunk, N - chunk]
     expected = [b - a for h in heights for a, b in flce.ops.dx_row_blocks(h, block_rows)]
     assert max(expected) <= block_rows and sum(expected) == N and len(expected) > len(heights)
-    assert dx_rows == expected
+    assert dx_rows == expected and target_rows == expected
     if impl == "triton" and device == "cpu":
         return  # the interpreter's e4m3 rounding: bounds checked elsewhere on CUDA
     ref_loss, ref_grads = float64_reference(x, t, w, b, up, reduction=reduction,
@@ -438,6 +441,36 @@ def test_float8_dx_in_row_blocks(impl, device, monkeypatch, chunk, reduction, wi
     _check_within("loss", loss, ref_loss, loss_err + 1e-6 * ref_loss.abs(), torch.float32)
     for name, g, r, e in zip(("dx", "dW", "db"), grads, ref_grads, errs[1:]):
         _check_within(name, g, r, e, torch.float32)
+
+
+@IMPL_DEVICES
+def test_one_block_frees_the_float8_dx_operands_before_dw(impl, device, monkeypatch):
+    """The one block's backward with "logits+dx": G in e4m3 and W's transposed float8 copy
+    ((N + H) x V bytes) are read by the dx GEMM alone; they held their memory through dW's GEMM,
+    the backward's peak (a GiB at the 8B recipe's 8192x4096x128256)."""
+    import weakref
+
+    import flce.ops
+    operands = []
+
+    class Recorded(Float8Gemms):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.dx:
+                operands.extend(weakref.ref(t) for t in (self.g, self.wt))
+    monkeypatch.setattr(flce.ops, "Float8Gemms", Recorded)
+    alive_at_mm = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: alive_at_mm.append(
+        [ref() is not None for ref in operands]) or mm(*a, **k))
+    x, t, w, b = make_inputs(40, 32, 64, device, torch.float32)
+    loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl,
+                                     float8="logits+dx")
+    # the last torch.mm is dW's GEMM (on the CPU scaled_mm's fp32 products call it too)
+    assert len(operands) == 2 and alive_at_mm[-1] == [False] * 2
+    ref_loss, ref_grads = float64_reference(x, t, w, b, up)
+    assert rel_err(loss, ref_loss) <= 0.05 and all(
+        rel_err(g, r) <= 0.1 for g, r in zip(grads, ref_grads))
 
 
 @IMPL_DEVICES

@@ -231,11 +231,12 @@ def float8_gemm_runs(x, w, logits):
     quantize_rows(logits, f8.g[:, :V], f8.g_scale[:, 0])  # stand-in dlogits: timing only
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     fp8_logits_out = torch.empty(N, f8.width, device=x.device, dtype=torch.bfloat16)
+    fp8_dx_out = torch.empty(N, f8.wt.shape[0], device=x.device, dtype=torch.bfloat16)
     bf16 = torch.bfloat16
     fp8_logits = lambda: torch._scaled_mm(f8.x, f8.w.t(), f8.x_scale, f8.w_scale, out_dtype=bf16,
                                           use_fast_accum=True, out=fp8_logits_out)
     fp8_dx = lambda: torch._scaled_mm(f8.g, f8.wt.t(), f8.g_scale, f8.wt_scale, out_dtype=bf16,
-                                      use_fast_accum=False, out=f8.dx_out)
+                                      use_fast_accum=False, out=fp8_dx_out)
     bf16_dw = lambda: torch.mm(logits.t(), x, out=dw)
     runs = {
         "bare_bf16_logits": (lambda: torch.mm(x, w.t(), out=logits), 1),

@@ -67,6 +67,7 @@ def float8_floor(x, w, max_logits_bytes=None):
     quantize_rows(x[:rows], f8.x[:, :H], f8.x_scale[:, 0])
     quantize_rows(logits, f8.g[:, :V], f8.g_scale[:, 0])
     out = torch.empty(rows, f8.width, device=x.device, dtype=torch.bfloat16)
+    dx = torch.empty(rows, f8.wt.shape[0], device=x.device, dtype=torch.bfloat16)
     dw = torch.empty_like(w)
 
     def run():
@@ -76,12 +77,12 @@ def float8_floor(x, w, max_logits_bytes=None):
             for lo, hi in dx_bounds:
                 torch._scaled_mm(f8.g[lo:hi], f8.wt.t(), f8.g_scale[lo:hi], f8.wt_scale,
                                  out_dtype=torch.bfloat16, use_fast_accum=False,
-                                 out=f8.dx_out[lo:hi])
+                                 out=dx[lo:hi])
             if start == 0:
                 torch.mm(logits[:n].t(), x[start:start + n], out=dw)
             else:
                 dw.addmm_(logits[:n].t(), x[start:start + n])
-    return run, (f8, logits, out, dw)
+    return run, (f8, logits, out, dx, dw)
 
 
 def measure_point(shape: str, dtype, seconds: float, reps: int) -> list[dict]:
