@@ -161,12 +161,11 @@ class Float8Gemms:
         rows = max(hi - lo for lo, hi in row_blocks)
         if not direct and (self.dx_block is None or self.dx_block.shape[0] < rows):
             self.dx_block = out.new_empty(rows, self.wt.shape[0], dtype=torch.bfloat16)
+        y = self.target[start:start + out.shape[0]].clamp(0, self.V - 1).long()  # ignored: G_y = 0
         for lo, hi in row_blocks:
             gw = out[lo:hi] if direct else self.dx_block[:hi - lo]
             # no fast accumulation: partial sums promoted to fp32 over the K = V terms
             scaled_mm(self.g[lo:hi], self.wt.t(), self.g_scale[lo:hi], self.wt_scale, None,
                       fast_accum=False, out=gw)
-            # ignored rows: G_y = 0
-            y = self.target[start + lo:start + hi].clamp(0, self.V - 1).long()
-            torch.addcmul(gw[:, :self.H], weight[y], self.target_grad[lo:hi, None],
+            torch.addcmul(gw[:, :self.H], weight[y[lo:hi]], self.target_grad[lo:hi, None],
                           out=out[lo:hi])
