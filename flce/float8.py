@@ -95,17 +95,19 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Opti
 
 class Float8Gemms:
     """The float8 operands of one sweep of the chunk loop (`ops.chunk_loop`), which calls
-    `logits` per chunk and, with dx, lets the row kernel fill `grad_outputs` before `dx_into`.
+    `logits` per chunk and, with dx, per row block of the dx GEMM lets the row kernel fill
+    `grad_outputs` before `dx_into`.
 
     W is quantized once here; each chunk quantizes its rows of x. Padding stays zero."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], target: Tensor, max_rows: int,
                  dx: bool, use_triton: bool, logits: bool = True,
-                 w_col_absmax: Optional[Tensor] = None):
+                 w_col_absmax: Optional[Tensor] = None, grad_rows: Optional[int] = None):
         """logits / dx: prepare the operands of that GEMM. W's column scales (the dx operand's)
         come from the pass that quantizes its rows (one read of W for both); the one-block path
         of `ops.py` quantizes the rows in forward, where w_col_absmax ([H] fp32) is filled, and
-        the columns in backward, where it is given back (and logits is False)."""
+        the columns in backward, where it is given back (and logits is False). grad_rows: the
+        rows of G (one dx row block's; default max_rows)."""
         V, H = weight.shape
         self.V, self.H, self.width, self.dx = V, H, padded(V), dx
         self.target = target
@@ -129,8 +131,9 @@ class Float8Gemms:
             self.wt, self.wt_scale = fp8(padded(H), self.width, H, V), ones32(1, padded(H))
             torch.div(w_col_absmax, torch.finfo(E4M3).max, out=self.wt_scale[0, :H])
             quantize_cols(weight.t(), self.wt[:H, :V], self.wt_scale[0, :H])
-            self.g, self.g_scale = fp8(max_rows, self.width, max_rows, V), ones32(max_rows, 1)
-            self.target_grad = ones32(max_rows)
+            rows = max_rows if grad_rows is None else grad_rows
+            self.g, self.g_scale = fp8(rows, self.width, rows, V), ones32(rows, 1)
+            self.target_grad = ones32(rows)
             self.dx_block = None  # a row block's float8 dx product where it cannot go to dx
 
     def logits(self, x_c: Tensor, out: Tensor) -> None:
@@ -150,22 +153,19 @@ class Float8Gemms:
         """(G in e4m3 without the target column, its row scales, G at the target) for n rows."""
         return self.g[:n, :self.V], self.g_scale[:n, 0], self.target_grad[:n]
 
-    def dx_into(self, out: Tensor, weight: Tensor, start: int,
-                row_blocks: list[tuple[int, int]]) -> None:
-        """out = G @ W for the rows [start, start + len(out)) whose G `grad_outputs` holds, the
-        GEMM in row_blocks ([lo, hi) of those rows: `ops.dx_row_blocks`), each block finished
-        (the target's term added) before the next. The GEMM writes a bf16 out itself where H
-        needs no padding, else a block's buffer: no temporary of all the rows (two of them, the
-        product and W's target rows, were 2 GiB of the one block's peak at 65536x8192x32000)."""
+    def dx_into(self, out: Tensor, weight: Tensor, start: int) -> None:
+        """out = G @ W for the rows [start, start + len(out)), whose G the row kernel has just
+        put in `grad_outputs` (one row block: `ops.dx_row_blocks`). The GEMM writes a bf16 out
+        itself where H needs no padding, else a buffer of the block's rows: no temporary of all
+        the rows (the product and W's target rows were 2 GiB of the one block's peak at
+        65536x8192x32000)."""
+        n = out.shape[0]
         direct = out.dtype == torch.bfloat16 and self.H == self.wt.shape[0]
-        rows = max(hi - lo for lo, hi in row_blocks)
-        if not direct and (self.dx_block is None or self.dx_block.shape[0] < rows):
-            self.dx_block = out.new_empty(rows, self.wt.shape[0], dtype=torch.bfloat16)
-        y = self.target[start:start + out.shape[0]].clamp(0, self.V - 1).long()  # ignored: G_y = 0
-        for lo, hi in row_blocks:
-            gw = out[lo:hi] if direct else self.dx_block[:hi - lo]
-            # no fast accumulation: partial sums promoted to fp32 over the K = V terms
-            scaled_mm(self.g[lo:hi], self.wt.t(), self.g_scale[lo:hi], self.wt_scale, None,
-                      fast_accum=False, out=gw)
-            torch.addcmul(gw[:, :self.H], weight[y[lo:hi]], self.target_grad[lo:hi, None],
-                          out=out[lo:hi])
+        if not direct and (self.dx_block is None or self.dx_block.shape[0] < n):
+            self.dx_block = out.new_empty(self.g.shape[0], self.wt.shape[0], dtype=torch.bfloat16)
+        gw = out if direct else self.dx_block[:n]
+        # no fast accumulation: partial sums promoted to fp32 over the K = V terms
+        scaled_mm(self.g[:n], self.wt.t(), self.g_scale[:n], self.wt_scale, None,
+                  fast_accum=False, out=gw)
+        y = self.target[start:start + n].clamp(0, self.V - 1).long()  # ignored rows: G_y = 0
+        torch.addcmul(gw[:, :self.H], weight[y], self.target_grad[:n, None], out=out)

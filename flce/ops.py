@@ -103,7 +103,7 @@ def uses_one_block(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
     of all tokens, then dx and dW in the parameter dtype) is no more than the chunked sweep's
     (one chunk of logits, dx and dW accumulated in fp32, then their casts). A given chunk_size
     smaller than N asks for chunks; memory_lean always chunks. The float8 loss takes the same
-    path; its one block holds the e4m3 dlogits besides (docs/loss.md "Float8 GEMMs")."""
+    path, at the same peak (docs/loss.md "Float8 GEMMs")."""
     if lean:
         return False
     if chunk_size is not None:
@@ -229,7 +229,9 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
     (in `dx_row_blocks`),
     dW += dlogits.T @ x_c, db += sum(dlogits), into whichever of dx, dw_acc, db_acc is given.
     The GEMMs run at `gemm_vocab` columns (dw_acc has that many rows: `weight_grad_buffer`).
-    With fp8 the logits GEMM, and the dx GEMM if fp8.dx, run in float8."""
+    With fp8 the logits GEMM, and the dx GEMM if fp8.dx, run in float8; a float8 dx's row
+    pass runs a row block at a time, each block's dx GEMM after it (its e4m3 G, a block's
+    rows, then holds the next block's)."""
     N, V = x.shape[0], weight.shape[0]
     width = gemm_vocab(V, x.element_size())
     buf = torch.empty(min(chunk_size, N), width if fp8 is None else fp8.width,
@@ -244,8 +246,8 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
     dx_rows = float8_dx_block_tokens(weight.shape[1]) if float8_dx else None
     x_parts = x.split(chunk_size)
     dx_parts = dx.split(chunk_size) if dx is not None and (fp8 is None or not fp8.dx) else None
-    # chunk height -> (block, logits, rows, logits.T, dx's row blocks and those blocks of the
-    # logits): the last chunk may be shorter
+    # chunk height -> (block, logits, rows, logits.T, dx's row blocks of the logits): the last
+    # chunk may be shorter
     views = {}
     for i, x_c in enumerate(x_parts):
         start = i * chunk_size
@@ -255,23 +257,28 @@ def chunk_loop(x: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_size: in
             logits = block[:, :width] if trim else block  # columns V.. hold 0 (W's padding rows)
             rows = logits if width == V else logits[:, :V]
             bounds = dx_row_blocks(x_c.shape[0], dx_rows)
-            dx_blocks = [(logits[lo:hi], lo, hi) for lo, hi in bounds]
-            views[x_c.shape[0]] = block, logits, rows, logits.t(), bounds, dx_blocks
-        block, logits, rows, logits_t, bounds, dx_blocks = views[x_c.shape[0]]
+            # the float8 dx runs a row block at a time after the row kernel's pass over those
+            # rows (G in e4m3 is a block's rows), the bf16 dx after the pass over the chunk
+            dx_blocks = [((rows if float8_dx else logits)[lo:hi], lo, hi) for lo, hi in bounds]
+            views[x_c.shape[0]] = block, logits, rows, logits.t(), dx_blocks
+        block, logits, rows, logits_t, dx_blocks = views[x_c.shape[0]]
         if fp8 is not None:
             fp8.logits(x_c, out=block)
         elif b is None:
             torch.mm(x_c, w_t, out=logits)
         else:
             torch.addmm(b, x_c, w_t, out=logits)
-        row_pass(rows, start, end, block.shape[1])
         if float8_dx:
-            fp8.dx_into(dx[start:end], weight, start, bounds)
-        elif dx is not None and len(dx_blocks) == 1:
-            matmul_into(dx_parts[i], logits, w, accumulate=False)
-        elif dx is not None:
             for part, lo, hi in dx_blocks:
-                matmul_into(dx_parts[i][lo:hi], part, w, accumulate=False)
+                row_pass(part, start + lo, start + hi, block.shape[1])
+                fp8.dx_into(dx[start + lo:start + hi], weight, start + lo)
+        else:
+            row_pass(rows, start, end, block.shape[1])
+            if dx is not None and len(dx_blocks) == 1:
+                matmul_into(dx_parts[i], logits, w, accumulate=False)
+            elif dx is not None:
+                for part, lo, hi in dx_blocks:
+                    matmul_into(dx_parts[i][lo:hi], part, w, accumulate=False)
         if dw_acc is not None:
             matmul_into(dw_acc, logits_t, x_c, accumulate=start > 0)
         if db_acc is not None:
@@ -310,8 +317,9 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     C = pick_chunk_size(N, H, V, x.element_size(), chunk_size, lean)
     fp8 = None
     if float8 != "none":
-        fp8 = Float8Gemms(weight, bias, target, min(C, N),
-                          float8_gemms(float8, need_dx) == "logits+dx", use_triton)
+        fp8_dx = float8_gemms(float8, need_dx) == "logits+dx"
+        fp8 = Float8Gemms(weight, bias, target, min(C, N), fp8_dx, use_triton,
+                          grad_rows=min(C, N, float8_dx_block_tokens(H)) if fp8_dx else None)
         if fp8.dx and stats_given:  # the float8 scales need the max off the target: recompute
             stats, stats_given = None, False
 
@@ -320,7 +328,11 @@ def chunked_pass(x: Tensor, target: Tensor, weight: Tensor, bias: Optional[Tenso
     chunks = list(zip(*(t.split(C) for t in per_token)))
 
     def row_pass(logits, start, end, width):
-        target_c, loss_c, *rest = chunks[start // C]
+        i, lo = divmod(start, C)
+        per_token_c = chunks[i]
+        if end - start != per_token_c[0].shape[0]:  # a float8 dx's row block of the chunk
+            per_token_c = [t[lo:lo + end - start] for t in per_token_c]
+        target_c, loss_c, *rest = per_token_c
         stats_c = None if stats is None else (rest[0], rest[1])
         rw = row_weight if row_weight.dim() == 0 else rest[-1]
         rows(logits, target_c, loss_c, stats_c, rw, opts, stats_given, compute_grad,
@@ -384,14 +396,30 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
     view = logits[:, :V]
     width = gemm_vocab(V, x.element_size())
     gemm_view = view if width == V else logits[:, :width]  # columns V.. hold 0
-    fp8 = None
-    if float8_gemms(float8, need_dx) == "logits+dx":
-        fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False,
-                          w_col_absmax=w_col_absmax)
+    row_fn, dx = _row_fn(use_triton), None
     # a gradient pass writes no loss: its loss_out (here the row maxima) is left as it is
-    _row_fn(use_triton)(view, target, stats[0], stats, row_weight, opts, True, True,
-                        fp8_grad=None if fp8 is None else fp8.grad_outputs(N), off_max=off_max,
-                        weight_scale=row_scale, width=logits.shape[1])
+    if float8_gemms(float8, need_dx) == "logits+dx":
+        # the row pass a dx row block at a time, each block's float8 dx GEMM after it: G in e4m3
+        # holds one block's rows (all N rows of it sat beside the bf16 dlogits before)
+        bounds = dx_row_blocks(N, float8_dx_block_tokens(weight.shape[1]))
+        fp8 = Float8Gemms(weight, None, target, N, dx=True, use_triton=use_triton, logits=False,
+                          w_col_absmax=w_col_absmax,
+                          grad_rows=max(hi - lo for lo, hi in bounds))
+        dx = x.new_empty(x.shape)
+        for lo, hi in bounds if N else ():
+            row_fn(view[lo:hi], target[lo:hi], stats[0][lo:hi],
+                   (stats[0][lo:hi], stats[1][lo:hi]),
+                   row_weight if row_weight.dim() == 0 else row_weight[lo:hi], opts, True, True,
+                   fp8_grad=fp8.grad_outputs(hi - lo), off_max=off_max[lo:hi],
+                   weight_scale=row_scale, width=logits.shape[1])
+            fp8.dx_into(dx[lo:hi], weight, lo)
+        # G's block and W's transposed copy (H x V bytes) are done with: freed before dW's
+        # GEMM, this backward's peak (then the bf16 one block's: 8192x4096x128256, 3070 MiB;
+        # 4637 with both and G of all the rows held, docs/loss.md "Float8 GEMMs")
+        del fp8
+    else:
+        row_fn(view, target, stats[0], stats, row_weight, opts, True, True, off_max=off_max,
+               weight_scale=row_scale, width=logits.shape[1])
     if release_stats:
         # An autograd Function's saved tensors live until its backward returns, so without this
         # the row statistics (8 bytes a token) would be held through the GEMMs, the backward's
@@ -399,15 +427,8 @@ def block_grads(logits: Tensor, row_weight: Tensor, row_scale: Optional[Tensor],
         for t in (*stats, row_scale):
             if t is not None:
                 t.untyped_storage().resize_(0)
-    dx = dw = db = None
-    if fp8 is not None:
-        dx = x.new_empty(x.shape)
-        if N:
-            fp8.dx_into(dx, weight, 0, dx_row_blocks(N, float8_dx_block_tokens(weight.shape[1])))
-        # G in e4m3 and W's transposed copy ((N + H) x V bytes) are done with: kept, they sat on
-        # top of dW at its GEMM (8192x4096x128256: this backward's peak 4.5 GiB, 3.5 without)
-        fp8 = None
-    elif need_dx:
+    dw = db = None
+    if need_dx and dx is None:
         dx = dx_in_row_blocks(gemm_view, gemm_operands(weight, None)[0])
     if need_dw:
         dw = unpadded(torch.mm(gemm_view.t(), x), V)

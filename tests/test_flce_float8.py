@@ -444,20 +444,25 @@ def test_float8_dx_in_row_blocks(impl, device, monkeypatch, chunk, reduction, wi
 
 
 @IMPL_DEVICES
-def test_one_block_frees_the_float8_dx_operands_before_dw(impl, device, monkeypatch):
-    """The one block's backward with "logits+dx": G in e4m3 and W's transposed float8 copy
-    ((N + H) x V bytes) are read by the dx GEMM alone; they held their memory through dW's GEMM,
-    the backward's peak (a GiB at the 8B recipe's 8192x4096x128256)."""
+@pytest.mark.parametrize("chunk", [None, 24], ids=["one_block", "chunked"])
+def test_float8_dx_operands_hold_a_row_block(impl, device, monkeypatch, chunk):
+    """With "logits+dx", G in e4m3 holds one dx row block's rows (the row pass runs a block at
+    a time, each block's dx GEMM after it), not all of them beside the bf16 dlogits; in the one
+    block's backward G and W's transposed float8 copy are freed before dW's GEMM, the peak.
+    Both held all their memory there: 1 GiB more than the bf16 loss at the 8B recipe's
+    8192x4096x128256 (4637 MiB against 3070 on an H200)."""
     import weakref
 
     import flce.ops
-    operands = []
+    monkeypatch.setattr(flce.ops, "FLOAT8_DX_BLOCK_TOKENS", 16)
+    operands, g_rows = [], []
 
     class Recorded(Float8Gemms):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if self.dx:
                 operands.extend(weakref.ref(t) for t in (self.g, self.wt))
+                g_rows.append(self.g.shape[0])
     monkeypatch.setattr(flce.ops, "Float8Gemms", Recorded)
     alive_at_mm = []
     mm = torch.mm
@@ -465,9 +470,10 @@ def test_one_block_frees_the_float8_dx_operands_before_dw(impl, device, monkeypa
         [ref() is not None for ref in operands]) or mm(*a, **k))
     x, t, w, b = make_inputs(40, 32, 64, device, torch.float32)
     loss, grads, up = loss_and_grads(flce.fused_linear_cross_entropy, x, t, w, b, impl=impl,
-                                     float8="logits+dx")
-    # the last torch.mm is dW's GEMM (on the CPU scaled_mm's fp32 products call it too)
-    assert len(operands) == 2 and alive_at_mm[-1] == [False] * 2
+                                     float8="logits+dx", chunk_size=chunk)
+    assert g_rows == [16]  # blocks of 16 rows (40 tokens; chunks of 24)
+    if chunk is None:  # the last torch.mm is dW's GEMM (on the CPU scaled_mm's calls it too)
+        assert alive_at_mm[-1] == [False] * 2
     ref_loss, ref_grads = float64_reference(x, t, w, b, up)
     assert rel_err(loss, ref_loss) <= 0.05 and all(
         rel_err(g, r) <= 0.1 for g, r in zip(grads, ref_grads))

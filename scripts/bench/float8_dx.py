@@ -13,8 +13,8 @@ on fresh random operands (never zeros):
   fp8           dx = G @ W as the float8 loss computes it (`flce.float8.scaled_mm`): e4m3 G with
                 row scales, e4m3 W (stored transposed, [H, V]) with column scales, bf16 out, no
                 fast accumulation (partial sums promoted to fp32 over the K = V terms), one GEMM
-  fp8_loss      the same in the row blocks the float8 loss runs (`ops.float8_dx_block_tokens`, as
-                `Float8Gemms.dx_into`)
+  fp8_loss      the same in the row blocks the float8 loss runs (`ops.float8_dx_block_tokens`, a
+                `Float8Gemms.dx_into` call each)
   fp8_rows<R>   the same in row blocks of R rows (each R < N of --rows; the last one shorter)
   fp8_fast      one GEMM with fast accumulation, for reference (the loss never runs it: its
                 error grows with K)
