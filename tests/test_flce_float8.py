@@ -479,6 +479,35 @@ def test_float8_dx_operands_hold_a_row_block(impl, device, monkeypatch, chunk):
         rel_err(g, r) <= 0.1 for g, r in zip(grads, ref_grads))
 
 
+@cuda_only
+@pytest.mark.parametrize("N,H", [(4096, 1024), (2048, 4096)])
+def test_float8_one_block_peak_is_the_bf16_ones(N, H):
+    """The bytes the caching allocator was asked for at the peak of a one-block forward and
+    backward: with "logits+dx" the bf16 loss's (dW's GEMM, where G in e4m3 and W's float8 copies
+    are gone), or, where a dx row block has more rows than H, its dx GEMMs' (G of a block and
+    W's copy: V x (block - H) more), within 1 MiB (a few [N] and [H] fp32 vectors kept besides).
+    Before, G of all N rows and W's copy sat on top of dW, beside two [N, H] temporaries."""
+    import flce.ops
+    V = 32000
+    block = min(N, flce.ops.float8_dx_block_tokens(H))
+    x, t, w, b = make_inputs(N, H, V, "cuda", torch.bfloat16, bias=False)
+
+    def peak(float8):
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_stats()["requested_bytes.all.current"]
+        flce.fused_linear_cross_entropy(x, t, w, float8=float8).backward()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base
+
+    assert flce.ops.uses_one_block(N, H, V, 2, None, False)
+    peak("none"), peak("logits+dx")  # first calls: cuBLAS(Lt) workspaces, Triton's compiles
+    bf16, fp8 = peak("none"), peak("logits+dx")
+    assert fp8 <= bf16 + max(0, V * (block - H) + 2 * block * H) + 2 ** 20, (fp8, bf16)
+
+
 @IMPL_DEVICES
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_all_ignored_and_memory_lean(impl, device, reduction):
