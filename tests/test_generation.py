@@ -474,8 +474,10 @@ def test_generate_with_inf_logits_at_one_step_is_one_line(checkpoint, capsys, mo
         return out.index_fill(0, last_row, float("inf")) if len(calls) == 3 else out
 
     monkeypatch.setattr(Llama, "logits", logits)
+    # float32 on CUDA too (its "auto" is bfloat16 there), so the line names one dtype
     argv = ["--checkpoint", str(checkpoint), "--prompt", "ab", "--max-new-tokens", "6",
-            "--temperature", temperature, "--num-samples", "2", "--seed", "1"]
+            "--temperature", temperature, "--num-samples", "2", "--seed", "1",
+            "--dtype", "float32"]
     code = load_script("generate").main(argv + ([] if use_cache else ["--no-cache"]))
     out, err = capsys.readouterr()
     assert code == 1 and out == "" and len(calls) == 3, err
