@@ -103,7 +103,7 @@ def uses_one_block(n_tokens: int, hidden: int, vocab: int, elem_bytes: int,
     of all tokens, then dx and dW in the parameter dtype) is no more than the chunked sweep's
     (one chunk of logits, dx and dW accumulated in fp32, then their casts). A given chunk_size
     smaller than N asks for chunks; memory_lean always chunks. The float8 loss takes the same
-    path, at the same peak where H is at least a float8 dx row block's rows (docs/loss.md
+    path, at the same peak where H is above a float8 dx row block's rows (docs/loss.md
     "Float8 GEMMs")."""
     if lean:
         return False

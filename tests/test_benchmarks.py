@@ -175,6 +175,8 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
 
 
 @pytest.mark.parametrize("name, module", [("flce_float8_grid", "float8_grid"),
+                                          ("flce_float8_grid_h100", "float8_grid"),
+                                          ("flce_float8_chunks_one_block_h100", "chunk_sizes"),
                                           ("flce_chunk_sizes_h200", "chunk_sizes"),
                                           ("flce_chunk_sizes_lean_h200", "chunk_sizes"),
                                           ("flce_chunk_sizes_v256000_h200", "chunk_sizes"),
