@@ -110,7 +110,6 @@ class Float8Gemms:
         rows of G (one dx row block's; default max_rows)."""
         V, H = weight.shape
         self.V, self.H, self.width, self.dx = V, H, padded(V), dx
-        self.target = target
         if use_triton:
             from flce.quantize_kernels import quantize_rows, quantize_scaled
             self.quantize, quantize_cols = quantize_rows, quantize_scaled
@@ -134,6 +133,9 @@ class Float8Gemms:
             rows = max_rows if grad_rows is None else grad_rows
             self.g, self.g_scale = fp8(rows, self.width, rows, V), ones32(rows, 1)
             self.target_grad = ones32(rows)
+            # W's row per token for dx's exact target term, clamped once a call (ignored rows
+            # have G_y = 0): per row block a clamp and a cast were two launches beside its GEMM
+            self.target_ids = target.clamp(0, V - 1).to(torch.int32)
             self.dx_block = None  # a row block's float8 dx product where it cannot go to dx
 
     def logits(self, x_c: Tensor, out: Tensor) -> None:
@@ -167,5 +169,5 @@ class Float8Gemms:
         # no fast accumulation: partial sums promoted to fp32 over the K = V terms
         scaled_mm(self.g[:n], self.wt.t(), self.g_scale[:n], self.wt_scale, None,
                   fast_accum=False, out=gw)
-        y = self.target[start:start + n].clamp(0, self.V - 1).long()  # ignored rows: G_y = 0
-        torch.addcmul(gw[:, :self.H], weight[y], self.target_grad[:n, None], out=out)
+        w_y = torch.index_select(weight, 0, self.target_ids[start:start + n])
+        torch.addcmul(gw[:, :self.H], w_y, self.target_grad[:n, None], out=out)

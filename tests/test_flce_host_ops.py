@@ -59,3 +59,28 @@ def test_a_slice_of_the_vocabulary_is_its_gemms_and_two_launches(launches, monke
                                     True, True)
     assert launches == {"stats": 65, "rows": 65}
     assert ops.total() <= 8 * 65, ops.total() / 65  # 4 GEMMs, db's sum, and the call's own
+
+
+def test_a_float8_dx_row_block_is_its_gemm_a_launch_and_its_target_term(launches, monkeypatch):
+    """With "logits+dx" each dx row block runs the row kernel, its float8 dx GEMM and the exact
+    target term (W's target rows gathered and added). The target ids are clamped once a call:
+    clamped and cast per block they were two more ops, and launches, a block (at 1024x32000 a
+    block's GEMM is about 0.1 ms: 32 blocks at 65536 tokens)."""
+    import flce.float8
+    import flce.quantize_kernels
+    monkeypatch.setattr(flce.ops, "FLOAT8_MIN_TOKENS", 1)
+    monkeypatch.setattr(flce.ops, "FLOAT8_MIN_WORK", 1)
+    monkeypatch.setattr(flce.ops, "FLOAT8_DX_BLOCK_TOKENS", 8)
+    for name in ("quantize_rows", "quantize_scaled"):  # Triton kernels: counted out, as the rows'
+        monkeypatch.setattr(flce.quantize_kernels, name, lambda *a, **k: None)
+    monkeypatch.setattr(flce.float8, "scaled_mm", lambda a, b, *r, out=None, **k:
+                        torch.empty(a.shape[0], b.shape[1]) if out is None else out)
+    x, t, w, _ = _inputs(8 * 63 + 5, 4, 100)
+    with OpCounts() as ops:
+        flce.ops.chunked_pass(x, t, w, None, torch.tensor(0.5), None, False, LossOptions(), 64,
+                              False, True, True, True, False, True, float8="logits+dx")
+    assert launches == {"rows": 64}
+    clamps = sum(n for op, n in ops.counts.items() if "clamp" in str(op))
+    assert clamps == 1, clamps
+    # views of the block's rows most of them (about 11): host microseconds beside a GEMM
+    assert ops.total() <= 18 * 64, ops.total() / 64
