@@ -568,3 +568,8 @@ def test_a_list_in_toml_brackets_on_the_command_line_is_refused():
         load_config(["--quantize.linear.float8.filter_fqns", '["wk", "wq"]'])
     fqns = load_config(["--quantize.linear.float8.filter_fqns", "wk, wq"])
     assert fqns.quantize.linear.float8.filter_fqns == ["wk", "wq"]
+    # "[]" for none: the line says how an empty list is written there
+    with pytest.raises(ConfigError, match=r"converters = '\[\]': .* an empty value "
+                                          r"\(--section.key=\) is the empty list"):
+        load_config(["--model.converters=[]"])
+    assert load_config(["--model.converters="]).model.converters == []

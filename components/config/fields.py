@@ -55,7 +55,8 @@ def coerce(where: str, value: Any, annotation, from_text: bool) -> Any:
         if from_text:
             if value.strip().startswith("["):  # '["wk", "wq"]' split at commas: '["wk"', '"wq"]'
                 raise ConfigError(f"{where} = {value!r}: a list on the command line is "
-                                  "comma-separated (a,b), without TOML's brackets and quotes")
+                                  "comma-separated (a,b), without TOML's brackets and quotes; "
+                                  "an empty value (--section.key=) is the empty list")
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
