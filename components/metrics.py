@@ -242,7 +242,7 @@ class MetricsLogger:
                  timeline: Optional[float] = None, outputs: tuple[str, ...] = ()) -> None:
         cfg = Metrics() if cfg is None else cfg
         if cfg.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"[metrics] wandb_mode={cfg.wandb_mode!r}: expected one of "
+            raise ValueError(f"[metrics] wandb_mode = {cfg.wandb_mode!r}: expected one of "
                              f"{', '.join(WANDB_MODES)}")
         self.dump_folder = Path(dump_folder)
         self.rank = rank

@@ -24,7 +24,7 @@ def _check_range(name: str, value: float, low: float, high: float = math.inf,
     if not ok:
         closed = not high_open and math.isfinite(high)  # inf itself is never allowed
         interval = ("(" if low_open else "[") + f"{low}, {high}" + ("]" if closed else ")")
-        raise ValueError(f"{name}={value!r}: must be a finite number in {interval}")
+        raise ValueError(f"{name} = {value!r}: must be a finite number in {interval}")
 
 
 # [optimizer] name -> the class (config.OptimizerName lists the names)
@@ -35,14 +35,15 @@ def check_optimizer_settings(cfg: Optimizer) -> None:
     """Raise a ValueError naming the [optimizer] key of the first bad setting (no model needed:
     the trainer checks them before it builds one)."""
     if cfg.name not in OPTIMIZERS:
-        raise ValueError(f"[optimizer] name={cfg.name!r}: expected one of {', '.join(OPTIMIZERS)}")
+        raise ValueError(f"[optimizer] name = {cfg.name!r}: expected one of "
+                         f"{', '.join(OPTIMIZERS)}")
     _check_range("[optimizer] lr", cfg.lr, 0.0, low_open=True)
     _check_range("[optimizer] beta1", cfg.beta1, 0.0, 1.0, high_open=True)
     _check_range("[optimizer] beta2", cfg.beta2, 0.0, 1.0, high_open=True)
     _check_range("[optimizer] eps", cfg.eps, 0.0, low_open=True)
     _check_range("[optimizer] weight_decay", cfg.weight_decay, 0.0)
     if cfg.implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"[optimizer] implementation={cfg.implementation!r}: expected one of "
+        raise ValueError(f"[optimizer] implementation = {cfg.implementation!r}: expected one of "
                          f"{', '.join(IMPLEMENTATIONS)}")
 
 
@@ -135,18 +136,18 @@ def _check_schedule(cfg: LRScheduler, training_steps: int) -> None:
     """The schedule's settings, each on its own (whether they fit together is checked apart)."""
     warmup_steps, decay_type, decay_ratio = cfg.warmup_steps, cfg.decay_type, cfg.decay_ratio
     if decay_type not in DECAY_TYPES:
-        raise ValueError(f"[lr_scheduler] decay_type={decay_type!r}: expected one of "
+        raise ValueError(f"[lr_scheduler] decay_type = {decay_type!r}: expected one of "
                          f"{', '.join(DECAY_TYPES)}")
     total_steps, total_key = _schedule_steps(cfg, training_steps)
     for name, value in (("[training] steps", training_steps), (total_key, total_steps),
                         ("[lr_scheduler] warmup_steps", warmup_steps)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}={value!r}: must be an int")
+            raise TypeError(f"{name} = {value!r}: must be an int")
     for name, value in (("[training] steps", training_steps), (total_key, total_steps)):
         if value < 1:
-            raise ValueError(f"{name}={value}: must be >= 1")
+            raise ValueError(f"{name} = {value}: must be >= 1")
     if warmup_steps < 0:
-        raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps}: must be >= 0")
+        raise ValueError(f"[lr_scheduler] warmup_steps = {warmup_steps}: must be >= 0")
     _check_range("[lr_scheduler] min_lr_factor", cfg.min_lr_factor, 0.0, 1.0)
     if decay_ratio is not None:
         _check_range("[lr_scheduler] decay_ratio", decay_ratio, 0.0, 1.0, low_open=True)
@@ -197,13 +198,13 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: LRScheduler, traini
     total_steps, total_key = _schedule_steps(cfg, training_steps)
     warmup_steps, decay_ratio = cfg.warmup_steps, cfg.decay_ratio
     if warmup_steps >= total_steps:
-        raise ValueError(f"[lr_scheduler] warmup_steps={warmup_steps} must be smaller than "
-                         f"{total_key}={total_steps}, to leave at least one step of decay")
+        raise ValueError(f"[lr_scheduler] warmup_steps = {warmup_steps} must be smaller than "
+                         f"{total_key} = {total_steps}, to leave at least one step of decay")
     decay_steps = _decay_steps(total_steps, warmup_steps, cfg.decay_type, decay_ratio)
     if warmup_steps + decay_steps > total_steps:
         raise ValueError(
-            f"[lr_scheduler] warmup_steps={warmup_steps} plus the decay ({decay_steps} steps "
-            f"from [lr_scheduler] decay_ratio={decay_ratio}) exceed {total_key}={total_steps}: "
+            f"[lr_scheduler] warmup_steps = {warmup_steps} plus the decay ({decay_steps} steps "
+            f"from [lr_scheduler] decay_ratio = {decay_ratio}) exceed {total_key} = {total_steps}: "
             "lower one of them")
     schedule = functools.partial(_lambda_for_scheduler, warmup_steps=warmup_steps,
                                  total_steps=total_steps, decay_type=cfg.decay_type,

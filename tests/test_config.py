@@ -312,7 +312,7 @@ def test_refusals_the_user_causes_are_one_line_and_exit_status_2(tmp_path, monke
     assert _refusal(tmp_path, monkeypatch, capsys, "--data.source", str(tmp_path / "nowhere")) == (
         f"config error: data source not found: {tmp_path / 'nowhere'}")
     assert _refusal(tmp_path, monkeypatch, capsys, "--optimizer.lr", "inf") == (
-        "config error: [optimizer] lr=inf: must be a finite number in (0.0, inf)")
+        "config error: [optimizer] lr = inf: must be a finite number in (0.0, inf)")
     (tmp_path / "web").mkdir()
     monkeypatch.chdir(tmp_path)
     assert _refusal(tmp_path, monkeypatch, capsys, "--data.mixture", "web:0.5,./web/:0.5") == (

@@ -148,7 +148,7 @@ def test_bad_values_and_names_are_errors(tmp_path):
             logger.log(1, {"phase": "warmup"})
         with pytest.raises(ValueError, match="metric 'step'"):
             logger.log(1, {"step": 1})
-    with pytest.raises(ValueError, match=r"\[metrics\] wandb_mode='cloud'"):
+    with pytest.raises(ValueError, match=r"\[metrics\] wandb_mode = 'cloud'"):
         MetricsLogger(tmp_path, rank=0, total_steps=10, cfg=Metrics(wandb_mode="cloud"))
 
 

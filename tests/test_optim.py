@@ -159,14 +159,14 @@ def test_resumed_state_keeps_the_new_configs_hyperparameters():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(lr=0.0), r"\[optimizer\] lr=0.0"),
+    (dict(lr=0.0), r"\[optimizer\] lr = 0.0"),
     (dict(lr=-1e-3), r"\[optimizer\] lr"),
     (dict(lr=float("nan")), r"\[optimizer\] lr"),
     (dict(lr=LR, beta1=1.0), r"\[optimizer\] beta1"),
     (dict(lr=LR, beta2=-0.1), r"\[optimizer\] beta2"),
     (dict(lr=LR, eps=0.0), r"\[optimizer\] eps"),
     (dict(lr=LR, weight_decay=-0.1), r"\[optimizer\] weight_decay"),
-    (dict(lr=LR, implementation="apex"), r"\[optimizer\] implementation='apex'.*fused"),
+    (dict(lr=LR, implementation="apex"), r"\[optimizer\] implementation = 'apex'.*fused"),
 ])
 def test_optimizer_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -291,18 +291,18 @@ def test_min_lr_holds_after_total_steps_and_without_warmup():
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(decay_type="step"), ValueError,
-     r"\[lr_scheduler\] decay_type='step'.*cosine, linear, sqrt, wsd"),
-    (dict(warmup_steps=20), ValueError, r"\[lr_scheduler\] warmup_steps=20 must be smaller"),
-    (dict(warmup_steps=10), ValueError, r"\[lr_scheduler\] warmup_steps=10 must be smaller"),
-    (dict(warmup_steps=-1), ValueError, r"\[lr_scheduler\] warmup_steps=-1"),
-    (dict(warmup_steps=2.5), TypeError, r"\[lr_scheduler\] warmup_steps=2.5: must be an int"),
-    (dict(total_steps=0, warmup_steps=0), ValueError, r"\[training\] steps=0"),
+     r"\[lr_scheduler\] decay_type = 'step'.*cosine, linear, sqrt, wsd"),
+    (dict(warmup_steps=20), ValueError, r"\[lr_scheduler\] warmup_steps = 20 must be smaller"),
+    (dict(warmup_steps=10), ValueError, r"\[lr_scheduler\] warmup_steps = 10 must be smaller"),
+    (dict(warmup_steps=-1), ValueError, r"\[lr_scheduler\] warmup_steps = -1"),
+    (dict(warmup_steps=2.5), TypeError, r"\[lr_scheduler\] warmup_steps = 2.5: must be an int"),
+    (dict(total_steps=0, warmup_steps=0), ValueError, r"\[training\] steps = 0"),
     (dict(min_lr_factor=1.5), ValueError, r"\[lr_scheduler\] min_lr_factor"),
-    (dict(decay_ratio=1.5), ValueError, r"\[lr_scheduler\] decay_ratio=1.5"),
+    (dict(decay_ratio=1.5), ValueError, r"\[lr_scheduler\] decay_ratio = 1.5"),
     (dict(decay_type="cosine", decay_ratio=0.9), ValueError, "exceed"),
-    (dict(total_steps=10, schedule_steps=0), ValueError, r"\[lr_scheduler\] total_steps=0"),
+    (dict(total_steps=10, schedule_steps=0), ValueError, r"\[lr_scheduler\] total_steps = 0"),
     (dict(total_steps=10, schedule_steps=5, warmup_steps=5), ValueError,
-     r"warmup_steps=5 must be smaller than \[lr_scheduler\] total_steps=5"),
+     r"warmup_steps = 5 must be smaller than \[lr_scheduler\] total_steps = 5"),
     (dict(decay_type="wsd", decay_ratio=0.0), ValueError, r"\[lr_scheduler\] decay_ratio"),
     (dict(decay_type="wsd", decay_ratio=0.5, warmup_steps=6), ValueError, "exceed"),
 ])
@@ -354,9 +354,9 @@ def test_wsd_decay_is_shortened_to_the_steps_left():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(warmup_steps=-1), r"\[lr_scheduler\] warmup_steps=-1"),
-    (dict(total_steps=0), r"\[training\] steps=0"),
-    (dict(decay_type="cosine", decay_ratio=0.0), r"\[lr_scheduler\] decay_ratio=0.0"),
+    (dict(warmup_steps=-1), r"\[lr_scheduler\] warmup_steps = -1"),
+    (dict(total_steps=0), r"\[training\] steps = 0"),
+    (dict(decay_type="cosine", decay_ratio=0.0), r"\[lr_scheduler\] decay_ratio = 0.0"),
     (dict(min_lr_factor=-0.1), r"\[lr_scheduler\] min_lr_factor"),
 ])
 def test_fitting_still_rejects_wrong_settings(kwargs, match):

@@ -114,9 +114,9 @@ def test_a_run_shorter_than_its_warmup_fits_the_schedule_into_it(tmp_path, capsy
 
 
 @pytest.mark.parametrize("override,match", [
-    (["--optimizer.lr", "-1"], r"\[optimizer\] lr=-1.0"),
+    (["--optimizer.lr", "-1"], r"\[optimizer\] lr = -1.0"),
     (["--optimizer.beta2", "1.5"], r"\[optimizer\] beta2"),
-    (["--lr_scheduler.decay_ratio", "1.5"], r"\[lr_scheduler\] decay_ratio=1.5"),
+    (["--lr_scheduler.decay_ratio", "1.5"], r"\[lr_scheduler\] decay_ratio = 1.5"),
     (["--lr_scheduler.min_lr_factor", "2"], r"\[lr_scheduler\] min_lr_factor"),
     (["--lr_scheduler.min_lr_ratio", "2"], r"\[lr_scheduler\] min_lr_factor"),
     (["--checkpoint.enable", "true", "--checkpoint.load_step", "4"],
