@@ -38,6 +38,7 @@ from components.config.schema import JobConfig
 from components.config.toml_out import config_changes, to_toml
 from components.data.build import build_data
 from components.float8_linear import CONVERTER as FLOAT8_CONVERTER, check_fp8_device
+from components.host_memory import available_bytes, check_model_fits_on_cpu
 from components.initial_load import other_tokenizer_warning, take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, TrainingLoss
@@ -51,7 +52,7 @@ from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
 from components.validation import Validation, validate_the_resumed_step
-from models import LlamaArgs, flops_per_token
+from models import LlamaArgs, flops_per_token, param_count_for
 from models.hf import load_hf_weights
 from models.sdpa import check_sdpa_backend
 from parallelisms.activation_checkpoint import check_settings as check_ac_settings
@@ -224,10 +225,11 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
     """What would otherwise fail only after the model is built, as config errors (one line, exit
     2): the parallel degrees, the tokenizer, the optimizer and schedule settings, the checkpoint
     to resume (and that it was trained with this tokenizer), the metrics backends, the model's
-    shape, the loss, activation checkpointing, attention and float8 settings. The config is
-    written to <dump_folder>/config.toml only once the data and the checkpoint to resume were
-    opened too (in train(), after the MetricsLogger): a refused run leaves the config of the run
-    that wrote the folder's metrics in place."""
+    shape (and, on the CPU, that this machine can hold it), the loss, activation checkpointing,
+    attention and float8 settings. The config is written to <dump_folder>/config.toml only once
+    the data and the checkpoint to resume were opened too (in train(), after the
+    MetricsLogger): a refused run leaves the config of the run that wrote the folder's metrics
+    in place."""
     with config_checks():
         dims = ParallelDims.resolve(cfg.parallelism.data_parallel_replicate_degree,
                                     cfg.parallelism.data_parallel_shard_degree,
@@ -257,6 +259,10 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
             log(note)  # read by rank 0 alone, which says it
         check_metrics_backends(cfg.metrics)
         args = model_args(cfg, tokenizer.vocab_size, dims)
+        if device.type == "cpu":  # too large there, the kernel kills it without a word
+            check_model_fits_on_cpu(cfg.model.flavor, param_count_for(args, False),
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                    world // dims.dp_replicate, available_bytes())
         TrainingLoss(cfg.loss)
         if dims.tp > 1:
             check_loss_parallel(cfg.loss.parallel, cfg.loss.impl, cfg.loss.memory_lean,

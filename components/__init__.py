@@ -13,10 +13,12 @@
                    initial_load_path)
     float8_linear.py  linear layers converted to torchao's float8
     lock.py, stop_request.py, process.py  the run's lifetime: the dump folder's lock, stop
-                   signals, the process group and the process's exit
+                   signals, the process group, the process's exit and its settings put back
     synced_files.py  writes a kill or a power loss cannot leave half done (checkpoints, token
                    shards, data caches; scripts/lib's reports)
     profiling.py   the torch profiler, when [profiling] asks for it
     allocator.py   the CUDA caching allocator's settings a run gets (recorded by the launchers)
+    host_memory.py  whether a run on the CPU can hold its model's fp32 state in this machine's
+                   memory
     validation.py  [validation]: the loss and bits per byte on held-out batches (evaluate())
 """

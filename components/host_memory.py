@@ -1,0 +1,52 @@
+"""Whether a run on the CPU can hold its model: the weights, gradients and AdamW's two states in
+fp32, against the memory this machine (or its container) has available. Without the check a
+model too large was killed by the kernel's out-of-memory killer while it initialised or at its
+first step, with no message (llama_1b on a 24 GiB machine); on CUDA an out-of-memory error names
+itself."""
+
+from pathlib import Path
+from typing import Optional
+
+from components.config.schema import ConfigError
+
+# fp32 weight, gradient and AdamW's exp_avg and exp_avg_sq: what any step holds at least, beside
+# activations (not counted: the bound is one no run of this model can go below)
+BYTES_PER_PARAMETER = 16
+
+
+def available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup"
+                    ) -> Optional[int]:
+    """Memory a new allocation can get: the kernel's MemAvailable plus free swap, capped by the
+    container's limit (cgroup v2 memory.max less memory.current, or v1's limit_in_bytes less
+    usage_in_bytes), which MemAvailable does not see. None where /proc/meminfo is not there."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(meminfo).read_text().splitlines()
+                      if ":" in line)
+        free = (int(fields["MemAvailable"].split()[0]) + int(fields["SwapFree"].split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    root = Path(cgroup)
+    for limit, used in (("memory.max", "memory.current"),
+                        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap = int((root / limit).read_text()) - int((root / used).read_text())
+        except (OSError, ValueError):  # no such file, or "max": no limit
+            continue
+        return max(0, min(free, cap))
+    return free
+
+
+def check_model_fits_on_cpu(flavor: str, parameters: int, processes_here: int, shards: int,
+                            available: Optional[int]) -> None:
+    """Raise a ConfigError naming [model] flavor where this host's processes, each holding
+    1/shards of the parameters' fp32 state (FSDP and TP shard them; replicas hold their own),
+    need more than the available bytes (None: unknown, not checked)."""
+    needed = parameters * BYTES_PER_PARAMETER * processes_here // max(1, shards)
+    if available is None or needed <= available:
+        return
+    over = f", {processes_here} processes" if processes_here > 1 else ""
+    raise ConfigError(
+        f"[model] flavor = {flavor!r}: its {parameters:,} parameters need at least "
+        f"{needed / 2**30:.1f} GiB of this machine's memory on the CPU (fp32 weights, gradients "
+        f"and AdamW's two states{over}), and {available / 2**30:.1f} GiB is available: a "
+        "smaller flavor, or a GPU")
