@@ -34,7 +34,7 @@ from components.config.checks import resolve_global_batch
 from components.config.docs import help_text
 from components.config.parse import (check_config_not_overwritten, config_checks, is_config_error,
                                      load_config, refusal_line, wants_help)
-from components.config.schema import JobConfig
+from components.config.schema import ConfigError, JobConfig
 from components.config.toml_out import config_changes, to_toml
 from components.data.build import build_data
 from components.float8_linear import CONVERTER as FLOAT8_CONVERTER, check_fp8_device
@@ -260,9 +260,14 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         check_metrics_backends(cfg.metrics)
         args = model_args(cfg, tokenizer.vocab_size, dims)
         if device.type == "cpu":  # too large there, the kernel kills it without a word
-            check_model_fits_on_cpu(cfg.model.flavor, param_count_for(args, False),
-                                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                    world // dims.dp_replicate, available_bytes())
+            refusal = None
+            try:
+                check_model_fits_on_cpu(cfg.model.flavor, param_count_for(args, False),
+                                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                        world // dims.dp_replicate, available_bytes())
+            except ConfigError as e:
+                refusal = e
+            raise_on_every_rank(refusal)  # ranks read the free memory at different moments
         TrainingLoss(cfg.loss)
         if dims.tp > 1:
             check_loss_parallel(cfg.loss.parallel, cfg.loss.impl, cfg.loss.memory_lean,

@@ -2,6 +2,9 @@
 anything is built (the kernel's out-of-memory killer ended it without a word before):
 components/host_memory.py."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,23 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(tmp_pat
         train.main(["--config", str(REPO / "configs" / "debug.toml"),
                     "--job.dump_folder", str(dump), "--training.device", "cpu"])
     assert not built and not (dump / "config.toml").exists()
+
+
+@pytest.mark.slow
+def test_a_refusal_on_one_rank_stops_every_rank_in_one_line(tmp_path):
+    """Each rank reads the free memory itself, at its own moment: one rank refusing while the
+    others went on into the mesh's collectives would leave them waiting for it."""
+    script = tmp_path / "rank_1_short.py"
+    script.write_text(f"import os, sys\nsys.path.insert(0, {str(REPO)!r})\nimport train\n"
+                      "if os.environ['RANK'] == '1':\n    train.available_bytes = lambda: 1\n"
+                      "sys.exit(train.command_line())\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), "--config", str(REPO / "configs" / "debug.toml"),
+         "--job.dump_folder", str(tmp_path / "run"), "--job.print_config", "false"],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    refusals = [line for line in result.stdout.splitlines() + result.stderr.splitlines()
+                if line.startswith("config error: rank 1: [model] flavor = 'debug'")]
+    assert len(refusals) == 1, result.stdout + result.stderr
+    assert not (tmp_path / "run" / "config.toml").exists()
