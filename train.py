@@ -38,7 +38,7 @@ from components.config.schema import ConfigError, JobConfig
 from components.config.toml_out import config_changes, to_toml
 from components.data.build import build_data
 from components.float8_linear import CONVERTER as FLOAT8_CONVERTER, check_fp8_device
-from components.host_memory import available_bytes, check_model_fits_on_cpu
+from components.host_memory import available_bytes, check_model_fits_on_cpu, least_bytes
 from components.initial_load import other_tokenizer_warning, take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, TrainingLoss
@@ -262,9 +262,13 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         if device.type == "cpu":  # too large there, the kernel kills it without a word
             refusal = None
             try:
-                check_model_fits_on_cpu(cfg.model.flavor, param_count_for(args, False),
+                batch, seq_len = cfg.training.local_batch_size, cfg.training.seq_len
+                parameters = param_count_for(args, False)
+                need = least_bytes(parameters, world // dims.dp_replicate,
+                                   batch * seq_len // dims.same_batch, args.dim, args.n_layers)
+                check_model_fits_on_cpu(cfg.model.flavor, parameters, batch, seq_len, need,
                                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                        world // dims.dp_replicate, available_bytes())
+                                        available_bytes())
             except ConfigError as e:
                 refusal = e
             raise_on_every_rank(refusal)  # ranks read the free memory at different moments

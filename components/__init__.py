@@ -18,7 +18,7 @@
                    shards, data caches; scripts/lib's reports)
     profiling.py   the torch profiler, when [profiling] asks for it
     allocator.py   the CUDA caching allocator's settings a run gets (recorded by the launchers)
-    host_memory.py  whether a run on the CPU can hold its model's fp32 state in this machine's
-                   memory
+    host_memory.py  whether a run on the CPU can hold its model's fp32 state and activations in
+                   this machine's memory
     validation.py  [validation]: the loss and bits per byte on held-out batches (evaluate())
 """

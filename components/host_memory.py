@@ -1,16 +1,15 @@
 """Whether a run on the CPU can hold its model: the weights, gradients and AdamW's two states in
-fp32, against the memory this machine (or its container) has available. Without the check a
-model too large was killed by the kernel's out-of-memory killer while it initialised or at its
-first step, with no message (llama_1b on a 24 GiB machine); on CUDA an out-of-memory error names
-itself."""
+fp32 and the blocks' inputs kept for backward, against the memory this machine (or its
+container) has available. Without the check a model too large was killed by the kernel's
+out-of-memory killer while it initialised or at its first step, with no message (llama_1b on a
+24 GiB machine); on CUDA an out-of-memory error names itself."""
 
 from pathlib import Path
 from typing import Optional
 
 from components.config.schema import ConfigError
 
-# fp32 weight, gradient and AdamW's exp_avg and exp_avg_sq: what any step holds at least, beside
-# activations (not counted: the bound is one no run of this model can go below)
+# fp32 weight, gradient and AdamW's exp_avg and exp_avg_sq: what any step holds at least
 BYTES_PER_PARAMETER = 16
 
 
@@ -36,17 +35,25 @@ def available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgrou
     return free
 
 
-def check_model_fits_on_cpu(flavor: str, parameters: int, processes_here: int, shards: int,
-                            available: Optional[int]) -> None:
-    """Raise a ConfigError naming [model] flavor where this host's processes, each holding
-    1/shards of the parameters' fp32 state (FSDP and TP shard them; replicas hold their own),
-    need more than the available bytes (None: unknown, not checked)."""
-    needed = parameters * BYTES_PER_PARAMETER * processes_here // max(1, shards)
+def least_bytes(parameters: int, shards: int, tokens: int, dim: int, layers: int) -> int:
+    """One process's least memory for a step: its 1/shards of the parameters' fp32 state (FSDP
+    and TP shard them; replicas hold their own) and, for its tokens, the input of each block and
+    of the final norm in fp32, which backward needs under any activation checkpointing."""
+    state = parameters * BYTES_PER_PARAMETER // max(1, shards)
+    return state + tokens * (layers + 1) * dim * 4
+
+
+def check_model_fits_on_cpu(flavor: str, parameters: int, local_batch_size: int, seq_len: int,
+                            needed: int, processes_here: int, available: Optional[int]) -> None:
+    """Raise a ConfigError naming [model] flavor and the batch where this host's processes,
+    each needing `least_bytes`, need more than the available bytes (None: unknown, unchecked)."""
+    needed *= processes_here
     if available is None or needed <= available:
         return
     over = f", {processes_here} processes" if processes_here > 1 else ""
     raise ConfigError(
-        f"[model] flavor = {flavor!r}: its {parameters:,} parameters need at least "
+        f"[model] flavor = {flavor!r} at [training] local_batch_size = {local_batch_size}, "
+        f"seq_len = {seq_len}: its {parameters:,} parameters need at least "
         f"{needed / 2**30:.1f} GiB of this machine's memory on the CPU (fp32 weights, gradients "
-        f"and AdamW's two states{over}), and {available / 2**30:.1f} GiB is available: a "
-        "smaller flavor, or a GPU")
+        f"and AdamW's two states, and each block's input kept for backward{over}), and "
+        f"{available / 2**30:.1f} GiB is available: a smaller flavor or batch, or a GPU")

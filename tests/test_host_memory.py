@@ -11,7 +11,8 @@ import pytest
 
 import train
 from components.config.schema import ConfigError
-from components.host_memory import BYTES_PER_PARAMETER, available_bytes, check_model_fits_on_cpu
+from components.host_memory import (BYTES_PER_PARAMETER, available_bytes, check_model_fits_on_cpu,
+                                    least_bytes)
 from models import FLAVORS, param_count_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,29 +50,36 @@ def test_available_memory_is_the_kernels_capped_by_the_containers(tmp_path):
     assert available_bytes() is None or available_bytes() > 0  # this machine's
 
 
-def test_the_bound_counts_each_process_share_of_the_fp32_state():
+def test_the_bound_counts_each_process_share_and_the_blocks_inputs():
     params = 1_000_003
-    need = params * BYTES_PER_PARAMETER
-    check_model_fits_on_cpu("x", params, 1, 1, need)  # exactly enough
-    check_model_fits_on_cpu("x", params, 4, 4, need + 3)  # 4 processes, each a quarter
-    check_model_fits_on_cpu("x", params, 1, 1, None)  # unknown: not checked
-    with pytest.raises(ConfigError, match=r"^\[model\] flavor = 'x': its 1,000,003 parameters "
-                                          r"need at least 0\.0 GiB .*AdamW's two states\), and"):
-        check_model_fits_on_cpu("x", params, 1, 1, need - 1)
-    with pytest.raises(ConfigError, match=r"two states, 2 processes\)"):  # replicas: each a copy
-        check_model_fits_on_cpu("x", params, 2, 1, need)
+    assert least_bytes(params, 1, 0, 64, 3) == params * BYTES_PER_PARAMETER
+    assert least_bytes(params, 4, 0, 64, 3) == params * BYTES_PER_PARAMETER // 4  # sharded
+    assert least_bytes(0, 1, 1000, 64, 3) == 1000 * 4 * 64 * 4  # 3 blocks' inputs + the norm's
+    need = least_bytes(params, 1, 100, 64, 3)
+    check_model_fits_on_cpu("x", params, 1, 100, need, 1, need)  # exactly enough
+    check_model_fits_on_cpu("x", params, 1, 100, need, 1, None)  # unknown: not checked
+    with pytest.raises(ConfigError, match=r"^\[model\] flavor = 'x' at \[training\] "
+                                          r"local_batch_size = 1, seq_len = 100: its 1,000,003 "
+                                          r"parameters need at least 0\.0 GiB .*kept for "
+                                          r"backward\), and"):
+        check_model_fits_on_cpu("x", params, 1, 100, need, 1, need - 1)
+    with pytest.raises(ConfigError, match=r"kept for backward, 2 processes\)"):  # on this host
+        check_model_fits_on_cpu("x", params, 1, 100, need, 2, 2 * need - 1)
 
 
 def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(tmp_path, monkeypatch):
     """llama_8b on a CPU machine of 24 GiB needs 120 GiB for its fp32 weights, gradients and
     AdamW state alone; here the debug model, with the machine's memory made smaller."""
-    params = param_count_for(FLAVORS["debug"], exclude_embedding=False)
+    debug = FLAVORS["debug"]
+    need = least_bytes(param_count_for(debug, exclude_embedding=False), 1, 8 * 256, debug.dim,
+                       debug.n_layers)  # configs/debug.toml's batch of 8 x 256 tokens
     built = []
     monkeypatch.setattr(train, "build_model", lambda *a, **k: built.append(1))
-    monkeypatch.setattr(train, "available_bytes", lambda: params * BYTES_PER_PARAMETER - 1)
+    monkeypatch.setattr(train, "available_bytes", lambda: need - 1)
     dump = tmp_path / "run"
-    with pytest.raises(ConfigError, match=r"\[model\] flavor = 'debug': its [\d,]+ parameters "
-                                          r"need at least .* a smaller flavor, or a GPU"):
+    with pytest.raises(ConfigError, match=r"\[model\] flavor = 'debug' at \[training\] "
+                                          r"local_batch_size = 8, seq_len = 256: its [\d,]+ "
+                                          r"parameters need at least .* or batch, or a GPU"):
         train.main(["--config", str(REPO / "configs" / "debug.toml"),
                     "--job.dump_folder", str(dump), "--training.device", "cpu"])
     assert not built and not (dump / "config.toml").exists()
@@ -92,6 +100,6 @@ def test_a_refusal_on_one_rank_stops_every_rank_in_one_line(tmp_path):
         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     refusals = [line for line in result.stdout.splitlines() + result.stderr.splitlines()
-                if line.startswith("config error: rank 1: [model] flavor = 'debug'")]
+                if line.startswith("config error: rank 1: [model] flavor = 'debug' at")]
     assert len(refusals) == 1, result.stdout + result.stderr
     assert not (tmp_path / "run" / "config.toml").exists()
