@@ -16,8 +16,11 @@ BYTES_PER_PARAMETER = 16
 def available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup"
                     ) -> Optional[int]:
     """Memory a new allocation can get: the kernel's MemAvailable plus free swap, capped by the
-    container's limit (cgroup v2 memory.max less memory.current, or v1's limit_in_bytes less
-    usage_in_bytes), which MemAvailable does not see. None where /proc/meminfo is not there."""
+    container's limit less what it uses beside its page cache (cgroup v2's memory.max,
+    memory.current and memory.stat's file; v1's limit_in_bytes, usage_in_bytes and total_cache),
+    which MemAvailable does not see. The page cache counts as free, as the kernel reclaims it
+    (after reading a corpus a container's usage is mostly cache). None where /proc/meminfo is
+    not there."""
     try:
         fields = dict(line.split(":", 1) for line in Path(meminfo).read_text().splitlines()
                       if ":" in line)
@@ -25,13 +28,20 @@ def available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgrou
     except (OSError, KeyError, ValueError):
         return None
     root = Path(cgroup)
-    for limit, used in (("memory.max", "memory.current"),
-                        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit, used, stat, cache in (("memory.max", "memory.current", "memory.stat", "file"),
+                                     ("memory/memory.limit_in_bytes",
+                                      "memory/memory.usage_in_bytes", "memory/memory.stat",
+                                      "total_cache")):
         try:
-            cap = int((root / limit).read_text()) - int((root / used).read_text())
+            cap, usage = int((root / limit).read_text()), int((root / used).read_text())
         except (OSError, ValueError):  # no such file, or "max": no limit
             continue
-        return max(0, min(free, cap))
+        try:
+            stats = dict(line.split() for line in (root / stat).read_text().splitlines())
+            usage -= int(stats.get(cache, 0))
+        except (OSError, ValueError):
+            pass
+        return max(0, min(free, cap - usage))
     return free
 
 

@@ -46,6 +46,14 @@ def test_available_memory_is_the_kernels_capped_by_the_containers(tmp_path):
     assert available_bytes(meminfo, v1) == 4000 * 1024  # v1's "no limit" is a huge number
     over = _cgroup(tmp_path / "over", {"memory.max": "100", "memory.current": "200"})
     assert available_bytes(meminfo, over) == 0
+    # a container's page cache (a corpus read) is reclaimed: not counted as used
+    cached = _cgroup(tmp_path / "cached", {"memory.max": "3145728", "memory.current": "3145728",
+                                           "memory.stat": "anon 1048576\nfile 2097152\n"})
+    assert available_bytes(meminfo, cached) == 2 * 2**20
+    v1_cached = _cgroup(tmp_path / "v1_cached", {
+        "memory/memory.limit_in_bytes": "3145728", "memory/memory.usage_in_bytes": "3145728",
+        "memory/memory.stat": "cache 5\ntotal_cache 2097152\n"})
+    assert available_bytes(meminfo, v1_cached) == 2 * 2**20
     assert available_bytes(str(tmp_path / "no_meminfo"), v2) is None
     assert available_bytes() is None or available_bytes() > 0  # this machine's
 
