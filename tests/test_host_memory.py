@@ -98,14 +98,15 @@ def test_a_refusal_on_one_rank_stops_every_rank_in_one_line(tmp_path):
     """Each rank reads the free memory itself, at its own moment: one rank refusing while the
     others went on into the mesh's collectives would leave them waiting for it."""
     script = tmp_path / "rank_1_short.py"
-    script.write_text(f"import os, sys\nsys.path.insert(0, {str(REPO)!r})\nimport train\n"
+    script.write_text("import os, sys\nimport train\n"
                       "if os.environ['RANK'] == '1':\n    train.available_bytes = lambda: 1\n"
                       "sys.exit(train.command_line())\n")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(script), "--config", str(REPO / "configs" / "debug.toml"),
          "--job.dump_folder", str(tmp_path / "run"), "--job.print_config", "false"],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})  # train from here
     assert result.returncode != 0
     refusals = [line for line in result.stdout.splitlines() + result.stderr.splitlines()
                 if line.startswith("config error: rank 1: [model] flavor = 'debug' at")]
