@@ -47,7 +47,7 @@ from components.optim import (build_lr_schedule, build_optimizer, check_optimize
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
 from components.process import (all_reduce_sum, back_to_init_timeout, exit_process,
                                 init_timeout_phase, make_traces_folder, process_group,
-                                process_settings_restored, start_train_timeout)
+                                start_train_timeout)
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
@@ -208,16 +208,15 @@ def main(argv=None) -> int:
         return 0
     cfg = load_config(argv)
     check_config_not_overwritten(argv, cfg)
-    with process_settings_restored():
-        default_allocator_settings()
-        # From here on a stop signal is remembered: it takes effect after the first training step.
-        with StopRequest(saves=cfg.checkpoint.enable) as stop, \
-                process_group(cfg.training.device, cfg.comm,
-                              cfg.job.dump_folder) as (rank, world, device), \
-                dump_folder_lock(cfg.job.dump_folder, rank,  # before anything is written there
-                                 cfg.checkpoint.folder if cfg.checkpoint.enable else None):
-            make_traces_folder(cfg.comm, cfg.job.dump_folder, device)
-            return train(cfg, rank, world, device, stop)
+    default_allocator_settings()
+    # From here on a stop signal is remembered: it takes effect after the first training step.
+    with StopRequest(saves=cfg.checkpoint.enable) as stop, \
+            process_group(cfg.training.device, cfg.comm,
+                          cfg.job.dump_folder) as (rank, world, device), \
+            dump_folder_lock(cfg.job.dump_folder, rank,  # before anything is written there
+                             cfg.checkpoint.folder if cfg.checkpoint.enable else None):
+        make_traces_folder(cfg.comm, cfg.job.dump_folder, device)
+        return train(cfg, rank, world, device, stop)
 
 
 def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.device

@@ -1,7 +1,6 @@
 """The trainer process's distributed lifetime: its process group, started and torn down
-(process_group), its collectives' timeouts ([comm]), a sum over its ranks (all_reduce_sum), its
-exit (exit_process), and the process-wide settings a run makes, undone when it returns
-(process_settings_restored).
+(process_group), its collectives' timeouts ([comm]), a sum over its ranks (all_reduce_sum), and
+its exit (exit_process).
 
 Leaving a process that used gloo with several ranks skips the interpreter's teardown. DTensor's
 sharding caches (torch-internal, global) keep the device mesh, and through it its gloo process
@@ -90,25 +89,6 @@ def init_distributed(device_type: str = "auto", comm: Optional[Comm] = None, dum
         _start_timeouts(comm, 1, torch.device("cuda", 0))
         return 0, 1, torch.device("cuda", 0)
     return 0, 1, torch.device("cpu")
-
-
-@contextmanager
-def process_settings_restored() -> Iterator[None]:
-    """What a run sets for the whole process, put back as it was when the run returns, for a
-    caller that goes on in the same process (a notebook, a test, a sweep calling train.main):
-    the environment variables it sets (the flight recorder's, the allocator's default, the cuBLAS
-    workspace of a deterministic run) and torch's deterministic-algorithms mode, which left on
-    made the caller's next op without a deterministic kernel raise."""
-    environ = dict(os.environ)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-        if dict(os.environ) != environ:
-            os.environ.clear()
-            os.environ.update(environ)
 
 
 @contextmanager
