@@ -45,9 +45,9 @@ from components.loss import IGNORE_INDEX, TrainingLoss
 from components.metrics import MetricsLogger, StepMeter, check_metrics_backends, peak_flops
 from components.optim import (build_lr_schedule, build_optimizer, check_optimizer_settings,
                               fit_lr_schedule, hyperparameters, restore_hyperparameters)
-from components.process import (all_reduce_sum, back_to_init_timeout, exit_process,
-                                init_timeout_phase, make_traces_folder, process_group,
-                                start_train_timeout)
+from components.process import (all_reduce_sum, back_to_init_timeout,
+                                deterministic_mode_restored, exit_process, init_timeout_phase,
+                                make_traces_folder, process_group, start_train_timeout)
 from components.profiling import maybe_profile
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     check_config_not_overwritten(argv, cfg)
     default_allocator_settings()
     # From here on a stop signal is remembered: it takes effect after the first training step.
-    with StopRequest(saves=cfg.checkpoint.enable) as stop, \
+    with deterministic_mode_restored(), StopRequest(saves=cfg.checkpoint.enable) as stop, \
             process_group(cfg.training.device, cfg.comm,
                           cfg.job.dump_folder) as (rank, world, device), \
             dump_folder_lock(cfg.job.dump_folder, rank,  # before anything is written there

@@ -1,6 +1,7 @@
 """The trainer process's distributed lifetime: its process group, started and torn down
-(process_group), its collectives' timeouts ([comm]), a sum over its ranks (all_reduce_sum), and
-its exit (exit_process).
+(process_group), its collectives' timeouts ([comm]), a sum over its ranks (all_reduce_sum), its
+exit (exit_process), and torch's deterministic mode put back when a run returns
+(deterministic_mode_restored).
 
 Leaving a process that used gloo with several ranks skips the interpreter's teardown. DTensor's
 sharding caches (torch-internal, global) keep the device mesh, and through it its gloo process
@@ -89,6 +90,21 @@ def init_distributed(device_type: str = "auto", comm: Optional[Comm] = None, dum
         _start_timeouts(comm, 1, torch.device("cuda", 0))
         return 0, 1, torch.device("cuda", 0)
     return 0, 1, torch.device("cpu")
+
+
+@contextmanager
+def deterministic_mode_restored() -> Iterator[None]:
+    """torch's deterministic-algorithms mode as it was before the run, once the run returns: a
+    caller that goes on in the same process (a notebook, a sweep calling train.main) after a
+    deterministic run would otherwise have its next op without a deterministic kernel raise.
+    Only this flag: the environment variables a run sets stay, since rewriting os.environ while
+    gloo's threads still read it can abort the process."""
+    mode = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 @contextmanager

@@ -441,6 +441,24 @@ def test_a_deterministic_run_sets_the_cublas_workspace_torch_asks_for(tmp_path, 
         torch.use_deterministic_algorithms(False)
 
 
+def test_a_run_leaves_torchs_deterministic_mode_as_it_found_it(tmp_path, monkeypatch):
+    """train.main called in a process that goes on (a notebook, a sweep): a deterministic run
+    left torch's deterministic mode on, so the caller's next op without a deterministic kernel
+    raised; the caller's own mode (here warn-only) stays through a run that turns it off."""
+    import torch
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # undone by monkeypatch's teardown
+    one_step = ["--training.steps", "1", "--training.deterministic"]
+    try:
+        assert run(tmp_path, "a", *one_step, "true")[0] == 0
+        assert not torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert run(tmp_path, "b", *one_step, "false")[0] == 0
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:  # process-wide: the other tests of this worker run as before
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.slow
 def test_a_deterministic_cuda_run_trains_and_repeats_itself(tmp_path):
     """The same in a fresh process on a GPU (cuBLAS reads the variable once): two deterministic
