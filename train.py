@@ -264,7 +264,9 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
                 batch, seq_len = cfg.training.local_batch_size, cfg.training.seq_len
                 parameters = param_count_for(args, False)
                 need = least_bytes(parameters, world // dims.dp_replicate,
-                                   batch * seq_len // dims.same_batch, args.dim, args.n_layers)
+                                   batch * seq_len // dims.same_batch, args,
+                                   cfg.activation_checkpoint.mode == "none",
+                                   cfg.loss.impl == "unfused")
                 check_model_fits_on_cpu(cfg.model.flavor, parameters, batch, seq_len, need,
                                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                         available_bytes())

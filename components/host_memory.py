@@ -1,5 +1,5 @@
 """Whether a run on the CPU can hold its model: the weights, gradients and AdamW's two states in
-fp32 and the blocks' inputs kept for backward, against the memory this machine (or its
+fp32 and the activations autograd keeps for backward, against the memory this machine (or its
 container) has available. Without the check a model too large was killed by the kernel's
 out-of-memory killer while it initialised or at its first step, with no message (llama_1b on a
 24 GiB machine); on CUDA an out-of-memory error names itself."""
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from components.config.schema import ConfigError
+from models import LlamaArgs, saved_values_per_token
 
 # fp32 weight, gradient and AdamW's exp_avg and exp_avg_sq: what any step holds at least
 BYTES_PER_PARAMETER = 16
@@ -45,12 +46,22 @@ def available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgrou
     return free
 
 
-def least_bytes(parameters: int, shards: int, tokens: int, dim: int, layers: int) -> int:
-    """One process's least memory for a step: its 1/shards of the parameters' fp32 state (FSDP
-    and TP shard them; replicas hold their own) and, for its tokens, the input of each block and
-    of the final norm in fp32, which backward needs under any activation checkpointing."""
+def least_bytes(parameters: int, shards: int, tokens: int, args: LlamaArgs,
+                every_block_kept: bool, logits_kept: bool) -> int:
+    """One process's least memory for a step, in fp32: its 1/shards of the parameters' state
+    (FSDP and TP shard them; replicas hold their own) and, for its tokens, what autograd keeps for
+    backward. Without activation checkpointing (every_block_kept) that is every block's saved
+    values; under any mode of it, each block's input, and in backward one block's saved values
+    at a time. Then the final norm's input, rms and input x rms and, for the unfused loss
+    (logits_kept), the logits.
+    A bound, not an estimate: backward's gradients and the allocator's slack come on top (the
+    debug model without checkpointing peaks at ~1.3x it)."""
     state = parameters * BYTES_PER_PARAMETER // max(1, shards)
-    return state + tokens * (layers + 1) * dim * 4
+    block = saved_values_per_token(args)
+    blocks = (args.n_layers * block if every_block_kept
+              else args.n_layers * args.dim + block - args.dim)
+    values = blocks + 2 * args.dim + 1 + (args.vocab_size if logits_kept else 0)
+    return state + tokens * values * 4
 
 
 def check_model_fits_on_cpu(flavor: str, parameters: int, local_batch_size: int, seq_len: int,
@@ -65,5 +76,5 @@ def check_model_fits_on_cpu(flavor: str, parameters: int, local_batch_size: int,
         f"[model] flavor = {flavor!r} at [training] local_batch_size = {local_batch_size}, "
         f"seq_len = {seq_len}: its {parameters:,} parameters need at least "
         f"{needed / 2**30:.1f} GiB of this machine's memory on the CPU (fp32 weights, gradients "
-        f"and AdamW's two states, and each block's input kept for backward{over}), and "
+        f"and AdamW's two states, and the activations kept for backward{over}), and "
         f"{available / 2**30:.1f} GiB is available: a smaller flavor or batch, or a GPU")

@@ -1,6 +1,8 @@
-"""Llama-3 model: architecture, hyperparameters and named flavors, parameter/FLOP counts."""
+"""Llama-3 model: architecture, hyperparameters and named flavors, parameter/FLOP/activation
+counts."""
 
-from models.args import FLAVORS, LlamaArgs, flops_per_token, param_count_for, with_context
+from models.args import (FLAVORS, LlamaArgs, flops_per_token, param_count_for,
+                         saved_values_per_token, with_context)
 from models.llama import KVCache, Llama, apply_rope, build_rope_cache, num_params, rope_frequencies
 
 __all__ = [
@@ -14,5 +16,6 @@ __all__ = [
     "num_params",
     "param_count_for",
     "rope_frequencies",
+    "saved_values_per_token",
     "with_context",
 ]

@@ -1,4 +1,5 @@
-"""Llama-3 hyperparameters, the named flavors, and parameter/FLOP counts computed from them."""
+"""Llama-3 hyperparameters, the named flavors, and parameter/FLOP/activation counts computed from
+them."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -120,3 +121,13 @@ def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
     """
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return float(6 * param_count_for(args, exclude_embedding=True) + attention)
+
+
+def saved_values_per_token(args: LlamaArgs) -> int:
+    """Values one block of `Llama(args)` keeps for backward per token (each a float32 on the
+    CPU): each of its two RMSNorms' input, rms, input x rms and output (3 dim + 1 each); q, k, v,
+    the attention's output (also wo's input) and log-sum-exp per head (flash attention's, on the
+    CPU as on CUDA); SwiGLU's w1 and w3 outputs, silu's and the product (4 ffn). Counted from
+    the tensors autograd saves (tests/test_host_memory.py)."""
+    kv_dim = args.n_kv_heads * args.head_dim
+    return 8 * args.dim + 2 * kv_dim + args.n_heads + 2 + 4 * args.ffn_dim

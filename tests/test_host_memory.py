@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
 from components.config.schema import ConfigError
 from components.host_memory import (BYTES_PER_PARAMETER, available_bytes, check_model_fits_on_cpu,
                                     least_bytes)
-from models import FLAVORS, param_count_for
+from models import FLAVORS, Llama, LlamaArgs, param_count_for, saved_values_per_token
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,12 +59,55 @@ def test_available_memory_is_the_kernels_capped_by_the_containers(tmp_path):
     assert available_bytes() is None or available_bytes() > 0  # this machine's
 
 
-def test_the_bound_counts_each_process_share_and_the_blocks_inputs():
-    params = 1_000_003
-    assert least_bytes(params, 1, 0, 64, 3) == params * BYTES_PER_PARAMETER
-    assert least_bytes(params, 4, 0, 64, 3) == params * BYTES_PER_PARAMETER // 4  # sharded
-    assert least_bytes(0, 1, 1000, 64, 3) == 1000 * 4 * 64 * 4  # 3 blocks' inputs + the norm's
-    need = least_bytes(params, 1, 100, 64, 3)
+@pytest.mark.parametrize("args", [
+    FLAVORS["debug"],  # grouped-query attention
+    LlamaArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=6, vocab_size=77, ffn_dim=200,
+              max_seq_len=64),
+    LlamaArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=1, vocab_size=50, ffn_dim=96,
+              max_seq_len=64, tie_embeddings=True)])
+def test_the_count_of_saved_values_is_what_autograd_saves(args):
+    """saved_values_per_token against the tensors the model's forward really saves for
+    backward (saved_tensors_hooks), each storage once, parameters and the RoPE table left out:
+    a block's, then the model's: its blocks', the final norm's input, rms and input x rms, and
+    the token ids the embedding keeps."""
+    torch.manual_seed(0)
+    model = Llama(args, 40)
+    model.init_weights()
+    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), model.rope_cache]}
+
+    def saved_values(forward):
+        storages = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in shared:
+                storages[storage.data_ptr()] = storage.nbytes() // t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+        return sum(storages.values())
+    batch, seq = 3, 37
+    x = torch.randn(batch, seq, args.dim, requires_grad=True)
+    block = saved_values(lambda: model.layers["0"](x, model.rope_cache[:seq]))
+    assert block == batch * seq * saved_values_per_token(args)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq))
+    whole = saved_values(lambda: model(tokens))
+    assert whole == batch * seq * (args.n_layers * saved_values_per_token(args) + 2 * args.dim + 2)
+
+
+def test_the_bound_counts_each_process_share_and_what_backward_keeps():
+    params, args = 1_000_003, FLAVORS["debug"]
+    block = saved_values_per_token(args)
+    assert least_bytes(params, 1, 0, args, True, True) == params * BYTES_PER_PARAMETER
+    assert least_bytes(params, 4, 0, args, True, False) == params * BYTES_PER_PARAMETER // 4
+    layers, dim = args.n_layers, args.dim
+    every = (layers * block + 2 * dim + 1) * 4  # a token's bytes: its blocks' and final norm's
+    assert least_bytes(0, 1, 1000, args, True, False) == 1000 * every
+    # checkpointed: each block's input, one block's values at a time in backward
+    assert least_bytes(0, 1, 1000, args, False, False) == 1000 * (
+        layers * dim + block - dim + 2 * dim + 1) * 4
+    assert least_bytes(0, 1, 1000, args, True, True) == 1000 * (every + args.vocab_size * 4)
+    need = least_bytes(params, 1, 100, args, True, False)
     check_model_fits_on_cpu("x", params, 1, 100, need, 1, need)  # exactly enough
     check_model_fits_on_cpu("x", params, 1, 100, need, 1, None)  # unknown: not checked
     with pytest.raises(ConfigError, match=r"^\[model\] flavor = 'x' at \[training\] "
@@ -79,8 +123,8 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(tmp_pat
     """llama_8b on a CPU machine of 24 GiB needs 120 GiB for its fp32 weights, gradients and
     AdamW state alone; here the debug model, with the machine's memory made smaller."""
     debug = FLAVORS["debug"]
-    need = least_bytes(param_count_for(debug, exclude_embedding=False), 1, 8 * 256, debug.dim,
-                       debug.n_layers)  # configs/debug.toml's batch of 8 x 256 tokens
+    need = least_bytes(param_count_for(debug, exclude_embedding=False), 1, 8 * 256, debug,
+                       True, False)  # configs/debug.toml's batch of 8 x 256 tokens
     built = []
     monkeypatch.setattr(train, "build_model", lambda *a, **k: built.append(1))
     monkeypatch.setattr(train, "available_bytes", lambda: need - 1)
