@@ -219,6 +219,13 @@ def main(argv=None) -> int:
         return train(cfg, rank, world, device, stop)
 
 
+def eager_blocks_keep_all(cfg: JobConfig) -> bool:
+    """Whether every block keeps the values eager autograd saves (no activation checkpointing,
+    and no compiled blocks, whose graphs may save fewer): the CPU memory bound's case."""
+    compiled = cfg.compile.enable and "model" in cfg.compile.components
+    return cfg.activation_checkpoint.mode == "none" and not compiled
+
+
 def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.device
                           ) -> tuple[ParallelDims, Tokenizer, LlamaArgs, object, ResumePoint]:
     """What would otherwise fail only after the model is built, as config errors (one line, exit
@@ -265,8 +272,7 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
                 parameters = param_count_for(args, False)
                 need = least_bytes(parameters, world // dims.dp_replicate,
                                    batch * seq_len // dims.same_batch, args,
-                                   cfg.activation_checkpoint.mode == "none",
-                                   cfg.loss.impl == "unfused")
+                                   eager_blocks_keep_all(cfg), cfg.loss.impl == "unfused")
                 check_model_fits_on_cpu(cfg.model.flavor, parameters, batch, seq_len, need,
                                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                         available_bytes())

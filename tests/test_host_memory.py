@@ -156,3 +156,16 @@ def test_a_refusal_on_one_rank_stops_every_rank_in_one_line(tmp_path):
                 if line.startswith("config error: rank 1: [model] flavor = 'debug' at")]
     assert len(refusals) == 1, result.stdout + result.stderr
     assert not (tmp_path / "run" / "config.toml").exists()
+
+
+def test_checkpointed_or_compiled_blocks_are_counted_one_at_a_time():
+    """Activation checkpointing keeps a block's input only; a compiled block's graph may save
+    fewer values than eager autograd: the bound then counts one block's, so it stays a bound."""
+    from components.config.parse import load_config
+    base = ["--config", str(REPO / "configs" / "debug.toml")]
+    assert train.eager_blocks_keep_all(load_config(base))
+    assert not train.eager_blocks_keep_all(load_config(base + ["--activation_checkpoint.mode",
+                                                               "full"]))
+    assert not train.eager_blocks_keep_all(load_config(base + ["--compile.enable", "true"]))
+    assert train.eager_blocks_keep_all(load_config(base + ["--compile.enable", "true",
+                                                           "--compile.components", "loss"]))
