@@ -261,3 +261,74 @@ def test_a_width_outside_the_rows_is_a_clear_error():
                     one, LossOptions(), False, False, width=48)
     launch_rows(buf[:1, :37], t[:1], torch.empty(1, device=DEVICE), None, one, LossOptions(),
                 False, False, width=48)  # one row of the wider buffer: allowed
+
+
+@pytest.mark.parametrize("opts", [
+    LossOptions(),
+    LossOptions(label_smoothing=0.2, z_loss=1e-3),
+    LossOptions(logit_scale=0.5, softcap=2.5, label_smoothing=0.1, ignore_index=3),
+], ids=["plain", "smooth+z", "all"])
+@pytest.mark.parametrize("float8", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_pass_rows_match_the_torch_rows(opts, float8, padded):
+    """one_pass keeps each row in registers from pass 1 to pass 2 (one read, one exp a logit):
+    loss, statistics, dlogits and the e4m3 copy against the PyTorch rows, with ignored rows, a
+    target out of range (NaN, as the two-pass kernel) and padding read as nothing and zeroed."""
+    from flce.kernels import launch_rows
+    from flce.reference import chunk_rows
+    C, V = 11, 45
+    width = 48 if padded else V
+    logits = torch.randn(C, V, device=DEVICE) * 4
+    target = torch.randint(0, V, (C,), device=DEVICE)
+    target[::4] = opts.ignore_index
+    target[5] = V - 1
+    weight = torch.rand(C, device=DEVICE) + 0.5
+
+    def g8_of():
+        return ((torch.full((C, width), 7.0, device=DEVICE).to(torch.float8_e4m3fn),
+                 torch.zeros(C, device=DEVICE), torch.zeros(C, device=DEVICE))
+                if float8 else None)
+    wide = torch.full((C, width), float("nan"), device=DEVICE)
+    wide[:, :V] = logits
+    got_g8, two_pass_g8 = g8_of(), g8_of()
+    got = _run(lambda *a: launch_rows(*a, fp8_grad=got_g8, width=width, one_pass=True),
+               wide[:, :V], target, weight, opts, in_place=True)
+    ref = _run(chunk_rows, logits, target, weight, opts)
+    for a, b in zip((got[0], *got[1], got[2]), (ref[0], *ref[1], ref[2])):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    assert torch.equal(wide[:, V:], torch.zeros(C, width - V, device=DEVICE))
+    if float8:
+        # against the two-pass kernel's copy, cast to e4m3 as this one is (Triton's interpreter
+        # rounds fp32 -> e4m3 otherwise than torch: 7.8 -> 4.0); e4m3 keeps 3 bits, a last-bit
+        # change of the statistics may move a value one step
+        wide_two = wide.clone()
+        wide_two[:, :V] = logits
+        _run(lambda *a: launch_rows(*a, block_v=16, fp8_grad=two_pass_g8, width=width),
+             wide_two[:, :V], target, weight, opts, in_place=True)
+        ref_g8 = two_pass_g8
+        torch.testing.assert_close(got_g8[0][:, :V].float(), ref_g8[0][:, :V].float(),
+                                   rtol=0.13, atol=2.0 ** -9)
+        assert not got_g8[0][:, V:].view(torch.uint8).any()
+        for a, b in zip(got_g8[1:], ref_g8[1:]):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    bad = target.clone()
+    bad[1] = V + 3
+    loss, _, grad = _run(lambda *a: launch_rows(*a, one_pass=True), logits, bad, weight, opts)
+    assert torch.isnan(loss[1]) and torch.isnan(grad[1]).all() and torch.isfinite(grad[2]).all()
+
+
+def test_one_pass_takes_only_a_whole_row_computing_loss_and_gradient():
+    from flce.kernels import ONE_PASS_MAX_WIDTH, launch_rows, one_pass_block_and_warps
+    assert one_pass_block_and_warps(32000) == (32768, 32)
+    assert one_pass_block_and_warps(37) == (64, 4)
+    t = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    one, loss = torch.tensor(1.0, device=DEVICE), torch.empty(2, device=DEVICE)
+    stats = (torch.empty(2, device=DEVICE), torch.empty(2, device=DEVICE))
+    for logits, given, grad, block in ((torch.randn(2, 37), False, True, 32),  # too narrow
+                                       (torch.randn(2, 37), True, True, None),  # stats given
+                                       (torch.randn(2, 37), False, False, None),  # no gradient
+                                       (torch.randn(2, ONE_PASS_MAX_WIDTH + 1), False, True,
+                                        None)):
+        with pytest.raises(ValueError, match="one_pass"):
+            launch_rows(logits.to(DEVICE), t, loss, stats, one, LossOptions(), given, grad,
+                        block_v=block, one_pass=True)
