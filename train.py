@@ -49,6 +49,7 @@ from components.process import (all_reduce_sum, back_to_init_timeout,
                                 deterministic_mode_restored, exit_process, init_timeout_phase,
                                 make_traces_folder, process_group, start_train_timeout)
 from components.profiling import maybe_profile
+from components.rank_warnings import said_by_rank_zero
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
 from components.validation import Validation, validate_the_resumed_step
@@ -210,7 +211,9 @@ def main(argv=None) -> int:
     check_config_not_overwritten(argv, cfg)
     default_allocator_settings()
     # From here on a stop signal is remembered: it takes effect after the first training step.
-    with deterministic_mode_restored(), StopRequest(saves=cfg.checkpoint.enable) as stop, \
+    # said_by_rank_zero: torchrun's RANK, read before the process group that takes it
+    with deterministic_mode_restored(), said_by_rank_zero(int(os.environ.get("RANK", "0"))), \
+            StopRequest(saves=cfg.checkpoint.enable) as stop, \
             process_group(cfg.training.device, cfg.comm,
                           cfg.job.dump_folder) as (rank, world, device), \
             dump_folder_lock(cfg.job.dump_folder, rank,  # before anything is written there

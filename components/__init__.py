@@ -13,7 +13,8 @@
                    initial_load_path)
     float8_linear.py  linear layers converted to torchao's float8
     lock.py, stop_request.py, process.py  the run's lifetime: the dump folder's lock, stop
-                   signals, the process group and the process's exit
+                   signals, the process group and the process's exit; rank_warnings.py: a
+                   warning every rank gives alike, printed by rank 0 alone
     synced_files.py  writes a kill or a power loss cannot leave half done (checkpoints, token
                    shards, data caches; scripts/lib's reports)
     profiling.py   the torch profiler, when [profiling] asks for it

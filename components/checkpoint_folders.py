@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from components.config.schema import Checkpoint
+from components.rank_warnings import SameOnEveryRank
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -45,7 +46,7 @@ def list_checkpoints(folder: Path, resumable: bool = True) -> dict[int, Path]:
         if match and is_complete(path, resumable):
             found[int(match.group(1))] = path
         elif path.is_dir() and path.name.startswith("step-"):
-            warnings.warn(f"skipping incomplete checkpoint folder {path}")
+            warnings.warn(f"skipping incomplete checkpoint folder {path}", SameOnEveryRank)
     return found
 
 

@@ -41,6 +41,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from components.config.schema import Comm, ConfigError
 from components.lock import FolderNotWritable
+from components.rank_warnings import SameOnEveryRank
 
 _several_gloo_ranks = False
 
@@ -174,7 +175,7 @@ def _set_env(name: str, value: str, older: Optional[str] = None) -> None:
     for given in filter(None, (name, older)):
         if given in os.environ and os.environ[given] != value:
             warnings.warn(f"[comm] sets {name}={value}, replacing the environment's "
-                          f"{given}={os.environ[given]}")
+                          f"{given}={os.environ[given]}", SameOnEveryRank)
     os.environ[name] = value
 
 

@@ -15,6 +15,7 @@ from typing import Iterable, Protocol
 import tokenizers
 
 from components.config.schema import TokenizerName
+from components.rank_warnings import SameOnEveryRank
 
 TOKENIZER_NAMES = typing.get_args(TokenizerName)
 TOKENIZER_FILE = "tokenizer.json"  # what a folder given as a tokenizer's path holds
@@ -138,7 +139,7 @@ class HFTokenizer:
             return
         warnings.warn(f"{self.path} sets {' and '.join(found)}: "
                       f"{'both' if len(found) == 2 else 'it is'} off here; documents are encoded "
-                      "whole")
+                      "whole", SameOnEveryRank)
 
     def _config_specials(self) -> dict[str, str | None]:
         """bos_token/eos_token of a tokenizer_config.json beside the file: a string, or a dict

@@ -23,6 +23,7 @@ import torch
 from components.config.schema import Data, Training
 from components.data.shards import (ShardFormatError, TokenShards, check_tokenizer, is_shard_folder,
                                     read_index)
+from components.rank_warnings import SameOnEveryRank
 
 MIXTURE_BLOCK = 4096  # mixture weights are met exactly in every block of this many windows
 PERMUTED_BLOCK = 4096  # a source's permutation is evaluated (and kept) this many windows at a time
@@ -241,7 +242,8 @@ class ShardBatches:
             warnings.warn(f"data: the checkpoint read windows of seq_len {saved[0]} from {saved[1]} windows "
                           f"per source with seed {saved[2]}; now seq_len {self.seq_len}, "
                           f"{self.windows_per_epoch}, seed {self.seed}: continuing after global window "
-                          f"{state['global_windows']} of the new order, which may repeat or skip windows")
+                          f"{state['global_windows']} of the new order, which may repeat or skip "
+                          "windows", SameOnEveryRank)
         self._global = int(state["global_windows"])
 
     def read_more_than_once(self, state: dict) -> list[str]:
