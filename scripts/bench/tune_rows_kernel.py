@@ -109,11 +109,9 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "(`flce.kernels._block_and_warps`; fwd: pass 2 in pass 1's order, rev: last block "
              "first) against the fastest block/warps/order timed, ms and GB/s (bytes the pass must move from and to "
              "HBM, the re-read of both passes in one counted); fwd ÷ rev: at the default's size, "
-             "pass 2 in pass 1's order over pass 2 walking backwards; default ÷ once: the default "
-             "over the row read once (`one_pass`) at its best warps, where timed.", "",
+             "pass 2 in pass 1's order over pass 2 walking backwards.", "",
              "| C×V | copy GB/s | pass | default | ms | GB/s | fastest | ms | GB/s | "
-             "default ÷ fastest | fwd ÷ rev | default ÷ once |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "default ÷ fastest | fwd ÷ rev |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for point in results:
         for p in point["passes"]:
             ms = {tuple(c["config"]): c["ms"] for c in p["configs"]}
@@ -122,15 +120,13 @@ def markdown(meta: dict, results: list[dict]) -> str:
             best = min(ms, key=ms.get)
             best_ms = ms[best]
             forward, backward = (ms.get((*default[:2], r)) for r in (False, True))
-            once = min((t for c, t in ms.items() if c[2] == "once"), default=None)
             gbs = p["bytes"] / 1e6
             lines.append(
                 f"| {point['rows']}x{point['vocab']} | {point['copy_gbs']:.0f} | {p['pass']} | "
                 f"{label(default)} | {d_ms:.3f} | {gbs / d_ms:.0f} | "
                 f"{label(default if best == (None, None, None) else best)} | {best_ms:.3f} | "
                 f"{gbs / best_ms:.0f} | {d_ms / best_ms:.3f} | "
-                f"{'-' if None in (forward, backward) else f'{forward / backward:.3f}'} | "
-                f"{'-' if once is None else f'{d_ms / once:.3f}'} |")
+                f"{'-' if None in (forward, backward) else f'{forward / backward:.3f}'} |")
     return "\n".join(lines) + "\n"
 
 
