@@ -411,19 +411,18 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     return block_v, num_warps or min(default_warps, max(1, block_v // 256))
 
 
-# The widest row one program keeps in registers. Pass 2 needs two values a column (the exp and,
-# for dz/da, z): at 16 warps 64 columns a thread, ~128 of the 255 registers a thread may have at
-# 512 threads (at 1024 threads it may have 64: 32 warps would spill).
+# The widest row one program keeps in registers: 32 fp32 values a thread at 32 warps (a
+# thread has at most 64 registers at 1024 threads); 32000 and 32768-token vocabularies fit.
 ONE_PASS_MAX_WIDTH = 32768
 
 
 def one_pass_block_and_warps(width, block_v=None, num_warps=None) -> tuple[int, int]:
-    """BLOCK_V (the whole row) and warps of a one-pass row kernel: 64 columns a thread, 4 to
-    16 warps. Not yet tuned on a GPU."""
+    """BLOCK_V (the whole row) and warps of a one-pass row kernel: 32 columns a thread, 4 to
+    32 warps. Not yet tuned on a GPU."""
     block_v = block_v or triton.next_power_of_2(width)
     if block_v < width:
         raise ValueError(f"one_pass: block_v={block_v} is narrower than the row's {width}")
-    return block_v, num_warps or min(16, max(4, block_v // 2048))
+    return block_v, num_warps or min(32, max(4, block_v // 1024))
 
 
 def walks_back(kind: str) -> bool:
