@@ -15,12 +15,6 @@ at 6 chunked points (pass 1's order 1.001-1.040x its time), its results bit for 
 and pass 2 keeps pass 1's order there. `scripts/bench/tune_rows_kernel.py` and
 `scripts/bench/row_order.py` time both orders.
 
-A row of at most ONE_PASS_MAX_WIDTH columns (32000- and 32768-token vocabularies) fits one
-program's registers whole: `launch_rows(one_pass=True)` reads it once and takes one exp a logit
-(p_j = exp(z_j - max) / sum, kept from pass 1), 2 bytes a logit in and 2 out against 4 + 2 of
-both passes (the re-read mostly from L2). Exact like the two-pass kernel; not the loss's default
-until timed on a GPU (`scripts/bench/tune_rows_kernel.py`'s "once").
-
 Everything is computed in fp32 from the stored logits; the target-class term is formed in fp32
 inside pass 2 (never by patching a rounded value afterwards).
 
@@ -100,27 +94,6 @@ def _row_stats(row_ptr, V, width, logit_scale, softcap, y_local, HAS_SOFTCAP: tl
 
 
 @triton.jit
-def _store_grad(g, z, offs, y_local, V, width, w_scaled, label_smoothing, softcap, inv_scale,
-                row_ptr, g8_row_ptr, HAS_SOFTCAP: tl.constexpr, PADDED: tl.constexpr,
-                FP8_GRAD: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Pass 2's end on the columns `offs`: g (dloss/dz without the target term) gets the target
-    term, the weight and dz/da, and is stored over the logits (and, FP8_GRAD, in e4m3 with the
-    target column left out)."""
-    g = tl.where(offs == y_local, g - (1.0 - label_smoothing), g)
-    g = g * w_scaled
-    if HAS_SOFTCAP:
-        r = z / softcap
-        g = g * (1.0 - r * r)
-    if PADDED:
-        g = tl.where(offs < V, g, 0.0)
-    mask = offs < width
-    tl.store(row_ptr + offs, g.to(row_ptr.dtype.element_ty), mask=mask)
-    if FP8_GRAD:
-        q = fp8_saturated(tl.where(offs == y_local, 0.0, g * inv_scale), FP8_MAX)
-        tl.store(g8_row_ptr + offs, q.to(g8_row_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def flce_rows_kernel(
     logits_ptr,        # [C, V] raw logits in, dlogits out (when COMPUTE_GRAD)
     stride_row,
@@ -161,8 +134,6 @@ def flce_rows_kernel(
     MAX_OFF_TARGET: tl.constexpr,  # pass 1 finds the max off the target (FP8_GRAD or KEEP_OFF_MAX)
     HAS_WEIGHT_SCALE: tl.constexpr,
     REVERSE_GRAD: tl.constexpr,    # pass 2 walks the row's blocks last to first
-    ONE_PASS: tl.constexpr,        # the whole row is one block (width <= BLOCK_V), kept in
-                                   # registers from pass 1 to pass 2: read once, one exp each
     PADDED: tl.constexpr,          # width > V
     FP8_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -209,26 +180,10 @@ def flce_rows_kernel(
         lse = shift + log_s
         if FP8_GRAD:
             z_off_max = tl.load(off_max_ptr + row)
-    elif ONE_PASS:
-        loads = cols < width
-        row_z = _scaled(tl.load(row_ptr + cols, mask=loads, other=0.0).to(tl.float32),
-                        logit_scale, softcap, HAS_SOFTCAP)
-        in_row = (cols < V) if PADDED else loads
-        z_in = tl.where(in_row, row_z, -float("inf"))
-        shift = tl.max(z_in, axis=0)
-        row_e = tl.exp(z_in - shift)  # kept for pass 2: p_j = row_e_j / s
-        s = tl.sum(row_e, axis=0)
-        sum_z = 0.0
-        if HAS_SMOOTHING:
-            sum_z = tl.sum(tl.where(in_row, row_z, 0.0), axis=0)
-        z_off_max = -float("inf")
-        if MAX_OFF_TARGET:
-            z_off_max = tl.max(tl.where(cols == y_local, -float("inf"), z_in), axis=0)
     else:
         shift, s, sum_z, z_off_max = _row_stats(row_ptr, V, width, logit_scale, softcap, y_local,
                                                 HAS_SOFTCAP, HAS_SMOOTHING, MAX_OFF_TARGET,
                                                 PADDED, BLOCK_V)
-    if not STATS_GIVEN:
         if KEEP_OFF_MAX:
             tl.store(off_max_ptr + row, z_off_max)
         # Differences are taken against the row max before log(s) is added: with logits ~1e4
@@ -269,25 +224,28 @@ def flce_rows_kernel(
                 r_y = z_y / softcap
                 g_y = g_y * (1.0 - r_y * r_y)
             tl.store(target_grad_ptr + row, tl.where(owns, g_y, 0.0))
-        if not FP8_GRAD:
-            inv_scale = 1.0
-        if ONE_PASS:
-            _store_grad(row_e * (p_coef / s) - uniform, row_z, cols, y_local, V, width,
-                        w * logit_scale, label_smoothing, softcap, inv_scale, row_ptr,
-                        g8_row_ptr, HAS_SOFTCAP, PADDED, FP8_GRAD, FP8_MAX)
-        else:
-            n_blocks = tl.cdiv(width, BLOCK_V)
-            for i in range(0, n_blocks):
-                if REVERSE_GRAD:
-                    start = (n_blocks - 1 - i) * BLOCK_V
-                else:
-                    start = i * BLOCK_V
-                offs = start + cols
-                a = tl.load(row_ptr + offs, mask=offs < width, other=0.0).to(tl.float32)
-                z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
-                _store_grad(tl.exp(z - shift - log_s) * p_coef - uniform, z, offs, y_local, V,
-                            width, w * logit_scale, label_smoothing, softcap, inv_scale,
-                            row_ptr, g8_row_ptr, HAS_SOFTCAP, PADDED, FP8_GRAD, FP8_MAX)
+        n_blocks = tl.cdiv(width, BLOCK_V)
+        for i in range(0, n_blocks):
+            if REVERSE_GRAD:
+                start = (n_blocks - 1 - i) * BLOCK_V
+            else:
+                start = i * BLOCK_V
+            offs = start + cols
+            mask = offs < width
+            a = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            z = _scaled(a, logit_scale, softcap, HAS_SOFTCAP)
+            g = tl.exp(z - shift - log_s) * p_coef - uniform
+            g = tl.where(offs == y_local, g - (1.0 - label_smoothing), g)
+            g = g * (w * logit_scale)
+            if HAS_SOFTCAP:
+                r = z / softcap
+                g = g * (1.0 - r * r)
+            if PADDED:
+                g = tl.where(offs < V, g, 0.0)
+            tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+            if FP8_GRAD:
+                q = fp8_saturated(tl.where(offs == y_local, 0.0, g * inv_scale), FP8_MAX)
+                tl.store(g8_row_ptr + offs, q.to(g8_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -411,20 +369,6 @@ def _block_and_warps(C, V, block_v, num_warps, kind):
     return block_v, num_warps or min(default_warps, max(1, block_v // 256))
 
 
-# The widest row one program keeps in registers: 32 fp32 values a thread at 32 warps (a
-# thread has at most 64 registers at 1024 threads); 32000 and 32768-token vocabularies fit.
-ONE_PASS_MAX_WIDTH = 32768
-
-
-def one_pass_block_and_warps(width, block_v=None, num_warps=None) -> tuple[int, int]:
-    """BLOCK_V (the whole row) and warps of a one-pass row kernel: 32 columns a thread, 4 to
-    32 warps. Not yet tuned on a GPU."""
-    block_v = block_v or triton.next_power_of_2(width)
-    if block_v < width:
-        raise ValueError(f"one_pass: block_v={block_v} is narrower than the row's {width}")
-    return block_v, num_warps or min(32, max(4, block_v // 1024))
-
-
 def walks_back(kind: str) -> bool:
     """Whether pass 2 of a pass of `kind` (`_block_and_warps`) walks each row backwards: where
     both passes run in one kernel without the e4m3 copy (module docstring)."""
@@ -444,7 +388,7 @@ def _checked_width(logits, width) -> int:
 
 def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, compute_grad,
                 block_v=None, num_warps=None, vocab_start=0, vocab_total=None, fp8_grad=None,
-                off_max=None, weight_scale=None, reverse_grad=None, width=None, one_pass=False):
+                off_max=None, weight_scale=None, reverse_grad=None, width=None):
     """Run `flce_rows_kernel` over a chunk; same contract as `reference.chunk_rows` (and, for a
     vocabulary slice, the gradient pass of `vocab_parallel`). stats: (row max, log sum exp(z -
     max)), [C] fp32 each, written (or read, stats_given), or None. fp8_grad: (g8 [C, V] e4m3,
@@ -457,11 +401,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     width: the columns of each row behind `logits` (>= V, its row stride at most) that the
     kernel may read and overwrite: those past V are padding, left out of the loss and set to 0
     by a gradient pass, as is fp8_grad's copy (its rows must be as wide). Where it is a multiple
-    of 16 and V is not, the accesses are vectorized (`flce_rows_kernel`).
-    one_pass: both passes over a row held whole in registers (`one_pass_block_and_warps`):
-    each logit read once and one exp each instead of two reads and two exps; a pass that
-    computes the loss and the gradient, rows of at most ONE_PASS_MAX_WIDTH columns. Not the
-    default until timed on a GPU (`scripts/bench/tune_rows_kernel.py`, its "once" order)."""
+    of 16 and V is not, the accesses are vectorized (`flce_rows_kernel`)."""
     C, V = logits.shape
     if C == 0:
         return
@@ -469,13 +409,7 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
     target = target.contiguous()  # the kernels read target[row] (a strided target was misread)
     kind = "full" if compute_grad and not stats_given else "grad" if compute_grad else "stats"
     kind += "+e4m3" if kind == "full" and fp8_grad is not None else ""
-    if one_pass:
-        if not kind.startswith("full") or width > ONE_PASS_MAX_WIDTH:
-            raise ValueError(f"one_pass: a pass computing the loss and the gradient of rows of "
-                             f"at most {ONE_PASS_MAX_WIDTH} columns, not {kind} of {width}")
-        block_v, num_warps = one_pass_block_and_warps(width, block_v, num_warps)
-    else:
-        block_v, num_warps = _block_and_warps(C, V, block_v, num_warps, kind)
+    block_v, num_warps = _block_and_warps(C, V, block_v, num_warps, kind)
     reverse_grad = walks_back(kind) if reverse_grad is None else reverse_grad
     g8, g8_scale, target_grad = fp8_grad or (logits, loss_out, loss_out)  # unused when None
     row_max, log_sum = stats or (loss_out, loss_out)  # unused when None
@@ -501,7 +435,6 @@ def launch_rows(logits, target, loss_out, stats, weight, opts, stats_given, comp
         MAX_OFF_TARGET=fp8_grad is not None or keep_off_max,
         HAS_WEIGHT_SCALE=weight_scale is not None,
         REVERSE_GRAD=reverse_grad,
-        ONE_PASS=bool(one_pass),
         PADDED=width > V,
         FP8_MAX=float(torch.finfo(g8.dtype).max) if fp8_grad is not None else 1.0,
         BLOCK_V=block_v,

@@ -275,13 +275,6 @@ def test_rows_kernel_tuning_report_sets_the_default_against_the_fastest_and_the_
     assert bench_tune_rows.configs("full", 600)[:3] == [(None, None, None), (1024, 4, True),
                                                        (1024, 4, False)]
     assert all(c[2] is None for c in bench_tune_rows.configs("grad", 600))
-    # a row of at most 32768 columns is also timed read once, the whole row one block
-    assert bench_tune_rows.configs("full+e4m3", 600)[-3:] == [(1024, k, "once")
-                                                              for k in (8, 16, 32)]
-    assert not any(c[2] == "once" for c in bench_tune_rows.configs("full", 32769))
-    assert bench_tune_rows.order("once") == {"one_pass": True}
-    assert bench_tune_rows.order(False) == {"reverse_grad": False}
-    assert bench_tune_rows.label((32768, 32, "once")) == "32768/32 once"
     assert bench_tune_rows.tuned("full", 2048, 32000)[2] is True  # the loss walks backwards
     assert bench_tune_rows.tuned("full+e4m3", 2048, 32000)[2] is False
     assert max(c[0] or 0 for c in bench_tune_rows.configs("stats", 600)) == 1024  # <= 2 V

@@ -6,9 +6,7 @@ the target that the float8 dx GEMM needs); gradient after them 1 read + 1 write 
 copy of dlogits, half a write); both passes in one 2 reads + 1 write (the float8 chunks' kernel,
 "full+e4m3", adds the e4m3 copy): a rate above the copy's means part of the re-read came from
 L2. Both passes in one run with pass 2 in pass 1's order ("fwd") and backward (last block
-first: "rev", the loss's without the e4m3 copy: `flce.kernels.walks_back`) at each size, and,
-for rows of at most 32768 columns, with the row held in registers between them ("once": one
-read, whose rate against the 2 reads counted comes out up to 1.5x the copy's).
+first: "rev", the loss's without the e4m3 copy: `flce.kernels.walks_back`) at each size.
 A bf16 copy and a bf16 -> e4m3 copy give the memory's rate. Each pass's configurations are timed
 in interleaved rounds of balanced orders (`interleaved_ms`, each call settled by a few ms of
 untimed ones), as the loss grid is, so that a drift of the GPU's clocks falls on all of them
@@ -27,10 +25,8 @@ if not __package__:  # run as a file: the repository root, scripts.lib with it, 
     sys.exit("run from the repository root as a module: python3 -m scripts.bench.tune_rows_kernel ...")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
-from flce.kernels import (ONE_PASS_MAX_WIDTH, _block_and_warps, launch_rows,  # noqa: E402
-                          walks_back)
+from flce.kernels import _block_and_warps, launch_rows, walks_back  # noqa: E402
 from flce.options import LossOptions  # noqa: E402
 from scripts.bench.flce import run_meta  # noqa: E402
 from scripts.lib.loss_grid import parse_sizes  # noqa: E402
@@ -43,20 +39,10 @@ BOTH = ("full", "full+e4m3")  # the passes that run pass 1 and pass 2 in one ker
 
 
 def configs(name: str, V: int) -> list[tuple]:
-    """(block, warps, order) to time: the tuned default (None, None, None) first, then every
-    size up to twice the row, in both orders of pass 2 where both passes run in one kernel, and
-    there, for rows of at most ONE_PASS_MAX_WIDTH, the row read once ("once": the whole row one
-    block, `launch_rows(one_pass=True)`) at 8, 16 and 32 warps."""
+    """(block, warps, reverse) to time: the tuned default (None, None, None) first, then every
+    size up to twice the row, in both orders of pass 2 where both passes run in one kernel."""
     orders = (True, False) if name in BOTH else (None,)
-    once = ([(triton.next_power_of_2(V), k, "once") for k in (8, 16, 32)]
-            if name in BOTH and V <= ONE_PASS_MAX_WIDTH else [])
-    return ([(None, None, None)] + [(b, k, r) for b, k in SIZES if b <= 2 * V for r in orders]
-            + once)
-
-
-def order(r) -> dict:
-    """launch_rows's arguments for a config's order of pass 2."""
-    return {"one_pass": True} if r == "once" else {"reverse_grad": r}
+    return [(None, None, None)] + [(b, k, r) for b, k in SIZES if b <= 2 * V for r in orders]
 
 
 def passes(C, V, opts):
@@ -84,9 +70,9 @@ def passes(C, V, opts):
                                                   True, b, k, fp8_grad=fp8, off_max=off_max),
                       2.5 * n),
         "full": (lambda b, k, r: launch_rows(work, target, loss, None, w, opts, False, True, b,
-                                             k, **order(r)), 3 * n),
+                                             k, reverse_grad=r), 3 * n),
         "full+e4m3": (lambda b, k, r: launch_rows(work, target, loss, None, w, opts, False, True,
-                                                  b, k, fp8_grad=fp8, **order(r)),
+                                                  b, k, fp8_grad=fp8, reverse_grad=r),
                       3.5 * n),
     }, lambda: work.copy_(logits), lambda: g8.copy_(logits), n
 
@@ -100,7 +86,7 @@ def tuned(name: str, C: int, V: int) -> tuple:
 
 def label(cfg) -> str:
     block, warps, reverse = cfg
-    return f"{block}/{warps}" + {True: " rev", False: " fwd", None: "", "once": " once"}[reverse]
+    return f"{block}/{warps}" + {True: " rev", False: " fwd", None: ""}[reverse]
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
