@@ -11,6 +11,7 @@
     peers.py             this repository against torchtitan, in one call
     data.py              the data loaders alone, against what a GPU consumes
     tune_rows_kernel.py  the row kernel's block sizes and warps (flce/kernels.py's table)
+    kernel_registers.py  the row kernel's registers and spills a thread, compiled without a GPU
     loss_kernels.py      each loss's GPU kernels at given shapes, from the profiler
     grad_gemms.py        the chunked sweep's dx and dW GEMMs, bf16 against fp32 outputs
     float8_dx.py         the float8 loss's dx GEMM whole and in row blocks, and its kernels
