@@ -190,7 +190,8 @@ def test_the_grid_report_is_its_json_and_the_readme_quotes_it():
                                           ("loss_kernels_compile_h200", "loss_kernels"),
                                           ("loss_kernels_odd_vocab_h200", "loss_kernels"),
                                           ("loss_kernels_host_h200", "loss_kernels"),
-                                          ("flce_row_order_h200", "row_order")])
+                                          ("flce_row_order_h200", "row_order"),
+                                          ("row_kernel_registers_sm90", "kernel_registers")])
 def test_a_kernel_report_is_its_jsons_render(name, module):
     """These reports are what their benchmark renders from their JSON: no figure edited by hand
     (and a change to the rendering shows here)."""
