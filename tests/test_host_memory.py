@@ -59,6 +59,22 @@ def test_available_memory_is_the_kernels_capped_by_the_containers(tmp_path):
     assert available_bytes() is None or available_bytes() > 0  # this machine's
 
 
+def _saved(model, forward, in_bytes: bool) -> int:
+    """Elements (or bytes) of the tensors autograd saves while `forward()` runs, each storage
+    once, the model's parameters and RoPE table left out."""
+    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), model.rope_cache]}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in shared:
+            storages[storage.data_ptr()] = storage.nbytes() // (1 if in_bytes else t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(storages.values())
+
+
 @pytest.mark.parametrize("args", [
     FLAVORS["debug"],  # grouped-query attention
     LlamaArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=6, vocab_size=77, ffn_dim=200,
@@ -73,19 +89,7 @@ def test_the_count_of_saved_values_is_what_autograd_saves(args):
     torch.manual_seed(0)
     model = Llama(args, 40)
     model.init_weights()
-    shared = {t.untyped_storage().data_ptr() for t in [*model.parameters(), model.rope_cache]}
-
-    def saved_values(forward):
-        storages = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in shared:
-                storages[storage.data_ptr()] = storage.nbytes() // t.element_size()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward()
-        return sum(storages.values())
+    saved_values = lambda forward: _saved(model, forward, in_bytes=False)  # noqa: E731
     batch, seq = 3, 37
     x = torch.randn(batch, seq, args.dim, requires_grad=True)
     block = saved_values(lambda: model.layers["0"](x, model.rope_cache[:seq]))
@@ -135,6 +139,28 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(tmp_pat
         train.main(["--config", str(REPO / "configs" / "debug.toml"),
                     "--job.dump_folder", str(dump), "--training.device", "cpu"])
     assert not built and not (dump / "config.toml").exists()
+
+
+def test_a_batch_whose_activations_the_machine_cannot_hold_is_refused(tmp_path, monkeypatch):
+    """The debug model's state fits, and half of what autograd keeps for its batch (measured here
+    with saved_tensors_hooks, not from the bound): the run cannot take a step. The bound that
+    counted only the blocks' inputs let such a run through (at local_batch_size 3000 on a
+    24 GiB machine it was killed without a word)."""
+    debug = FLAVORS["debug"]
+    torch.manual_seed(0)
+    model = Llama(debug, 256)
+    model.init_weights()
+    one_sequence = _saved(model, lambda: model(torch.randint(0, debug.vocab_size, (1, 256))),
+                          in_bytes=True)
+    state = param_count_for(debug, exclude_embedding=False) * BYTES_PER_PARAMETER
+    monkeypatch.setattr(train, "available_bytes", lambda: state + 8 * one_sequence // 2)
+    built = []
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: built.append(1))
+    with pytest.raises(ConfigError, match=r"local_batch_size = 8, seq_len = 256: .* need at "
+                                          r"least"):
+        train.main(["--config", str(REPO / "configs" / "debug.toml"), "--job.dump_folder",
+                    str(tmp_path / "run"), "--training.device", "cpu"])  # its batch: 8 x 256
+    assert not built
 
 
 @pytest.mark.slow
