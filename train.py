@@ -38,7 +38,7 @@ from components.config.schema import ConfigError, JobConfig
 from components.config.toml_out import config_changes, to_toml
 from components.data.build import build_data
 from components.float8_linear import CONVERTER as FLOAT8_CONVERTER, check_fp8_device
-from components.host_memory import available_bytes, check_model_fits_on_cpu, least_bytes
+from components.host_memory import available_bytes, check_run_fits_on_cpu
 from components.initial_load import other_tokenizer_warning, take_settings_from_initial_load
 from components.lock import dump_folder_lock
 from components.loss import IGNORE_INDEX, TrainingLoss
@@ -53,7 +53,7 @@ from components.rank_warnings import said_by_rank_zero
 from components.stop_request import StopRequest
 from components.tokenizer import Tokenizer, build_tokenizer
 from components.validation import Validation, validate_the_resumed_step
-from models import LlamaArgs, flops_per_token, param_count_for
+from models import LlamaArgs, flops_per_token
 from models.hf import load_hf_weights
 from models.sdpa import check_sdpa_backend
 from parallelisms.activation_checkpoint import check_settings as check_ac_settings
@@ -222,13 +222,6 @@ def main(argv=None) -> int:
         return train(cfg, rank, world, device, stop)
 
 
-def eager_blocks_keep_all(cfg: JobConfig) -> bool:
-    """Whether every block keeps the values eager autograd saves (no activation checkpointing,
-    and no compiled blocks, whose graphs may save fewer): the CPU memory bound's case."""
-    compiled = cfg.compile.enable and "model" in cfg.compile.components
-    return cfg.activation_checkpoint.mode == "none" and not compiled
-
-
 def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.device
                           ) -> tuple[ParallelDims, Tokenizer, LlamaArgs, object, ResumePoint]:
     """What would otherwise fail only after the model is built, as config errors (one line, exit
@@ -271,14 +264,9 @@ def check_before_building(cfg: JobConfig, rank: int, world: int, device: torch.d
         if device.type == "cpu":  # too large there, the kernel kills it without a word
             refusal = None
             try:
-                batch, seq_len = cfg.training.local_batch_size, cfg.training.seq_len
-                parameters = param_count_for(args, False)
-                need = least_bytes(parameters, world // dims.dp_replicate,
-                                   batch * seq_len // dims.same_batch, args,
-                                   eager_blocks_keep_all(cfg), cfg.loss.impl == "unfused")
-                check_model_fits_on_cpu(cfg.model.flavor, parameters, batch, seq_len, need,
-                                        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                        available_bytes())
+                tokens = cfg.training.local_batch_size * cfg.training.seq_len // dims.same_batch
+                check_run_fits_on_cpu(cfg, args, world // dims.dp_replicate, tokens,
+                                      available_bytes())
             except ConfigError as e:
                 refusal = e
             raise_on_every_rank(refusal)  # ranks read the free memory at different moments

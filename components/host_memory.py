@@ -4,11 +4,12 @@ container) has available. Without the check a model too large was killed by the 
 out-of-memory killer while it initialised or at its first step, with no message (llama_1b on a
 24 GiB machine); on CUDA an out-of-memory error names itself."""
 
+import os
 from pathlib import Path
 from typing import Optional
 
-from components.config.schema import ConfigError
-from models import LlamaArgs, saved_values_per_token
+from components.config.schema import ConfigError, JobConfig
+from models import LlamaArgs, param_count_for, saved_values_per_token
 
 # fp32 weight, gradient and AdamW's exp_avg and exp_avg_sq: what any step holds at least
 BYTES_PER_PARAMETER = 16
@@ -62,6 +63,25 @@ def least_bytes(parameters: int, shards: int, tokens: int, args: LlamaArgs,
               else args.n_layers * args.dim + block - args.dim)
     values = blocks + 2 * args.dim + 1 + (args.vocab_size if logits_kept else 0)
     return state + tokens * values * 4
+
+
+def eager_blocks_keep_all(cfg: JobConfig) -> bool:
+    """Whether every block keeps the values eager autograd saves (no activation checkpointing,
+    and no compiled blocks, whose graphs may save fewer): least_bytes's every_block_kept."""
+    compiled = cfg.compile.enable and "model" in cfg.compile.components
+    return cfg.activation_checkpoint.mode == "none" and not compiled
+
+
+def check_run_fits_on_cpu(cfg: JobConfig, args: LlamaArgs, shards: int, tokens: int,
+                          available: Optional[int]) -> None:
+    """check_model_fits_on_cpu for a run: the model of `args`, its state over `shards` ranks,
+    `tokens` a rank, the processes torchrun starts on this host (LOCAL_WORLD_SIZE)."""
+    parameters = param_count_for(args, False)
+    need = least_bytes(parameters, shards, tokens, args, eager_blocks_keep_all(cfg),
+                       cfg.loss.impl == "unfused")
+    check_model_fits_on_cpu(cfg.model.flavor, parameters, cfg.training.local_batch_size,
+                            cfg.training.seq_len, need,
+                            int(os.environ.get("LOCAL_WORLD_SIZE", "1")), available)
 
 
 def check_model_fits_on_cpu(flavor: str, parameters: int, local_batch_size: int, seq_len: int,

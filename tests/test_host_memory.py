@@ -13,7 +13,7 @@ import torch
 import train
 from components.config.schema import ConfigError
 from components.host_memory import (BYTES_PER_PARAMETER, available_bytes, check_model_fits_on_cpu,
-                                    least_bytes)
+                                    eager_blocks_keep_all, least_bytes)
 from models import FLAVORS, Llama, LlamaArgs, param_count_for, saved_values_per_token
 
 REPO = Path(__file__).resolve().parent.parent
@@ -189,9 +189,9 @@ def test_checkpointed_or_compiled_blocks_are_counted_one_at_a_time():
     fewer values than eager autograd: the bound then counts one block's, so it stays a bound."""
     from components.config.parse import load_config
     base = ["--config", str(REPO / "configs" / "debug.toml")]
-    assert train.eager_blocks_keep_all(load_config(base))
-    assert not train.eager_blocks_keep_all(load_config(base + ["--activation_checkpoint.mode",
-                                                               "full"]))
-    assert not train.eager_blocks_keep_all(load_config(base + ["--compile.enable", "true"]))
-    assert train.eager_blocks_keep_all(load_config(base + ["--compile.enable", "true",
-                                                           "--compile.components", "loss"]))
+    assert eager_blocks_keep_all(load_config(base))
+    assert not eager_blocks_keep_all(load_config(base + ["--activation_checkpoint.mode",
+                                                         "full"]))
+    assert not eager_blocks_keep_all(load_config(base + ["--compile.enable", "true"]))
+    assert eager_blocks_keep_all(load_config(base + ["--compile.enable", "true",
+                                                     "--compile.components", "loss"]))
